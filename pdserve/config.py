@@ -1,0 +1,230 @@
+"""One typed configuration shared by the offline `LLM` API, the server and both PD roles.
+
+Every field is a launch flag: `max_total_tokens` is `--max-total-tokens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+DisaggMode = Literal["null", "prefill", "decode"]
+TransferBackendName = Literal["auto", "mooncake", "nccl", "tcp", "fake"]
+
+
+class ConfigError(ValueError):
+    """A flag value or combination that cannot work; raised before anything starts."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerArgs:
+    # model
+    model_path: str
+    tokenizer_path: str | None = None
+    dtype: str = "auto"
+    trust_remote_code: bool = False
+    context_length: int | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    random_seed: int = 0
+    load_format: Literal["auto", "dummy"] = "auto"
+    # memory and scheduling
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    chunked_prefill_size: int = 8192
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    page_size: int = 16
+    disable_radix_cache: bool = False
+    schedule_conservativeness: float = 1.0
+    # kernels
+    attention_backend: str = "auto"
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
+    # parallelism
+    tp_size: int = 1
+    base_gpu_id: int = 0
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    max_batch_items: int = 256
+    # disaggregation
+    disaggregation_mode: DisaggMode = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: TransferBackendName = "auto"
+    disaggregation_ib_device: str | None = None
+    num_reserved_decode_tokens: int = 512
+    disaggregation_bootstrap_timeout: float = 60.0
+    disaggregation_waiting_timeout: float = 60.0
+    disaggregation_heartbeat_interval: float = 2.0
+    disaggregation_heartbeat_failures: int = 3
+    # internal: set by the launcher, not by users
+    ipc_dir: str | None = field(default=None, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        positive = {
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "max_running_requests": self.max_running_requests,
+            "max_prefill_tokens": self.max_prefill_tokens,
+            "page_size": self.page_size,
+            "tp_size": self.tp_size,
+            "cuda_graph_max_bs": self.cuda_graph_max_bs,
+            "max_batch_items": self.max_batch_items,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ConfigError(
+                f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page "
+                f"(--page-size {self.page_size})"
+            )
+        if self.context_length is not None and self.context_length <= 0:
+            raise ConfigError(f"--context-length must be positive, got {self.context_length}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
+            raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
+        if self.tp_size > 1:
+            raise ConfigError(
+                f"--tp-size {self.tp_size}: this release runs one rank per role; "
+                "run several prefill or decode instances behind the router instead"
+            )
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ConfigError(f"--disaggregation-mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in ("auto", "mooncake", "nccl", "tcp", "fake"):
+            raise ConfigError(
+                "--disaggregation-transfer-backend must be auto, mooncake, nccl, tcp or fake, "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
+        if self.disaggregation_mode == "prefill" and self.disaggregation_bootstrap_port == self.port:
+            raise ConfigError(
+                f"--disaggregation-bootstrap-port and --port are both {self.port}; give them different ports"
+            )
+        if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
+            raise ConfigError("ports must be in 0..65535")
+
+    @property
+    def is_pd(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def replace(self, **changes: Any) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(cls, model_path: str, **kwargs: Any) -> "ServerArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model_path=model_path, **kwargs)
+
+    @classmethod
+    def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
+        parser = build_arg_parser()
+        ns = parser.parse_args(argv)
+        try:
+            return cls.from_namespace(ns)
+        except ConfigError as exc:
+            parser.error(str(exc))
+            raise  # unreachable: parser.error exits
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        return cls(**values)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+_HELP: dict[str, tuple[str, str]] = {
+    # field: (group, help)
+    "model_path": ("model", "Folder of an HF-format model (config.json, safetensors, tokenizer)."),
+    "tokenizer_path": ("model", "Tokenizer folder; defaults to --model-path."),
+    "dtype": ("model", "Weight and activation dtype: auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16."),
+    "trust_remote_code": ("model", "Accepted for SGLang compatibility; pdserve runs only its own model code."),
+    "context_length": ("model", "Longest prompt + output in tokens; defaults to the model's max_position_embeddings."),
+    "served_model_name": ("model", "Model name reported by /v1/models and expected in OpenAI requests."),
+    "device": ("model", "cuda, cpu or auto (cuda when present)."),
+    "random_seed": ("model", "Seed for sampling of requests that give none."),
+    "load_format": ("model", "auto reads the safetensors; dummy fills random weights (benchmarks)."),
+    "max_total_tokens": ("memory", "KV-cache capacity in tokens; overrides --mem-fraction-static."),
+    "mem_fraction_static": ("memory", "Fraction of device memory for weights plus KV cache."),
+    "chunked_prefill_size": ("memory", "Longest prefill chunk in tokens; longer prompts are prefilled in chunks."),
+    "max_running_requests": ("memory", "Most requests decoding at once."),
+    "max_prefill_tokens": ("memory", "Token budget of one prefill batch."),
+    "page_size": ("memory", "Tokens per KV-cache page."),
+    "disable_radix_cache": ("memory", "Turn off prefix reuse through the radix cache."),
+    "schedule_conservativeness": ("memory", "Scale of the decode-token reservation used at admission (>1 admits fewer)."),
+    "attention_backend": ("kernels", "torch_native, sdpa, triton or auto (fastest present)."),
+    "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
+    "disable_cuda_graph": ("kernels", "Run decode eagerly."),
+    "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
+    "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),
+    "base_gpu_id": ("parallelism", "First GPU index this server uses."),
+    "host": ("http", "Address to bind; 127.0.0.1 unless told otherwise."),
+    "port": ("http", "HTTP port."),
+    "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),
+    "log_level": ("http", "debug, info, warning or error."),
+    "max_batch_items": ("http", "Most prompts in one batched request."),
+    "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
+    "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
+    "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake."),
+    "disaggregation_ib_device": ("disaggregation", "RDMA device(s) for mooncake, e.g. mlx5_0 or mlx5_0,mlx5_1."),
+    "num_reserved_decode_tokens": ("disaggregation", "Decode: KV tokens reserved per request for its future output."),
+    "disaggregation_bootstrap_timeout": ("disaggregation", "Seconds a request may wait for its peer's handshake."),
+    "disaggregation_waiting_timeout": ("disaggregation", "Seconds the decode side waits for the KV to arrive."),
+    "disaggregation_heartbeat_interval": ("disaggregation", "Seconds between decode heartbeats to each prefill bootstrap server."),
+    "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
+}
+
+_ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}
+
+
+def build_arg_parser(prog: str = "python -m pdserve.launch_server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="pdserve: an LLM server with prefill/decode disaggregation.")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    defaults = ServerArgs.__dataclass_fields__
+    for f in fields(ServerArgs):
+        if f.metadata.get("cli", True) is False:
+            continue
+        group_name, help_text = _HELP[f.name]
+        group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
+        names = [f"--{_flag(f.name)}", *_ALIASES.get(f.name, [])]
+        default = defaults[f.name].default
+        if f.name == "model_path":
+            group.add_argument(*names, dest=f.name, required=True, help=help_text)
+        elif isinstance(default, bool):
+            group.add_argument(*names, dest=f.name, action="store_true", help=help_text)
+        else:
+            kind = _field_type(f)
+            group.add_argument(*names, dest=f.name, type=kind, default=default, help=f"{help_text} (default: {default})")
+    return parser
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    text = str(f.type)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str
+
+
+def default_ipc_dir() -> str:
+    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-{os.getpid()}")

@@ -1,0 +1,81 @@
+"""Per-request sampling parameters (vLLM/SGLang vocabulary)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20
+
+
+class SamplingParamsError(ValueError):
+    """An invalid sampling parameter; the server maps it to HTTP 400."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 128
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # n-best logprobs per output token (0 = only the sampled one)
+    prompt_logprobs: int | None = None  # n-best logprobs per prompt token
+    logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self) -> None:
+        checks = [
+            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.temperature <= 100.0, f"temperature must be <= 100, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (0 <= self.min_tokens <= max(self.max_tokens, 0), f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
+            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
+            (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+        ]
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            checks.append(
+                (value is None or 0 <= value <= MAX_TOP_LOGPROBS, f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+            )
+        for ok, message in checks:
+            if not ok:
+                raise SamplingParamsError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        return cls(**data)

@@ -1,0 +1,88 @@
+"""A request inside the scheduler, and what one scheduler step reports about it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from pdserve.sampling_params import SamplingParams
+
+
+class ReqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None  # for aborts: why
+
+    def to_dict(self) -> dict:
+        out: dict = {"type": self.type}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    # PD rendezvous (set by the router; None on a colocated server)
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+
+    # scheduler state
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # KV pages, in token order
+    num_cached_tokens: int = 0  # tokens whose KV is in `pages` and computed
+    num_prefix_hit: int = 0  # tokens reused from the radix cache at admission
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    num_reported: int = 0  # output tokens already returned in a StepOutput
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """New output of one request after a scheduler step (tokens since the previous report)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] = field(default_factory=list)
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None  # only in the first report, when asked
+    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None
