@@ -1,0 +1,125 @@
+"""Owns the model, the KV pool and the attention backend; runs one forward pass for a ForwardBatch."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pdserve.attention import create_backend, resolve_backend_name
+from pdserve.attention.base import ForwardBatch, ForwardMode
+from pdserve.config import ServerArgs
+from pdserve.mem_cache.kv_pool import KVLayout, KVPool
+from pdserve.models.llama import ForwardContext
+from pdserve.models.loader import load_model
+from pdserve.models.model_config import ModelConfig, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 65536
+
+
+def resolve_device(name: str, base_gpu_id: int = 0) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but no CUDA device is visible")
+        return torch.device("cuda", base_gpu_id)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"--device must be auto, cuda or cpu, got {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_config: ModelConfig):
+        self.args = args
+        self.model_config = model_config
+        self.device = resolve_device(args.device, args.base_gpu_id)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(args.dtype, model_config.checkpoint_dtype, self.device)
+        self.context_len = args.context_length or model_config.max_position_embeddings
+        torch.manual_seed(args.random_seed)
+        self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy")
+        self.pool = KVPool(self._kv_layout(), self.device)
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device.type)
+        self.backend = create_backend(
+            self.backend_name,
+            num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
+        )
+        logger.info(
+            "model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
+            model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
+            self.pool.layout.num_slots, args.page_size,
+        )
+
+    def _kv_layout(self) -> KVLayout:
+        cfg, ps = self.model_config, self.args.page_size
+        layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ps, 2, self.dtype)
+        bytes_per_token = 2 * cfg.num_layers * layout.token_bytes
+        if self.args.max_total_tokens is not None:
+            tokens = self.args.max_total_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.args.mem_fraction_static - (total - free)
+            tokens = int(budget // bytes_per_token)
+            if tokens < 16 * ps:
+                raise RuntimeError(
+                    f"--mem-fraction-static {self.args.mem_fraction_static} leaves room for only {max(tokens, 0)} "
+                    "KV tokens after the weights; raise it or give --max-total-tokens"
+                )
+        else:
+            tokens = CPU_DEFAULT_KV_TOKENS
+        num_pages = tokens // ps + 1  # + the reserved padding page 0
+        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ps, num_pages, self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(batch.logits_indices), vocab]."""
+        self.backend.init_forward_metadata(batch)
+        return self.model(ForwardContext(batch, self.backend, self.pool))
+
+
+def build_forward_batch(
+    mode: ForwardMode,
+    input_ids: list[int],
+    positions: list[int],
+    out_cache_loc: list[int],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    page_rows: list[list[int]],
+    logits_indices: list[int],
+    page_size: int,
+    device: torch.device,
+) -> ForwardBatch:
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    starts, acc = [], 0
+    for e in extend_lens:
+        starts.append(acc)
+        acc += e
+    width = max((len(r) for r in page_rows), default=1) or 1
+    table = torch.zeros((len(page_rows), width), dtype=torch.int32)
+    for i, row in enumerate(page_rows):
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+
+    def dev(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return ForwardBatch(
+        mode=mode,
+        input_ids=dev(input_ids, torch.int64),
+        positions=dev(positions, torch.int64),
+        out_cache_loc=dev(out_cache_loc, torch.int64),
+        seq_lens=dev(seq_lens, torch.int32),
+        prefix_lens=dev(prefix_lens, torch.int32),
+        extend_lens=dev(extend_lens, torch.int32),
+        extend_start_loc=dev(starts, torch.int32),
+        page_table=table.to(device, non_blocking=True),
+        logits_indices=dev(logits_indices, torch.int64),
+        seq_lens_cpu=seq_lens,
+        prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens),
+        page_size=page_size,
+    )

@@ -1,0 +1,124 @@
+"""Turns the last-position logits of a batch into next tokens (and logprobs), per-request parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling_params import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one request at this step."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    suppressed_ids: list[int]  # tokens that may not be sampled yet (EOS/stop before min_tokens)
+    num_logprobs: int | None  # None: no logprobs; k >= 0: sampled token's logprob + top-k
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), device=logits.device)
+            vals = logits[i, seen]
+            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+            ids = torch.tensor(row.output_ids, device=logits.device)
+            counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(row.output_ids), device=logits.device)
+            )
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        if row.suppressed_ids:
+            logits[i, row.suppressed_ids] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, vectorised over the batch. Returns probabilities."""
+    logits = logits / temps[:, None]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
+    mask = ranks >= top_k[:, None]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mask |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
+    mask |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
+    mask[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+    filtered = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
+    return filtered.softmax(dim=-1)
+
+
+def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * _SEED_MIX + step) % (2**63))
+    return g
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """logits: float32 [B, V], one row per request."""
+        raw = logits
+        if any(r.params.has_penalties or r.suppressed_ids for r in rows):
+            logits = logits.clone()
+            apply_penalties(logits, rows)
+        greedy = [r.params.is_greedy for r in rows]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample_random(logits, rows, greedy)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, *self._logprobs(raw, token_list, rows))
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        dev = logits.device
+        vocab = logits.shape[1]
+        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
+        top_k = torch.tensor([vocab if r.params.top_k < 1 else r.params.top_k for r in rows], device=dev)
+        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+        probs = filter_logits(logits, temps, top_k, top_p, min_p)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                g = _seeded_generator(row.params.seed, len(row.output_ids), dev)
+                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
+        tokens = (probs / noise).argmax(dim=-1)
+        greedy_mask = torch.tensor(greedy, device=dev)
+        return torch.where(greedy_mask, logits.argmax(dim=-1), tokens)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]):
+        wanted = [i for i, r in enumerate(rows) if r.num_logprobs is not None]
+        if not wanted:
+            return None, None
+        logprobs: list[float] = [0.0] * len(rows)
+        tops: list[list[tuple[int, float]]] = [[] for _ in rows]
+        lp = torch.log_softmax(raw[wanted], dim=-1)
+        chosen = lp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
+        max_k = max(rows[i].num_logprobs for i in wanted)
+        top_vals, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)
+        for j, i in enumerate(wanted):
+            logprobs[i] = chosen[j]
+            k = rows[i].num_logprobs
+            if k:
+                tops[i] = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
+        return logprobs, tops

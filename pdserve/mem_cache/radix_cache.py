@@ -1,0 +1,104 @@
+"""Radix prefix cache over KV pages.
+
+Each edge holds exactly one full page of tokens, so a node is one cached page. The tree owns one reference
+to each of its pages; a request that reuses a prefix takes its own references. A node whose page nobody
+else references is evictable; eviction is LRU over such leaves.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from pdserve.mem_cache.kv_pool import PageAllocator
+
+_clock = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class _Node:
+    page: int
+    parent: "_Node | None"
+    key: tuple[int, ...]
+    children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
+    last_access: int = 0
+
+
+class RadixCache:
+    def __init__(self, allocator: PageAllocator, page_size: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.root = _Node(page=-1, parent=None, key=())
+        self.num_pages = 0
+        self.query_tokens = 0
+        self.hit_tokens = 0
+
+    def _page_keys(self, token_ids: list[int], num_pages: int):
+        ps = self.page_size
+        return (tuple(token_ids[i * ps : (i + 1) * ps]) for i in range(num_pages))
+
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Pages caching the longest full-page prefix of token_ids[:max_tokens]; the caller gets a reference to each."""
+        pages: list[int] = []
+        node, now = self.root, next(_clock)
+        for key in self._page_keys(token_ids, max_tokens // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_access = now
+            pages.append(child.page)
+            node = child
+        self.allocator.incref(pages)
+        self.query_tokens += len(token_ids)
+        self.hit_tokens += len(pages) * self.page_size
+        return pages
+
+    def insert(self, token_ids: list[int], pages: list[int]) -> None:
+        """Cache the full pages of token_ids (pages[i] holds tokens of page i). Caller keeps its own references."""
+        node, now = self.root, next(_clock)
+        num_full = min(len(token_ids) // self.page_size, len(pages))
+        for i, key in enumerate(self._page_keys(token_ids, num_full)):
+            child = node.children.get(key)
+            if child is None:
+                child = _Node(page=pages[i], parent=node, key=key)
+                node.children[key] = child
+                self.allocator.incref([pages[i]])
+                self.num_pages += 1
+            child.last_access = now
+            node = child
+
+    def evictable_pages(self) -> int:
+        return sum(1 for n in self._nodes() if self.allocator.refcount(n.page) == 1)
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to num_pages unreferenced pages, least recently used leaves first. Returns pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and self._unused(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            del parent.children[node.key]
+            self.allocator.free([node.page])
+            self.num_pages -= 1
+            freed += 1
+            if parent is not self.root and not parent.children and self._unused(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> None:
+        """Drop every cached page (the caller ensures no request is running)."""
+        self.allocator.free([n.page for n in self._nodes()])
+        self.root.children.clear()
+        self.num_pages = 0
+
+    def _unused(self, node: _Node) -> bool:
+        return self.allocator.refcount(node.page) == 1
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())

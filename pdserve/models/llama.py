@@ -1,0 +1,120 @@
+"""Llama, Qwen2 (attention bias) and Qwen3 (per-head q/k RMSNorm) decoder models on pdserve's layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.attention.base import AttentionBackend, ForwardBatch
+from pdserve.layers.activation import silu_and_mul
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RotaryEmbedding
+from pdserve.mem_cache.kv_pool import KVPool
+from pdserve.models.model_config import ModelConfig
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    batch: ForwardBatch
+    backend: AttentionBackend
+    pool: KVPool
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.scaling = cfg.head_dim**-0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, qk_norm)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+    # HF checkpoint name -> (pdserve parameter, shard index) for fused projections
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Returns float32 logits of the rows in ctx.batch.logits_indices."""
+        batch = ctx.batch
+        hidden, residual = self.embed_tokens(batch.input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(batch.positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return self.lm_head(hidden[batch.logits_indices]).float()
+
+    def shard_sizes(self, fused_name: str) -> list[int]:
+        cfg = self.config
+        if fused_name == "qkv_proj":
+            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        return [cfg.intermediate_size, cfg.intermediate_size]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,422 @@
+"""Continuous batching over a paged KV pool: admission, chunked prefill, decode, retraction, abort.
+
+One `step()` runs at most one forward pass: an extend batch (new prompts and the continuing chunked
+prompt, prefill first) when there is one, else a decode batch of every running request.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention.base import ForwardMode
+from pdserve.config import ServerArgs
+from pdserve.engine.model_runner import ModelRunner, build_forward_batch
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.mem_cache.kv_pool import PageAllocator
+from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.models.model_config import ModelConfig
+from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
+from pdserve.scheduler.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ExtendItem:
+    req: Req
+    start: int  # first position computed in this pass
+    end: int  # one past the last position computed in this pass
+
+    @property
+    def completes_prefill(self) -> bool:
+        return self.end == len(self.req.all_ids)
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, tokenizer=None):
+        self.args = args
+        self.model_config = ModelConfig.from_path(args.model_path)
+        self.runner = ModelRunner(args, self.model_config)
+        self.device = self.runner.device
+        self.page_size = args.page_size
+        self.context_len = self.runner.context_len
+        self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
+        self.radix = None if args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
+        self.sampler = Sampler(self.device, args.random_seed)
+        self.stop_checker = StopChecker(args, self.model_config, tokenizer)
+        self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self._changed: dict[str, Req] = {}
+        self.num_retracted = 0
+
+    # ---- public API -------------------------------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> dict:
+        cfg = self.model_config
+        return {
+            "model_path": self.args.model_path,
+            "architecture": cfg.architecture,
+            "max_context_len": self.context_len,
+            "vocab_size": cfg.vocab_size,
+            "eos_token_ids": list(cfg.eos_token_ids),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "page_size": self.page_size,
+            "max_total_tokens": self.allocator.capacity * self.page_size,
+            "attention_backend": self.runner.backend_name,
+        }
+
+    def add_request(self, req: Req) -> None:
+        self.validate(req)
+        room = self.context_len - len(req.input_ids)
+        if req.sampling_params.max_tokens > room:
+            req.sampling_params.max_tokens = room
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def validate(self, req: Req) -> None:
+        n = len(req.input_ids)
+        if req.rid in self.reqs:
+            raise ValueError(f"request id {req.rid!r} is already in flight")
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.context_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's context length is {self.context_len}, "
+                "so it must be shorter to leave room for at least one output token"
+            )
+        if math.ceil((n + 1) / self.page_size) > self.allocator.capacity:
+            raise ValueError(
+                f"the prompt has {n} tokens but the KV cache holds only {self.allocator.capacity * self.page_size}"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, FinishReason("abort", message=message))
+
+    def step(self) -> list[StepOutput]:
+        items = self._schedule_extend()
+        if items:
+            self._run_extend(items)
+        elif self.running:
+            self._run_decode()
+        return self._collect_outputs()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked or self._changed)
+
+    def flush_cache(self) -> bool:
+        if self.waiting or self.running or self.chunked:
+            return False
+        if self.radix is not None:
+            self.radix.reset()
+        return True
+
+    def kv_pool_is_fully_free(self) -> bool:
+        cached = self.radix.num_pages if self.radix else 0
+        return self.allocator.num_free + cached == self.allocator.capacity and not self._pages_in_use_by_reqs()
+
+    def stats(self) -> dict:
+        used = self.allocator.capacity - self.allocator.num_free
+        return {
+            "num_running": len(self.running) + (1 if self.chunked else 0),
+            "num_waiting": len(self.waiting),
+            "kv_used_tokens": used * self.page_size,
+            "kv_total_tokens": self.allocator.capacity * self.page_size,
+            "kv_cached_tokens": (self.radix.num_pages if self.radix else 0) * self.page_size,
+            "prefix_query_tokens": self.radix.query_tokens if self.radix else 0,
+            "prefix_hit_tokens": self.radix.hit_tokens if self.radix else 0,
+            "num_retracted": self.num_retracted,
+        }
+
+    # ---- scheduling -------------------------------------------------------------------------------------------
+
+    def _schedule_extend(self) -> list[ExtendItem]:
+        budget = min(self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+        items: list[ExtendItem] = []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            item = self._plan_chunk(req, budget)
+            if item is None:
+                self.chunked = req
+                return []
+            items.append(item)
+            budget -= item.end - item.start
+        while self.waiting and budget > 0 and self._num_active() + len(items) < self.args.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            item = self._plan_chunk(req, budget)
+            if item is None:
+                self._release_pages(req)
+                self.waiting.appendleft(req)
+                break
+            items.append(item)
+            budget -= item.end - item.start
+            if not item.completes_prefill:
+                break  # at most one chunked request, and it is the last of the batch
+        for item in items:
+            if not item.completes_prefill:
+                self.chunked = item.req
+        return items
+
+    def _num_active(self) -> int:
+        return len(self.running) + (1 if self.chunked else 0)
+
+    def _admit(self, req: Req) -> bool:
+        """Reuse a cached prefix and check that the request's KV fits next to the running requests' growth."""
+        fill = req.all_ids
+        if self.radix is not None and not req.pages:
+            limit = len(fill) - 1
+            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
+                limit = min(limit, max(req.logprob_start_len - 1, 0))
+            req.pages = self.radix.match_prefix(fill, limit)
+            req.num_cached_tokens = len(req.pages) * self.page_size
+            req.num_prefix_hit = max(req.num_prefix_hit, req.num_cached_tokens)
+        need = math.ceil(len(fill) / self.page_size) - len(req.pages) + self._decode_reserve(req)
+        reserved = sum(self._decode_reserve(r) for r in self.running)
+        if self.chunked is not None:
+            reserved += self._decode_reserve(self.chunked)
+        if need + reserved <= self._available_pages():
+            return True
+        self._release_pages(req)
+        return False
+
+    def _decode_reserve(self, req: Req) -> int:
+        remaining = req.sampling_params.max_tokens - len(req.output_ids)
+        remaining = min(remaining, self.context_len - req.seq_len)
+        return math.ceil(max(remaining, 0) * self.decode_reserve_ratio / self.page_size)
+
+    def _available_pages(self) -> int:
+        return self.allocator.num_free + (self.radix.evictable_pages() if self.radix else 0)
+
+    def _plan_chunk(self, req: Req, budget: int) -> ExtendItem | None:
+        total = len(req.all_ids)
+        start = req.num_cached_tokens
+        end = min(total, start + budget)
+        if end <= start or not self._ensure_pages(req, end):
+            return None
+        return ExtendItem(req, start, end)
+
+    def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
+        need = math.ceil(num_tokens / self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.allocator.alloc(need)
+        if pages is None and self.radix is not None:
+            self.radix.evict(need - self.allocator.num_free)
+            pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    # ---- forward passes ---------------------------------------------------------------------------------------
+
+    def _slot(self, req: Req, pos: int) -> int:
+        return req.pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def _run_extend(self, items: list[ExtendItem]) -> None:
+        input_ids, positions, slots, logit_rows = [], [], [], []
+        row_of: list[tuple[int, int]] = []  # per item: (first logits row, count)
+        for item in items:
+            fill = item.req.all_ids
+            offset = len(input_ids)
+            input_ids += fill[item.start : item.end]
+            positions += range(item.start, item.end)
+            slots += [self._slot(item.req, p) for p in range(item.start, item.end)]
+            if self._wants_input_logprobs(item.req):
+                first = len(logit_rows)
+                logit_rows += range(offset, offset + item.end - item.start)
+            else:
+                first = len(logit_rows)
+                if item.completes_prefill:
+                    logit_rows.append(len(input_ids) - 1)
+            row_of.append((first, len(logit_rows) - first))
+        batch = build_forward_batch(
+            ForwardMode.EXTEND, input_ids, positions, slots,
+            prefix_lens=[i.start for i in items], extend_lens=[i.end - i.start for i in items],
+            page_rows=[i.req.pages for i in items], logits_indices=logit_rows,
+            page_size=self.page_size, device=self.device,
+        )
+        logits = self.runner.forward(batch)
+        done: list[ExtendItem] = []
+        for item, (first, count) in zip(items, row_of):
+            req = item.req
+            req.num_cached_tokens = item.end
+            if self._wants_input_logprobs(req):
+                self._record_input_logprobs(req, item, logits[first : first + count])
+            self.on_chunk_done(req, item.start, item.end)
+            if item.completes_prefill:
+                done.append(item)
+        if done:
+            last_rows = torch.tensor([row_of[items.index(i)][0] + row_of[items.index(i)][1] - 1 for i in done])
+            self._sample_and_append([i.req for i in done], logits[last_rows.to(logits.device)])
+            for item in done:
+                if item.req.status is not ReqStatus.FINISHED:
+                    self.on_prefill_done(item.req)
+
+    def _run_decode(self) -> None:
+        self._make_room_for_decode()
+        reqs = self.running
+        if not reqs:
+            return
+        positions = [r.seq_len - 1 for r in reqs]
+        batch = build_forward_batch(
+            ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], positions,
+            [self._slot(r, p) for r, p in zip(reqs, positions)],
+            prefix_lens=positions, extend_lens=[1] * len(reqs), page_rows=[r.pages for r in reqs],
+            logits_indices=list(range(len(reqs))), page_size=self.page_size, device=self.device,
+        )
+        logits = self.runner.forward(batch)
+        for r in reqs:
+            r.num_cached_tokens += 1
+        self._sample_and_append(list(reqs), logits)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _make_room_for_decode(self) -> None:
+        """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""
+        for req in list(self.running):
+            if req not in self.running:
+                continue
+            while not self._ensure_pages(req, req.seq_len):
+                victim = self.running[-1]
+                self._retract(victim)
+                if victim is req:
+                    break
+
+    def _retract(self, req: Req) -> None:
+        """Free a running request's KV and queue it first; it is recomputed from prompt + output so far."""
+        self.running.remove(req)
+        self._release_pages(req)
+        req.status = ReqStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_retracted += 1
+        logger.info("retracted request %s (KV cache full); it will be recomputed", req.rid)
+
+    # ---- sampling and finishing -------------------------------------------------------------------------------
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        rows = [
+            SamplingRow(
+                params=r.sampling_params, prompt_ids=r.input_ids, output_ids=r.output_ids,
+                suppressed_ids=self.stop_checker.suppressed_ids(r),
+                num_logprobs=r.top_logprobs_num if r.return_logprob else None,
+            )
+            for r in reqs
+        ]
+        result = self.sampler.sample(logits, rows)
+        for i, req in enumerate(reqs):
+            if req.sampling_params.max_tokens == 0:
+                self._finish(req, FinishReason("length", message=None))
+                continue
+            req.output_ids.append(result.token_ids[i])
+            if result.logprobs is not None and req.return_logprob:
+                req.output_logprobs.append(result.logprobs[i])
+                req.output_top_logprobs.append(result.top_logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
+            self._changed[req.rid] = req
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self._finish(req, reason)
+
+    def _wants_input_logprobs(self, req: Req) -> bool:
+        return req.return_logprob and req.logprob_start_len >= 0 and len(req.input_logprobs) < len(req.input_ids)
+
+    def _record_input_logprobs(self, req: Req, item: ExtendItem, logits: torch.Tensor) -> None:
+        """logits row j scores token item.start + j + 1 (the first prompt token has no logprob)."""
+        if not req.input_logprobs:
+            req.input_logprobs.append(None)
+            req.input_top_logprobs.append(None)
+        targets = req.input_ids[item.start + 1 : item.end + 1]
+        if not targets:
+            return
+        lp = torch.log_softmax(logits[: len(targets)], dim=-1)
+        idx = torch.tensor(targets, device=lp.device)
+        chosen = lp.gather(1, idx[:, None]).squeeze(1).tolist()
+        k = req.top_logprobs_num
+        tops = lp.topk(k, dim=-1) if k else None
+        for j, value in enumerate(chosen):
+            req.input_logprobs.append(value)
+            req.input_top_logprobs.append(
+                list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
+            )
+
+    def on_chunk_done(self, req: Req, start: int, end: int) -> None:
+        """Hook: KV of positions [start, end) is now in req.pages (the prefill role ships it)."""
+
+    def on_prefill_done(self, req: Req) -> None:
+        """Hook: the prompt is prefilled and the first token sampled. Colocated: start decoding."""
+        if self.radix is not None:
+            self.radix.insert(req.all_ids[: req.num_cached_tokens], req.pages)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.status = ReqStatus.FINISHED
+        if self.radix is not None and reason.type != "abort":
+            self.radix.insert(req.all_ids[: req.num_cached_tokens], req.pages)
+        self._release_pages(req)
+        self._changed[req.rid] = req
+
+    def _release_pages(self, req: Req) -> None:
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.num_cached_tokens = 0
+
+    def _pages_in_use_by_reqs(self) -> bool:
+        return any(r.pages for r in self.reqs.values())
+
+    def _collect_outputs(self) -> list[StepOutput]:
+        outputs = []
+        for req in self._changed.values():
+            outputs.append(self._make_output(req))
+            if req.finished:
+                self.reqs.pop(req.rid, None)
+        self._changed.clear()
+        return outputs
+
+    def _make_output(self, req: Req) -> StepOutput:
+        new = slice(req.num_reported, len(req.output_ids))
+        first_report = req.num_reported == 0
+        req.num_reported = len(req.output_ids)
+        out = StepOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[new],
+            finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
+            prompt_tokens=len(req.input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.num_prefix_hit,
+            new_logprobs=req.output_logprobs[new],
+            new_top_logprobs=req.output_top_logprobs[new],
+        )
+        if first_report and req.return_logprob and req.logprob_start_len >= 0:
+            start = min(req.logprob_start_len, len(req.input_ids))
+            out.input_logprobs = req.input_logprobs[start:]
+            out.input_top_logprobs = req.input_top_logprobs[start:]
+        return out
