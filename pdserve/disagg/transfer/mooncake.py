@@ -1,0 +1,140 @@
+"""Mooncake Transfer Engine (one-sided WRITE) with P2P handshake metadata, no etcd.
+
+Mooncake picks its transport from the environment, not from `initialize`'s protocol argument, and tests
+the MC_* switches for presence. We choose once at start-up and log it:
+  1. the user set MC_FORCE_TCP / MC_INTRANODE_NVLINK / MC_FORCE_MNNVL / MC_FORCE_HCA: respected as is;
+  2. --disaggregation-ib-device given, or RDMA devices present: rdma;
+  3. KV on CUDA and the build has SUPPORT_INTRA_NVLINK: nvlink_intra (CUDA IPC, same host only);
+  4. otherwise tcp (host-staged inside Mooncake; CUDA memory needs a CUDA build).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
+
+logger = logging.getLogger(__name__)
+
+IB_SYSFS = Path("/sys/class/infiniband")
+
+# Presence-tested switches, in the order Mooncake's TransferEngineImpl::init checks them.
+_USER_SWITCHES = (
+    ("MC_FORCE_TCP", "tcp"),
+    ("MC_INTRANODE_NVLINK", "nvlink_intra"),
+    ("MC_FORCE_MNNVL", "nvlink"),
+    ("MC_FORCE_HCA", "rdma"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeTransport:
+    transport: str
+    device_name: str  # initialize()'s HCA list; "" = all
+    env: dict[str, str] = field(default_factory=dict)  # to set before initialize()
+    reason: str = ""
+
+
+def present_ib_devices(sysfs: Path = IB_SYSFS) -> list[str]:
+    return sorted(p.name for p in sysfs.iterdir()) if sysfs.is_dir() else []
+
+
+def select_transport(
+    kv_device: str,
+    ib_device: str | None,
+    support_intra_nvlink: bool,
+    present_ib: list[str],
+    environ: Mapping[str, str],
+) -> MooncakeTransport:
+    if ib_device:
+        missing = [d for d in ib_device.split(",") if d.strip() not in present_ib]
+        if missing:
+            raise TransferError(
+                f"--disaggregation-ib-device {ib_device!r}: no RDMA device named {', '.join(missing)}; "
+                f"present: {', '.join(present_ib) or 'none (no /sys/class/infiniband entries)'}"
+            )
+    for var, transport in _USER_SWITCHES:
+        if var in environ:
+            device_name = "" if transport == "tcp" else ib_device or ""
+            return MooncakeTransport(transport, device_name, reason=f"{var} is set in the environment")
+    if ib_device:
+        return MooncakeTransport("rdma", ib_device, reason="--disaggregation-ib-device given")
+    if present_ib:
+        return MooncakeTransport("rdma", "", reason=f"RDMA devices present: {', '.join(present_ib)}")
+    if kv_device.startswith("cuda") and support_intra_nvlink:
+        return MooncakeTransport(
+            "nvlink_intra", "", {"MC_INTRANODE_NVLINK": "1"}, "KV on CUDA, no RDMA device, build has intra-node NVLink"
+        )
+    return MooncakeTransport("tcp", "", {"MC_FORCE_TCP": "1"}, "no RDMA device and no intra-node NVLink for this KV")
+
+
+def import_mooncake():
+    try:
+        import mooncake.engine as engine
+    except (ImportError, OSError) as exc:
+        raise TransferError(
+            f"mooncake transfer engine is not usable ({exc}); install mooncake-transfer-engine "
+            "(CUDA 12), mooncake-transfer-engine-cuda13 or mooncake-transfer-engine-non-cuda (host memory only), "
+            "plus the OS libraries libibverbs1 librdmacm1 libnuma1"
+        ) from exc
+    return engine
+
+
+class MooncakeTransferEngine(TransferEngine):
+    name = "mooncake"
+
+    def __init__(self, host: str = "127.0.0.1", kv_device: str = "cpu", ib_device: str | None = None):
+        super().__init__()
+        mc = import_mooncake()
+        if kv_device.startswith("cuda") and not getattr(mc, "SUPPORT_CUDA", False):
+            raise TransferError(
+                "this mooncake build has no CUDA support (mooncake-transfer-engine-non-cuda?) but the KV cache "
+                "is on CUDA; install mooncake-transfer-engine or mooncake-transfer-engine-cuda13"
+            )
+        choice = select_transport(
+            kv_device, ib_device, bool(getattr(mc, "SUPPORT_INTRA_NVLINK", False)), present_ib_devices(), os.environ
+        )
+        os.environ.update(choice.env)
+        self._engine = mc.TransferEngine()
+        protocol = "rdma" if choice.transport == "rdma" else "tcp"  # only picks Mooncake's buffer allocator
+        if self._engine.initialize(host, "P2PHANDSHAKE", protocol, choice.device_name) != 0:
+            raise TransferError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol}, {choice.device_name!r}) failed")
+        self._transport = choice.transport
+        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        logger.info("mooncake transfer engine %s uses %s (%s)", self._session, choice.transport, choice.reason)
+
+    def session_id(self) -> str:
+        return self._session
+
+    def transport(self) -> str:
+        return self._transport
+
+    def register(self, ptr: int, length: int, device: str = "cpu") -> None:
+        self.regions.add(ptr, length, device)
+        if self._engine.register_memory(ptr, length) != 0:
+            raise TransferError(f"mooncake register_memory({ptr:#x}, {length}) on {device} failed ({self._transport})")
+
+    def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
+        check_batch(src_ptrs, dst_ptrs, lengths)
+        if not lengths:
+            return
+        for ptr, n in zip(src_ptrs, lengths):
+            self.regions.find(ptr, n)
+        rc = self._engine.batch_transfer_sync_write(peer_session, src_ptrs, dst_ptrs, lengths)
+        if rc != 0:
+            raise TransferError(
+                f"mooncake batch write of {len(lengths)} spans ({sum(lengths)} B) to {peer_session} "
+                f"over {self._transport} failed (rc={rc})"
+            )
+
+    def close(self) -> None:
+        if self._engine is None:
+            return
+        ptrs = [r.ptr for r in self.regions]
+        if ptrs:
+            self._engine.batch_unregister_memory(ptrs)
+        self._engine = None

@@ -1,0 +1,103 @@
+"""Real two-process transfers over loopback into a CPU KV buffer: exact bytes for scattered page runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _peer import kv_bytes, start_peer, stop_peer
+from pdserve.disagg.transfer import (
+    KVRegion,
+    TransferError,
+    coalesce_page_runs,
+    kv_write_requests,
+    make_transfer_engine,
+)
+from pdserve.mem_cache.kv_pool import KVLayout, KVPool
+
+SRC_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=16, dtype=torch.float16)
+DST_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=24, dtype=torch.float16)
+SRC_PAGES = [3, 4, 5, 9, 2, 10, 11, 15]
+DST_PAGES = [7, 8, 9, 1, 20, 21, 22, 23]
+
+
+def _backends():
+    out = ["tcp"]
+    try:
+        import mooncake.engine  # noqa: F401
+
+        out.append("mooncake")
+    except (ImportError, OSError):
+        pass
+    return out
+
+
+@pytest.fixture(params=_backends())
+def pair(request, monkeypatch):
+    monkeypatch.setenv("MC_FORCE_TCP", "1")  # spawn children inherit it: Mooncake's TCP transport both ways
+    proc, conn, hello = start_peer(request.param, "cpu", DST_LAYOUT)
+    sender = make_transfer_engine(request.param, "cpu", timeout_s=10)
+    src = KVPool(SRC_LAYOUT, "cpu")
+    src.buffer.view(torch.uint8).copy_(torch.randint(0, 256, src.buffer.view(torch.uint8).shape, dtype=torch.uint8))
+    sender.register(src.data_ptr, src.nbytes, "cpu")
+    try:
+        yield sender, src, hello, conn
+    finally:
+        sender.close()
+        stop_peer(proc, conn)
+
+
+def _remote_pool(conn) -> torch.Tensor:
+    conn.send("dump")
+    raw = conn.recv()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(DST_LAYOUT.dtype).view(
+        2, DST_LAYOUT.num_layers, DST_LAYOUT.num_slots, DST_LAYOUT.num_kv_heads, DST_LAYOUT.head_dim
+    )
+
+
+def _expected(src: KVPool, src_pages, dst_pages) -> torch.Tensor:
+    out = KVPool(DST_LAYOUT, "cpu").buffer
+    ps = SRC_LAYOUT.page_size
+    for s, d in zip(src_pages, dst_pages):
+        out[:, :, d * ps : (d + 1) * ps] = src.buffer[:, :, s * ps : (s + 1) * ps]
+    return out
+
+
+def test_scattered_page_runs_land_exactly(pair):
+    sender, src, hello, conn = pair
+    assert hello["transport"] == "tcp"
+    runs = coalesce_page_runs(SRC_PAGES, DST_PAGES)
+    assert runs == [(3, 7, 3), (9, 1, 1), (2, 20, 1), (10, 21, 2), (15, 23, 1)]
+    batch = kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT), runs)
+    sender.write(hello["session"], *batch)
+    got = _remote_pool(conn)
+    assert torch.equal(got.view(torch.uint8), _expected(src, SRC_PAGES, DST_PAGES).view(torch.uint8))
+    # a second transfer to other pages adds to, and does not disturb, the first
+    more_src, more_dst = [6, 7], [12, 3]
+    batch = kv_write_requests(
+        KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT), coalesce_page_runs(more_src, more_dst)
+    )
+    sender.write(hello["session"], *batch)
+    got = _remote_pool(conn)
+    want = _expected(src, SRC_PAGES + more_src, DST_PAGES + more_dst)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_receiver_refuses_span_outside_its_regions_then_recovers(pair):
+    sender, src, hello, conn = pair
+    nbytes = KVPool(DST_LAYOUT, "meta").nbytes
+    with pytest.raises(TransferError):
+        sender.write(hello["session"], [src.data_ptr], [hello["base"] + nbytes - 8], [16])
+    with pytest.raises(TransferError):
+        sender.write(hello["session"], [src.data_ptr], [hello["base"] - 16], [16])
+    assert not any(_remote_pool(conn).view(torch.uint8).flatten().tolist())
+    sender.write(hello["session"], [src.data_ptr + 64], [hello["base"] + 128], [32])
+    got = _remote_pool(conn).view(torch.uint8).flatten()
+    assert torch.equal(got[128:160], src.buffer.view(torch.uint8).flatten()[64:96])
+    assert got[:128].sum() == 0 and got[160:].sum() == 0
+
+
+def test_sender_refuses_unregistered_source(pair):
+    sender, src, hello, conn = pair
+    with pytest.raises(TransferError, match="outside every registered region"):
+        sender.write(hello["session"], [src.data_ptr + src.nbytes - 4], [hello["base"]], [8])
