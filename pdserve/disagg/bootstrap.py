@@ -1,0 +1,212 @@
+"""The bootstrap server on the prefill side, its blocking client, and the P/D compatibility check.
+
+Routes (aiohttp on its own thread and event loop):
+  PUT /route   a prefill rank registers `PrefillRankInfo` as JSON
+  GET /route   503 "not ready" until all expected ranks registered, then
+               {"model", "tp_size", "transfer_backend", "kv_layout", "ranks": {"0": info, ...}};
+               `?rank=N` answers that rank alone (404 if unknown)
+  GET /health  200 "OK" (the decode side's heartbeat target)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+
+from aiohttp import web
+
+_LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
+_TOPOLOGY_KEYS = ("model", "tp_size", "transfer_backend")
+
+
+class BootstrapError(RuntimeError):
+    """The bootstrap server is unreachable, not ready in time, or answered with an error."""
+
+
+class IncompatiblePeer(ValueError):
+    """Prefill and decode cannot exchange KV; the message names both values."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRankInfo:
+    rank: int
+    control_endpoint: str  # "ip:port" of the rank's control socket (phase 2 KV manager)
+    transfer_session: str  # TransferEngine.session_id()
+    transfer_backend: str  # TransferEngine.name
+    kv_layout: dict  # KVLayout.describe()
+    model: str
+    tp_size: int
+
+    @classmethod
+    def from_json(cls, data: object) -> "PrefillRankInfo":
+        if not isinstance(data, dict):
+            raise ValueError("registration must be a JSON object")
+        types = {"rank": int, "control_endpoint": str, "transfer_session": str, "transfer_backend": str,
+                 "kv_layout": dict, "model": str, "tp_size": int}
+        for name, typ in types.items():
+            if not isinstance(data.get(name), typ) or isinstance(data.get(name), bool):
+                raise ValueError(f"field {name!r} must be {typ.__name__}, got {data.get(name)!r}")
+        missing = [k for k in _LAYOUT_KEYS if k not in data["kv_layout"]]
+        if missing:
+            raise ValueError(f"kv_layout lacks {', '.join(missing)}")
+        return cls(**{name: data[name] for name in types})
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, expected_ranks: int = 1):
+        self.expected_ranks = expected_ranks
+        self._ranks: dict[int, PrefillRankInfo] = {}
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        started = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(host, port, started, failure), name="bootstrap-server", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(30) or failure:
+            self.close()
+            raise BootstrapError(f"bootstrap server could not start on {host}:{port}: {failure[0] if failure else 'timeout'}")
+
+    def _run(self, host: str, port: int, started: threading.Event, failure: list) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._start(host, port))
+        except BaseException as exc:  # reported to the constructor
+            failure.append(exc)
+            started.set()
+            return
+        started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    async def _start(self, host: str, port: int) -> None:
+        app = web.Application(client_max_size=1 << 20)
+        app.add_routes([web.put("/route", self._put_route), web.get("/route", self._get_route),
+                        web.get("/health", self._health)])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        self.host, self.port = self._runner.addresses[0][:2]
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def _put_route(self, request: web.Request) -> web.Response:
+        try:
+            info = PrefillRankInfo.from_json(await request.json())
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            return web.Response(status=400, text=f"bad registration: {exc}")
+        if not 0 <= info.rank < self.expected_ranks:
+            return web.Response(status=400, text=f"rank {info.rank} outside 0..{self.expected_ranks - 1}")
+        with self._lock:
+            others = [r for r in self._ranks.values() if r.rank != info.rank]
+            if others:
+                try:
+                    check_compatible(describe(others[0]), describe(info), ("rank 0", f"rank {info.rank}"))
+                except IncompatiblePeer as exc:
+                    return web.Response(status=409, text=str(exc))
+            self._ranks[info.rank] = info  # a restarted rank re-registers and replaces its entry
+        return web.Response(text="OK")
+
+    async def _get_route(self, request: web.Request) -> web.Response:
+        with self._lock:
+            ranks = dict(self._ranks)
+        if len(ranks) < self.expected_ranks:
+            return web.Response(status=503, text=f"not ready: {len(ranks)}/{self.expected_ranks} prefill ranks registered")
+        if "rank" in request.query:
+            try:
+                info = ranks[int(request.query["rank"])]
+            except (ValueError, KeyError):
+                return web.Response(status=404, text=f"unknown rank {request.query['rank']!r}")
+            return web.json_response(asdict(info))
+        first = ranks[0]
+        return web.json_response({**describe(first), "ranks": {str(r): asdict(i) for r, i in sorted(ranks.items())}})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
+
+
+def describe(info: PrefillRankInfo) -> dict:
+    """The fields both sides must agree on, in the shape `check_compatible` takes."""
+    return {"model": info.model, "tp_size": info.tp_size, "transfer_backend": info.transfer_backend,
+            "kv_layout": info.kv_layout}
+
+
+def check_compatible(prefill: dict, decode: dict, sides: tuple[str, str] = ("prefill", "decode")) -> None:
+    """Refuse a pair that cannot exchange KV. Both dicts: {"model", "tp_size", "transfer_backend",
+    "kv_layout": KVLayout.describe()}; num_pages may differ."""
+    a, b = sides
+    for key in _TOPOLOGY_KEYS:
+        if prefill.get(key) != decode.get(key):
+            raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}")
+    pl, dl = prefill.get("kv_layout") or {}, decode.get("kv_layout") or {}
+    for key in _LAYOUT_KEYS:
+        if pl.get(key) != dl.get(key):
+            raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# blocking client
+
+
+def _request(method: str, url: str, body: dict | None, timeout_s: float) -> tuple[int, bytes]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s: float = 30.0) -> None:
+    """PUT /route, retrying while the server is not up yet; a 4xx answer (bad or incompatible) is final."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status, body = _request("PUT", f"http://{bootstrap_addr}/route", asdict(info), timeout_s)
+        except OSError as exc:
+            status, body = 0, str(exc).encode()
+        if status == 200:
+            return
+        if 400 <= status < 500 or time.monotonic() > deadline:
+            raise BootstrapError(f"registering rank {info.rank} at {bootstrap_addr} failed: {status} {body.decode()}")
+        time.sleep(0.2)
+
+
+def fetch_prefill_route(bootstrap_addr: str, timeout_s: float = 30.0, rank: int | None = None) -> dict:
+    """GET /route, waiting through 503 "not ready" and connection refusals until `timeout_s`."""
+    url = f"http://{bootstrap_addr}/route" + (f"?rank={rank}" if rank is not None else "")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            status, body = _request("GET", url, None, max(deadline - time.monotonic(), 0.1))
+        except OSError as exc:
+            status, body = 0, str(exc).encode()
+        if status == 200:
+            return json.loads(body)
+        if status not in (0, 503) or time.monotonic() > deadline:
+            raise BootstrapError(f"GET {url} failed: {status or 'unreachable'} {body.decode(errors='replace')}")
+        time.sleep(0.1)
+
+
+def bootstrap_healthy(bootstrap_addr: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return _request("GET", f"http://{bootstrap_addr}/health", None, timeout_s)[0] == 200
+    except OSError:
+        return False

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from pdserve.disagg.bootstrap import (
+    BootstrapError,
+    BootstrapServer,
+    IncompatiblePeer,
+    PrefillRankInfo,
+    bootstrap_healthy,
+    check_compatible,
+    describe,
+    fetch_prefill_route,
+    register_prefill_rank,
+)
+
+LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "num_pages": 100, "dtype": "bfloat16"}
+
+
+def rank_info(rank: int, **changes) -> PrefillRankInfo:
+    base = dict(rank=rank, control_endpoint=f"127.0.0.1:{7000 + rank}", transfer_session=f"127.0.0.1:{9000 + rank}",
+                transfer_backend="tcp", kv_layout=LAYOUT, model="tiny-llama", tp_size=2)
+    base.update(changes)
+    return PrefillRankInfo(**base)
+
+
+@pytest.fixture
+def server():
+    srv = BootstrapServer("127.0.0.1", 0, expected_ranks=2)
+    try:
+        yield srv
+    finally:
+        srv.close()
+
+
+def test_not_ready_until_all_ranks_registered(server):
+    assert bootstrap_healthy(server.address)
+    with pytest.raises(BootstrapError, match="503 not ready: 0/2"):
+        fetch_prefill_route(server.address, timeout_s=0.3)
+    register_prefill_rank(server.address, rank_info(1))
+    with pytest.raises(BootstrapError, match="1/2"):
+        fetch_prefill_route(server.address, timeout_s=0.3)
+    register_prefill_rank(server.address, rank_info(0))
+    route = fetch_prefill_route(server.address, timeout_s=5)
+    assert route["model"] == "tiny-llama" and route["tp_size"] == 2 and route["kv_layout"] == LAYOUT
+    assert route["ranks"]["1"]["transfer_session"] == "127.0.0.1:9001"
+    assert fetch_prefill_route(server.address, rank=0)["control_endpoint"] == "127.0.0.1:7000"
+    with pytest.raises(BootstrapError, match="404"):
+        fetch_prefill_route(server.address, rank=5, timeout_s=1)
+
+
+def test_reregistration_replaces_the_rank(server):
+    register_prefill_rank(server.address, rank_info(0))
+    register_prefill_rank(server.address, rank_info(1))
+    register_prefill_rank(server.address, rank_info(1, transfer_session="127.0.0.1:9999"))
+    assert fetch_prefill_route(server.address, rank=1)["transfer_session"] == "127.0.0.1:9999"
+
+
+def test_bad_registrations_are_refused(server):
+    with pytest.raises(BootstrapError, match="outside 0..1"):
+        register_prefill_rank(server.address, rank_info(2))
+    register_prefill_rank(server.address, rank_info(0))
+    with pytest.raises(BootstrapError, match="409 page_size mismatch: rank 0 has 16, rank 1 has 32"):
+        register_prefill_rank(server.address, rank_info(1, kv_layout={**LAYOUT, "page_size": 32}))
+    req = urllib.request.Request(f"http://{server.address}/route", data=json.dumps({"rank": "0"}).encode(), method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=5)
+    assert err.value.code == 400
+
+
+def test_unreachable_server_times_out():
+    with pytest.raises(BootstrapError, match="unreachable"):
+        fetch_prefill_route("127.0.0.1:1", timeout_s=0.3)
+
+
+@pytest.mark.parametrize(
+    "field, prefill_value, decode_value, message",
+    [
+        ("page_size", 16, 32, "page_size mismatch: prefill has 16, decode has 32"),
+        ("dtype", "bfloat16", "float16", "dtype mismatch: prefill has bfloat16, decode has float16"),
+        ("num_layers", 4, 5, "num_layers mismatch: prefill has 4, decode has 5"),
+        ("num_kv_heads", 2, 8, "num_kv_heads mismatch"),
+        ("head_dim", 64, 128, "head_dim mismatch"),
+    ],
+)
+def test_layout_mismatch_names_both_values(field, prefill_value, decode_value, message):
+    prefill = describe(rank_info(0, kv_layout={**LAYOUT, field: prefill_value}))
+    decode = describe(rank_info(0, kv_layout={**LAYOUT, field: decode_value}))
+    with pytest.raises(IncompatiblePeer, match=message):
+        check_compatible(prefill, decode)
+
+
+def test_topology_mismatch_and_page_count_freedom():
+    prefill = describe(rank_info(0))
+    check_compatible(prefill, describe(rank_info(0, kv_layout={**LAYOUT, "num_pages": 7})))
+    with pytest.raises(IncompatiblePeer, match="model mismatch: prefill has 'tiny-llama', decode has 'other'"):
+        check_compatible(prefill, describe(rank_info(0, model="other")))
+    with pytest.raises(IncompatiblePeer, match="tp_size mismatch: prefill has 2, decode has 1"):
+        check_compatible(prefill, describe(rank_info(0, tp_size=1)))
+    with pytest.raises(IncompatiblePeer, match="transfer_backend mismatch"):
+        check_compatible(prefill, describe(rank_info(0, transfer_backend="mooncake")))
+
+
+def test_port_in_use_is_a_clear_error(server):
+    with pytest.raises(BootstrapError, match="could not start"):
+        BootstrapServer("127.0.0.1", server.port)
