@@ -1,0 +1,18 @@
+"""`python -m pdserve.launch_server --model-path ...`: SGLang's launch command with the module renamed."""
+
+from __future__ import annotations
+
+import sys
+
+from pdserve.config import ServerArgs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = ServerArgs.from_cli(argv)
+    from pdserve.server.launch import launch_server
+
+    return launch_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

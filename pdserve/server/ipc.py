@@ -1,0 +1,73 @@
+"""Plumbing shared by the server's processes: ZeroMQ sockets, logging, tokenizer loading, child setup."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+PARENT_POLL_SECONDS = 1.0
+
+
+def ipc_addr(args: Any, name: str) -> str:
+    """Address of the socket that process `name` receives on: tokenizer, scheduler or detokenizer."""
+    if not args.ipc_dir:
+        raise ValueError("ServerArgs.ipc_dir is not set; the launcher sets it")
+    return f"ipc://{os.path.join(args.ipc_dir, name)}"
+
+
+def pull_socket(ctx: zmq.Context, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    _configure(sock)
+    sock.bind(addr) if bind else sock.connect(addr)
+    return sock
+
+
+def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    _configure(sock)
+    sock.connect(addr)
+    return sock
+
+
+def _configure(sock: zmq.Socket) -> None:
+    # Unbounded queues: a full queue would block the scheduler loop; memory is bounded by requests in flight.
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def child_setup(role: str, log_level: str) -> None:
+    """Common start of every child: logging, leave Ctrl-C to the parent, die with the parent."""
+    import multiprocessing
+
+    multiprocessing.current_process().name = role
+    setup_logging(log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
+    threading.Thread(target=_exit_when_orphaned, args=(parent, role), daemon=True, name="parent-watch").start()
+
+
+def _exit_when_orphaned(parent_pid: int, role: str) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_SECONDS)
+    logging.getLogger(__name__).error("%s: the server process died; exiting", role)
+    os._exit(1)
+
+
+def load_tokenizer(args: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, trust_remote_code=False)

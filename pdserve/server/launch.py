@@ -1,0 +1,127 @@
+"""Start the server: scheduler and detokenizer children, the tokenizer manager and HTTP server here.
+
+Children are spawned (never forked), talk over ipc:// sockets in a private temp dir, and are watched:
+if one exits, the server logs which one and shuts everything down (no half-alive server). SIGTERM and
+SIGINT shut down cleanly: stop the HTTP server, terminate the children, join them, kill stragglers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import signal
+import tempfile
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from pdserve.server.detokenizer import run_detokenizer_process
+from pdserve.server.http_server import create_app
+from pdserve.server.ipc import setup_logging
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.scheduler_process import run_scheduler_process
+from pdserve.server.tokenizer_manager import TokenizerManager
+
+if TYPE_CHECKING:
+    from pdserve.config import ServerArgs
+
+logger = logging.getLogger("pdserve.server")
+
+STARTUP_TIMEOUT_SECONDS = 1800.0  # loading a large checkpoint can take many minutes
+TERMINATE_TIMEOUT_SECONDS = 10.0
+KILL_TIMEOUT_SECONDS = 5.0
+EXIT_CHILD_DIED = 1
+EXIT_START_FAILED = 1
+
+
+def launch_server(args: ServerArgs) -> int:
+    """Run the server until SIGTERM/SIGINT (exit code 0) or a child's death (exit code 1)."""
+    setup_logging(args.log_level)
+    ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")  # mode 0700: only this user can reach the sockets
+    args = args.replace(ipc_dir=ipc_dir)
+    ctx = multiprocessing.get_context("spawn")
+    children = [
+        ctx.Process(target=run_scheduler_process, args=(args,), name="scheduler"),
+        ctx.Process(target=run_detokenizer_process, args=(args,), name="detokenizer"),
+    ]
+    try:
+        return asyncio.run(_serve(args, children))
+    except (TimeoutError, OSError) as exc:  # a child never became ready; the port is taken
+        logger.error("the server could not start: %s", exc)
+        return EXIT_START_FAILED
+    finally:
+        stop_children(children)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def on_signal(sig: signal.Signals) -> None:
+        logger.info("received %s; shutting down", sig.name)
+        stop.set()
+
+    def on_child_exit(child: BaseProcess) -> None:
+        nonlocal exit_code
+        loop.remove_reader(child.sentinel)
+        child.join(0)
+        logger.error("the %s process (pid %s) exited with code %s; shutting down the server",
+                     child.name, child.pid, child.exitcode)
+        exit_code = EXIT_CHILD_DIED
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    for child in children:
+        child.start()
+        loop.add_reader(child.sentinel, on_child_exit, child)
+    tm = TokenizerManager(args, ServerMetrics())
+    runner: web.AppRunner | None = None
+    try:
+        ready = asyncio.ensure_future(tm.wait_ready({c.name for c in children}, STARTUP_TIMEOUT_SECONDS))
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            ready.cancel()
+            return exit_code
+        stopped.cancel()
+        ready.result()
+        tm.start()
+        runner = await _start_http(args, tm)
+        await stop.wait()
+        return exit_code
+    finally:
+        for child in children:
+            loop.remove_reader(child.sentinel)
+        if runner is not None:
+            await runner.cleanup()
+        tm.close()
+
+
+async def _start_http(args: ServerArgs, tm: TokenizerManager) -> web.AppRunner:
+    app = create_app(args, tm, tm.metrics)
+    access_log = logging.getLogger("aiohttp.access") if args.log_level.lower() == "debug" else None
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=access_log)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    logger.info("pdserve is ready: serving %s on http://%s:%d", args.model_name, args.host, args.port)
+    return runner
+
+
+def stop_children(children: list[BaseProcess]) -> None:
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    for child in children:
+        if child.pid is None:
+            continue
+        child.join(TERMINATE_TIMEOUT_SECONDS)
+        if child.is_alive():
+            logger.warning("the %s process did not stop in time; killing it", child.name)
+            child.kill()
+            child.join(KILL_TIMEOUT_SECONDS)

@@ -1,0 +1,259 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.sampling_params import SamplingParamsError
+from pdserve.server.http_server import (
+    ARGS_KEY,
+    TM_KEY,
+    ApiError,
+    Generation,
+    GenerateRequest,
+    check_batch_size,
+    check_bootstrap,
+    check_unique_rids,
+    collect,
+    new_rid,
+    parse_body,
+    sampling_error,
+    stream_with_early_errors,
+    with_logprobs,
+)
+from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
+from pdserve.server.tokenizer_manager import Chunk, TokenizerManager, merge_streams
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
+    body = await parse_body(request, CompletionRequest)
+    _check_common(args, body)
+    prompts = [_prompt_ids(tm, p) for p in _prompt_list(body.prompt)]
+    top_n = body.logprobs
+    requests = _requests(args, tm, body, prompts, body.max_tokens, top_n, "cmpl")
+    return await _respond(request, body, requests, CompletionFormat(args.model_name, requests))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
+    body = await parse_body(request, ChatCompletionRequest)
+    _check_common(args, body)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true")
+    input_ids = tm.apply_chat_template([m.to_template() for m in body.messages], body.chat_template_kwargs)
+    top_n = (body.top_logprobs or 0) if body.logprobs else None
+    requests = _requests(args, tm, body, [input_ids], body.output_limit, top_n, "chatcmpl")
+    return await _respond(request, body, requests, ChatFormat(args.model_name, requests))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
+    card = {"id": args.model_name, "object": "model", "created": int(_START_TIME), "owned_by": "pdserve",
+            "root": args.model_path, "max_model_len": tm.context_length}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+_START_TIME = time.time()
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+
+
+# --- requests ---------------------------------------------------------------------------------------
+
+
+def _check_common(args: Any, body: OpenAIRequestBase) -> None:
+    if body.model not in (args.model_name, args.model_path):
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {args.model_name!r}",
+                       "model_not_found")
+    feature = body.unsupported_feature()
+    if feature is not None:
+        raise ApiError(400, f"{feature} is not supported by this server")
+
+
+def _prompt_list(prompt: Any) -> list:
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty")
+    return prompt
+
+
+def _prompt_ids(tm: TokenizerManager, prompt: str | list[int]) -> list[int]:
+    return tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _requests(
+    args: Any, tm: TokenizerManager, body: OpenAIRequestBase, prompts: list[list[int]],
+    max_tokens: int | None, top_n: int | None, prefix: str,
+) -> list[GenerateRequest]:
+    """n requests per prompt, in OpenAI's choice order (prompt-major)."""
+    total = len(prompts) * body.n
+    check_batch_size(args, total)
+    base = body.rid or f"{prefix}-{new_rid()}"
+    requests = []
+    for index in range(total):
+        input_ids = prompts[index // body.n]
+        try:
+            limit = tm.context_length if max_tokens is None else max_tokens
+            params = body.sampling_params(limit, top_n, seed_offset=index % body.n)
+            host, port, room = bootstrap_for(body, index)
+        except (SamplingParamsError, TypeError) as exc:
+            raise sampling_error(exc) from exc
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        tm.check_prompt(input_ids, params)
+        rid = base if total == 1 else f"{base}-{index}"
+        req = GenerateRequest(rid, input_ids, params, stream=body.stream,
+                              bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+        with_logprobs(req, top_n is not None, top_n or 0, -1)
+        check_bootstrap(args, req)
+        requests.append(req)
+    check_unique_rids(tm, requests)
+    return requests
+
+
+async def _respond(
+    request: web.Request, body: OpenAIRequestBase, requests: list[GenerateRequest], fmt: "ResponseFormat"
+) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    streams = [tm.generate(r) for r in requests]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_with_early_errors(request, fmt.events(streams, body.n, include_usage))
+    generations = await collect(streams)
+    return web.json_response(fmt.response(generations, body.n))
+
+
+def _usage(generations: list[Generation], n: int) -> dict:
+    prompt = sum(g.prompt_tokens for g in generations[::n])
+    completion = sum(g.completion_tokens for g in generations)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(reason: dict | None) -> str | None:
+    return None if reason is None else _FINISH_REASONS.get(reason.get("type"), reason.get("type"))
+
+
+# --- response shapes --------------------------------------------------------------------------------
+
+
+class ResponseFormat(ABC):
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, model: str, requests: list[GenerateRequest]):
+        self.model = model
+        self.id = requests[0].rid
+        self.created = int(time.time())
+        self.logprobs = requests[0].return_logprob
+
+    def envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, generations: list[Generation], n: int) -> dict:
+        choices = [self.choice(i, g) for i, g in enumerate(generations)]
+        return {**self.envelope(self.object_name, choices), "usage": _usage(generations, n)}
+
+    async def events(self, streams: list[AsyncIterator[Chunk]], n: int, include_usage: bool) -> AsyncIterator[dict]:
+        generations = [Generation() for _ in streams]
+        async with aclosing(merge_streams(streams)) as merged:
+            async for index, chunk in merged:
+                is_first = generations[index].last is None
+                generations[index].add(chunk)
+                for choice in self.delta_choices(index, chunk, is_first):
+                    yield self.envelope(self.chunk_object_name, [choice])
+        if include_usage:
+            yield {**self.envelope(self.chunk_object_name, []), "usage": _usage(generations, n)}
+
+    @abstractmethod
+    def choice(self, index: int, generation: Generation) -> dict: ...
+
+    @abstractmethod
+    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]: ...
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def choice(self, index: int, generation: Generation) -> dict:
+        logprobs = None
+        if self.logprobs:
+            logprobs = completion_logprobs(generation.output_logprobs, generation.output_top_logprobs, 0)
+        return {"index": index, "text": generation.text, "logprobs": logprobs,
+                "finish_reason": _finish_reason(generation.finish_reason)}
+
+    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]:
+        out = chunk.out
+        if not out.text and not chunk.finished and not out.output_logprobs:
+            return []
+        logprobs = None
+        if out.output_logprobs:
+            logprobs = completion_logprobs(out.output_logprobs, out.output_top_logprobs, 0)
+        return [{"index": index, "text": out.text, "logprobs": logprobs,
+                 "finish_reason": _finish_reason(out.finish_reason)}]
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def choice(self, index: int, generation: Generation) -> dict:
+        logprobs = None
+        if self.logprobs:
+            logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs)}
+        return {"index": index, "message": {"role": "assistant", "content": generation.text},
+                "logprobs": logprobs, "finish_reason": _finish_reason(generation.finish_reason)}
+
+    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]:
+        out = chunk.out
+        choices = []
+        if is_first:
+            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None})
+        if out.text or chunk.finished or out.output_logprobs:
+            logprobs = None
+            if out.output_logprobs:
+                logprobs = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs)}
+            delta = {"content": out.text} if out.text else {}
+            choices.append({"index": index, "delta": delta, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(out.finish_reason)})
+        return choices
+
+
+def completion_logprobs(entries: list[list], top: list[list[list]], text_offset: int) -> dict:
+    tokens = [e[2] for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e[0] for e in entries],
+        "top_logprobs": [{t[2]: t[0] for t in alternatives} for alternatives in top] or None,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[list], top: list[list[list]]) -> list[dict]:
+    content = []
+    for position, (logprob, _, token) in enumerate(entries):
+        alternatives = top[position] if position < len(top) else []
+        content.append({
+            "token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for lp, _, t in alternatives],
+        })
+    return content

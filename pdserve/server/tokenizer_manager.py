@@ -1,0 +1,356 @@
+"""Tokenizer manager: the HTTP process's side of the engine (asyncio).
+
+It tokenizes prompts (and renders chat templates), checks them against the model, sends them to the
+scheduler, and routes the detokenizer's text back to the waiting request by rid. Metrics are recorded
+here, where every request's first and last output is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.sampling_params import SamplingParams
+from pdserve.server.ipc import ipc_addr, load_tokenizer, pull_socket, push_socket
+from pdserve.server.messages import (
+    AbortReq,
+    BatchStrOut,
+    FlushCacheReply,
+    FlushCacheReq,
+    GetStatsReply,
+    GetStatsReq,
+    MessageError,
+    ProcessReady,
+    RequestError,
+    StrOut,
+    TokenizedGenerateReq,
+    decode,
+    encode,
+)
+from pdserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT_SECONDS = 30.0
+
+
+class RequestRejected(Exception):
+    """A request the server cannot serve; the HTTP layer answers `status` with `message`."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    """One prompt, tokenized and validated, ready for the scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+
+
+@dataclass(slots=True)
+class Chunk:
+    """New output of one request, as the detokenizer sent it, plus timing."""
+
+    out: StrOut
+    input_logprobs: list | None  # [[logprob, token_id, text], ...], first chunk only, when asked
+    ttft: float | None
+    e2e_latency: float
+
+    @property
+    def finished(self) -> bool:
+        return self.out.finish_reason is not None
+
+
+@dataclass(slots=True)
+class ReqState:
+    request: GenerateRequest
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: Any, metrics: ServerMetrics):
+        self.args = args
+        self.metrics = metrics
+        self.tokenizer = load_tokenizer(args)
+        self.model_info: dict = {}
+        self.states: dict[str, ReqState] = {}
+        self._control_ids = itertools.count()
+        self._control_waiters: dict[int, asyncio.Future] = {}
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        # A plain socket for sending: sends never block (unbounded queue) and work inside `finally`.
+        self._to_scheduler = push_socket(self._sync_ctx, ipc_addr(args, "scheduler"))
+        self._receiver = pull_socket(self._async_ctx, ipc_addr(args, "tokenizer"), bind=True)
+        self._recv_task: asyncio.Task | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def wait_ready(self, roles: set[str], timeout: float) -> None:
+        """Wait for every child's `ProcessReady`."""
+        deadline = time.monotonic() + timeout
+        pending = set(roles)
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(sorted(pending))} not ready after {timeout:.0f} s")
+            if not await self._receiver.poll(500):
+                continue
+            msg = decode(await self._receiver.recv())
+            if isinstance(msg, ProcessReady):
+                pending.discard(msg.role)
+                if msg.role == "scheduler":
+                    self.model_info = dict(msg.info)
+                logger.info("%s ready", msg.role)
+
+    def start(self) -> None:
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(), name="tokenizer-recv")
+
+    def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self._to_scheduler.close(linger=0)
+        self._receiver.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+
+    # --- model facts ---------------------------------------------------------------------------
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model_info["max_context_len"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model_info["vocab_size"])
+
+    # --- tokenization --------------------------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        if not text:
+            raise RequestRejected("the prompt is empty")
+        return list(self.tokenizer.encode(text))
+
+    def apply_chat_template(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        if not messages:
+            raise RequestRejected("messages is empty")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestRejected("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+            )
+        except Exception as exc:  # a template error is the request's fault (bad roles, bad kwargs)
+            raise RequestRejected(f"cannot apply the chat template: {exc}") from exc
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
+        """Reject prompts the model cannot take; shorten max_tokens to what the context leaves."""
+        if not input_ids:
+            raise RequestRejected("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
+            raise RequestRejected(f"input_ids must be token ids in [0, {self.vocab_size})")
+        room = self.context_length - len(input_ids)
+        if room <= 0:
+            raise RequestRejected(
+                f"the prompt is {len(input_ids)} tokens; this model's context length is {self.context_length}",
+                code="context_length_exceeded",
+            )
+        if params.max_tokens > self.context_length:
+            raise RequestRejected(
+                f"max tokens ({params.max_tokens}) exceeds the context length ({self.context_length})"
+            )
+        params.max_tokens = min(params.max_tokens, room)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def is_in_flight(self, rid: str) -> bool:
+        return rid in self.states
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it."""
+        if request.rid in self.states:
+            raise RequestRejected(f"request id {request.rid!r} is already in flight")
+        state = ReqState(request)
+        self.states[request.rid] = state
+        self.metrics.request_started()
+        self._to_scheduler.send(encode(_tokenized(request)))
+        finished = False
+        try:
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, RequestError):
+                    finished = True
+                    raise RequestRejected(item.message)
+                finished = item.finish_reason is not None
+                yield self._chunk(state, item)
+        finally:
+            if not finished:
+                self.abort(request.rid)
+
+    def _chunk(self, state: ReqState, out: StrOut) -> Chunk:
+        now = time.perf_counter()
+        ttft = None if state.first_token_time is None else state.first_token_time - state.created
+        input_logprobs = None
+        if out.input_logprobs is not None:
+            input_logprobs = self._input_logprob_entries(state.request, out.input_logprobs)
+        return Chunk(out, input_logprobs, ttft, now - state.created)
+
+    def _input_logprob_entries(self, request: GenerateRequest, logprobs: list) -> list:
+        start = max(request.logprob_start_len, 0)
+        ids = request.input_ids[start : start + len(logprobs)]
+        return [[lp, token_id, self.decode_token(token_id)] for lp, token_id in zip(logprobs, ids)]
+
+    def abort(self, rid: str) -> bool:
+        if rid not in self.states:
+            return False
+        self._to_scheduler.send(encode(AbortReq(rid)))
+        return True
+
+    def abort_all(self) -> int:
+        rids = list(self.states)
+        for rid in rids:
+            self.abort(rid)
+        return len(rids)
+
+    # --- control -------------------------------------------------------------------------------
+
+    async def flush_cache(self) -> bool:
+        reply = await self._control(FlushCacheReq)
+        return reply.success
+
+    async def get_stats(self) -> dict:
+        reply = await self._control(GetStatsReq)
+        return reply.stats
+
+    async def _control(self, message_class: type) -> Any:
+        request_id = next(self._control_ids)
+        waiter = asyncio.get_running_loop().create_future()
+        self._control_waiters[request_id] = waiter
+        try:
+            self._to_scheduler.send(encode(message_class(request_id)))
+            return await asyncio.wait_for(waiter, CONTROL_TIMEOUT_SECONDS)
+        finally:
+            self._control_waiters.pop(request_id, None)
+
+    # --- receiving -----------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            data = await self._receiver.recv()
+            try:
+                msg = decode(data)
+            except MessageError as exc:
+                logger.error("dropped a malformed message: %s", exc)
+                continue
+            if isinstance(msg, BatchStrOut):
+                self._on_outputs(msg)
+            elif isinstance(msg, RequestError):
+                self._on_request_error(msg)
+            elif isinstance(msg, (FlushCacheReply, GetStatsReply)):
+                waiter = self._control_waiters.get(msg.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
+            else:
+                logger.warning("unexpected message %s", type(msg).__name__)
+
+    def _on_outputs(self, batch: BatchStrOut) -> None:
+        now = time.perf_counter()
+        for out in batch.outputs:
+            state = self.states.get(out.rid)
+            if state is None:
+                continue
+            self._record_timing(state, out, now)
+            state.queue.put_nowait(out)
+            if out.finish_reason is not None:
+                del self.states[out.rid]
+                self.metrics.request_finished(out, now - state.created)
+
+    def _record_timing(self, state: ReqState, out: StrOut, now: float) -> None:
+        count = len(out.new_token_ids)
+        if count == 0:
+            return
+        if state.first_token_time is None:
+            state.first_token_time = now
+            self.metrics.observe_ttft(now - state.created)
+            count -= 1
+        if count and state.last_token_time is not None:
+            self.metrics.observe_inter_token((now - state.last_token_time) / count, count)
+        state.last_token_time = now
+
+    def _on_request_error(self, msg: RequestError) -> None:
+        state = self.states.pop(msg.rid, None)
+        if state is not None:
+            self.metrics.request_rejected()
+            state.queue.put_nowait(msg)
+
+
+def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
+    return TokenizedGenerateReq(
+        rid=request.rid,
+        input_ids=request.input_ids,
+        sampling_params=request.sampling_params.to_dict(),
+        return_logprob=request.return_logprob,
+        top_logprobs_num=request.top_logprobs_num,
+        logprob_start_len=request.logprob_start_len,
+        stream=request.stream,
+        bootstrap_host=request.bootstrap_host,
+        bootstrap_port=request.bootstrap_port,
+        bootstrap_room=request.bootstrap_room,
+    )
+
+
+async def merge_streams(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+    """Interleave several requests' outputs as they arrive, tagged with the stream's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((index, chunk))
+            await queue.put((index, done))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
