@@ -46,6 +46,8 @@ class LLM:
             raise ValueError(f"{len(prompt_list)} prompts but {len(param_list)} sampling params")
         reqs = [self._make_req(p, sp) for p, sp in zip(prompt_list, param_list)]
         for req in reqs:
+            self.scheduler.validate(req)
+        for req in reqs:
             self.scheduler.add_request(req)
         pending = {r.rid for r in reqs}
         with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm, unit="req") as bar:

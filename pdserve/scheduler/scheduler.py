@@ -82,6 +82,10 @@ class Scheduler:
         if req.sampling_params.max_tokens > room:
             req.sampling_params.max_tokens = room
         self.reqs[req.rid] = req
+        self._accept(req)
+
+    def _accept(self, req: Req) -> None:
+        """A validated request enters the queue (the PD roles first run the KV handshake)."""
         self.waiting.append(req)
 
     def validate(self, req: Req) -> None:
@@ -276,7 +280,7 @@ class Scheduler:
             last_rows = torch.tensor([row_of[items.index(i)][0] + row_of[items.index(i)][1] - 1 for i in done])
             self._sample_and_append([i.req for i in done], logits[last_rows.to(logits.device)])
             for item in done:
-                if item.req.status is not ReqStatus.FINISHED:
+                if not item.req.finished:
                     self.on_prefill_done(item.req)
 
     def _run_decode(self) -> None:
@@ -340,9 +344,12 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = time.time()
             self._changed[req.rid] = req
-            reason = self.stop_checker.check(req)
+            reason = self._check_stop(req)
             if reason is not None:
                 self._finish(req, reason)
+
+    def _check_stop(self, req: Req) -> FinishReason | None:
+        return self.stop_checker.check(req)
 
     def _wants_input_logprobs(self, req: Req) -> bool:
         return req.return_logprob and req.logprob_start_len >= 0 and len(req.input_logprobs) < len(req.input_ids)

@@ -1,0 +1,251 @@
+"""The decode role: pre-allocates KV pages, lets the prefill server fill them, then decodes without prefill.
+
+Per request: resolve the prefill's bootstrap route (BOOTSTRAPPING, off the scheduler thread), allocate the
+prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), then commit the first token
+from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
+still be writing are quarantined after an abort until it confirms with `failed`, or a grace timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
+from pdserve.disagg.common import Handoff, KVManager, KVPoll, now
+from pdserve.disagg.prefill import IDLE_WAIT_S, validate_pd_request
+from pdserve.scheduler.request import FinishReason, Req, ReqStatus
+from pdserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeScheduler(Scheduler):
+    def __init__(self, args: ServerArgs, tokenizer=None):
+        super().__init__(args.replace(disable_radix_cache=True), tokenizer)
+        self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
+        self.handoffs: dict[int, Handoff] = {}
+        self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
+        self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
+        self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
+        self.dead_peers: set[str] = set()
+        self.heartbeat = Heartbeat(args, self.kv.channel.inbox)
+        self.handlers = {"kv_done": self._on_kv_done, "failed": self._on_peer_failed, "peer_dead": self._on_peer_dead}
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def validate(self, req: Req) -> None:
+        super().validate(req)
+        validate_pd_request(req, self.handoffs)
+
+    def _accept(self, req: Req) -> None:
+        addr = bootstrap_addr(req)
+        h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
+        self.handoffs[h.room] = h
+        if addr in self.dead_peers or (addr in self.routes and self.routes[addr].done() and self.routes[addr].exception()):
+            self.routes.pop(addr, None)
+            self.dead_peers.discard(addr)
+        if addr not in self.routes:
+            timeout = self.args.disaggregation_bootstrap_timeout
+            self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout)
+        self.heartbeat.watch(addr)
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.handoffs) or bool(self.quarantine)
+
+    def step(self):
+        idle = not (self.waiting or self.running or self.chunked)
+        for msg in self.kv.channel.drain(IDLE_WAIT_S if idle and (self.handoffs or self.quarantine) else 0.0):
+            handler = self.handlers.get(msg["type"])
+            if handler is None:
+                logger.warning("ignoring unknown control message %r", msg["type"])
+                continue
+            handler(msg)
+        self._expire()
+        self._preallocate()
+        return super().step()
+
+    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
+        req = self.reqs.get(rid)
+        h = self.handoffs.get(req.bootstrap_room) if req is not None else None
+        if h is not None:
+            self._fail(h, message, tell_prefill=True)
+        else:
+            super().abort_request(rid, message)
+
+    # ---- handshake and pre-allocation ---------------------------------------------------------------------
+
+    def _preallocate(self) -> None:
+        reserved = sum(self._decode_reserve(r) for r in self.running)
+        for h in [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]:
+            route = self.routes.get(bootstrap_addr(h.req))
+            if route is None or not route.done():
+                continue
+            try:
+                info = self._check_route(route)
+            except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
+                self._fail(h, f"prefill handshake failed: {exc}", tell_prefill=False)
+                continue
+            need = math.ceil(len(h.req.input_ids) / self.page_size)
+            reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
+            if need + reserve + reserved > self.allocator.num_free:
+                break  # FIFO: later requests wait behind this one
+            h.req.pages = self.allocator.alloc(need)
+            h.dst_pages = h.req.pages
+            h.peer_control = info["control_endpoint"]
+            self.kv.channel.send(h.peer_control, {
+                "type": "transfer_request", "room": h.room, "rid": h.req.rid, "control": self.kv.channel.endpoint,
+                "session": self.kv.engine.session_id(), "peer": self.kv.description, "kv_base": self.kv.region.base,
+                "dst_pages": h.dst_pages,
+            })
+            h.advance(KVPoll.WAITING_FOR_INPUT)
+            h.deadline = now() + self.args.disaggregation_waiting_timeout
+            reserved += self._decode_reserve(h.req)
+
+    def _check_route(self, route: Future) -> dict:
+        topology = route.result()
+        check_compatible(topology, self.kv.description)
+        return topology["ranks"]["0"]
+
+    # ---- control messages ---------------------------------------------------------------------------------
+
+    def _on_kv_done(self, msg: dict) -> None:
+        room = msg["room"]
+        if room in self.quarantine:
+            self._release_quarantine(room)
+            return
+        h = self.handoffs.get(room)
+        if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
+            return
+        aux = msg.get("aux")
+        try:
+            token = self._checked_aux(aux, room)
+        except ValueError as exc:
+            self._fail(h, f"bad first-token record from prefill: {exc}", tell_prefill=False)
+            return
+        self._commit(h, token, aux)
+
+    def _checked_aux(self, aux, room: int) -> int:
+        if not isinstance(aux, dict) or aux.get("room") != room:
+            raise ValueError(f"room echo {aux.get('room') if isinstance(aux, dict) else None} != {room}")
+        token = aux.get("first_token")
+        if type(token) is not int or not 0 <= token < self.model_config.vocab_size:
+            raise ValueError(f"first token {token!r} is outside the vocabulary")
+        return token
+
+    def _commit(self, h: Handoff, token: int, aux: dict) -> None:
+        req = h.req
+        del self.handoffs[h.room]
+        h.advance(KVPoll.SUCCESS)
+        req.num_cached_tokens = len(req.input_ids)
+        req.output_ids.append(token)
+        if req.return_logprob and isinstance(aux.get("logprob"), float):
+            req.output_logprobs.append(aux["logprob"])
+            tops = aux.get("top_logprobs") or []
+            req.output_top_logprobs.append([(int(t), float(v)) for t, v in tops][: req.top_logprobs_num])
+        req.first_token_time = time.time()
+        self._changed[req.rid] = req
+        reason = self._check_stop(req)
+        if reason is not None:
+            self._finish(req, reason)
+        else:
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+
+    def _on_peer_failed(self, msg: dict) -> None:
+        room = msg["room"]
+        if room in self.quarantine:
+            self._release_quarantine(room)
+        h = self.handoffs.get(room)
+        if h is not None:
+            self._fail(h, f"prefill server failed the request: {msg.get('error')}", tell_prefill=False)
+
+    def _on_peer_dead(self, msg: dict) -> None:
+        addr = msg["addr"]
+        self.dead_peers.add(addr)
+        for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
+            self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", tell_prefill=False)
+
+    def _expire(self) -> None:
+        t = now()
+        for h in list(self.handoffs.values()):
+            if t > h.deadline:
+                what = "handshake" if h.poll == KVPoll.BOOTSTRAPPING else "KV transfer"
+                self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}", tell_prefill=True)
+        for room, (_, deadline) in list(self.quarantine.items()):
+            if t > deadline:
+                self._release_quarantine(room)
+
+    def _fail(self, h: Handoff, error: str, tell_prefill: bool) -> None:
+        """End the request. If the prefill may still write into its pages, they wait in quarantine."""
+        self.handoffs.pop(h.room, None)
+        may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
+        h.advance(KVPoll.FAILED, error)
+        if tell_prefill and h.peer_control is not None:
+            self.kv.channel.send(h.peer_control, {"type": "abort", "room": h.room})
+        if may_write and h.req.pages:
+            grace = now() + self.args.disaggregation_waiting_timeout
+            self.quarantine[h.room] = (h.req.pages, grace)
+            h.req.pages = []
+        self._finish(h.req, FinishReason("abort", message=error))
+
+    def _release_quarantine(self, room: int) -> None:
+        pages, _ = self.quarantine.pop(room)
+        self.allocator.free(pages)
+
+    def kv_pool_is_fully_free(self) -> bool:
+        return not self.quarantine and super().kv_pool_is_fully_free()
+
+    def server_info(self) -> dict:
+        return {"disaggregation_mode": "decode", **self.kv.info()}
+
+    def close(self) -> None:
+        self.heartbeat.close()
+        self.route_pool.shutdown(wait=False, cancel_futures=True)
+        self.kv.close()
+
+
+def bootstrap_addr(req: Req) -> str:
+    host = req.bootstrap_host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"{host}:{req.bootstrap_port}"
+
+
+class Heartbeat:
+    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the inbox."""
+
+    def __init__(self, args: ServerArgs, inbox):
+        self.interval = args.disaggregation_heartbeat_interval
+        self.max_failures = args.disaggregation_heartbeat_failures
+        self.inbox = inbox
+        self.failures: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
+        self.thread.start()
+
+    def watch(self, addr: str) -> None:
+        with self.lock:
+            self.failures.setdefault(addr, 0)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            with self.lock:
+                addrs = list(self.failures)
+            for addr in addrs:
+                alive = bootstrap_healthy(addr, timeout_s=min(self.interval, 2.0))
+                with self.lock:
+                    self.failures[addr] = 0 if alive else self.failures[addr] + 1
+                    dead = self.failures[addr] >= self.max_failures
+                    if dead:
+                        del self.failures[addr]
+                if dead:
+                    self.inbox.put({"type": "peer_dead", "room": -1, "addr": addr})
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)

@@ -1,0 +1,269 @@
+"""The prefill role: computes a prompt's KV and first token, then pushes both to the decode server.
+
+A request waits (BOOTSTRAPPING) until its decode side sends the destination pages; only then does it enter
+the scheduler's queue (WAITING_FOR_INPUT: back-pressure). After each prefill chunk the newly filled pages
+are pushed; after the last chunk the remaining pages and the first token follow (TRANSFERRING). When the
+last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+from dataclasses import dataclass
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
+from pdserve.disagg.common import Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
+from pdserve.scheduler.request import FinishReason, Req
+from pdserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.002
+
+
+@dataclass(slots=True)
+class WriteJob:
+    room: int
+    peer_session: str
+    spans: tuple[list[int], list[int], list[int]]
+    final: bool
+
+
+class TransferWorker:
+    """Runs KV writes in order on one thread; reports each result into the control inbox."""
+
+    def __init__(self, engine, inbox: queue.SimpleQueue):
+        self.engine = engine
+        self.inbox = inbox
+        self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self.cancelled: set[int] = set()
+        self.thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: WriteJob) -> None:
+        self.jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            result = {"type": "write_done", "room": job.room, "final": job.final}
+            if job.room not in self.cancelled:
+                try:
+                    self.engine.write(job.peer_session, *job.spans)
+                except Exception as exc:  # any engine failure fails this room only
+                    result = {"type": "write_failed", "room": job.room, "error": f"{type(exc).__name__}: {exc}"}
+            self.inbox.put(result)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=10)
+
+
+class PrefillScheduler(Scheduler):
+    def __init__(self, args: ServerArgs, tokenizer=None):
+        super().__init__(args, tokenizer)
+        self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
+        self.worker = TransferWorker(self.kv.engine, self.kv.channel.inbox)
+        self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
+            rank=0, control_endpoint=self.kv.channel.endpoint, transfer_session=self.kv.engine.session_id(),
+            transfer_backend=self.kv.engine.name, kv_layout=self.runner.pool.layout.describe(),
+            model=self.kv.description["model"], tp_size=args.tp_size,
+        ))
+        self.handoffs: dict[int, Handoff] = {}
+        self.early_requests: dict[int, tuple[dict, float]] = {}  # transfer_requests that beat their HTTP request
+        self.handlers = {"transfer_request": self._on_transfer_request, "abort": self._on_peer_abort,
+                         "write_done": self._on_write_done, "write_failed": self._on_write_failed}
+
+    # ---- requests -----------------------------------------------------------------------------------------
+
+    def validate(self, req: Req) -> None:
+        super().validate(req)
+        validate_pd_request(req, self.handoffs)
+
+    def _accept(self, req: Req) -> None:
+        h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
+        self.handoffs[h.room] = h
+        early = self.early_requests.pop(h.room, None)
+        if early is not None:
+            self._on_transfer_request(early[0])
+
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.handoffs)
+
+    def step(self):
+        idle = not (self.waiting or self.running or self.chunked)
+        for msg in self.kv.channel.drain(IDLE_WAIT_S if idle and self.handoffs else 0.0):
+            handler = self.handlers.get(msg["type"])
+            if handler is None:
+                logger.warning("ignoring unknown control message %r", msg["type"])
+                continue
+            handler(msg)
+        self._expire()
+        return super().step()
+
+    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
+        req = self.reqs.get(rid)
+        h = self.handoffs.get(req.bootstrap_room) if req is not None else None
+        if h is not None:
+            self._fail(h, message)
+        else:
+            super().abort_request(rid, message)
+
+    def _check_stop(self, req: Req) -> FinishReason | None:
+        return None  # the decode side decides when generation stops, starting with the first token
+
+    # ---- KV push ------------------------------------------------------------------------------------------
+
+    def on_chunk_done(self, req: Req, start: int, end: int) -> None:
+        self._push(self.handoffs[req.bootstrap_room], end // self.page_size, final=False)
+
+    def on_prefill_done(self, req: Req) -> None:
+        h = self.handoffs[req.bootstrap_room]
+        if self.radix is not None:
+            self.radix.insert(req.input_ids, req.pages)
+        self._push(h, math.ceil(len(req.input_ids) / self.page_size), final=True)
+        h.advance(KVPoll.TRANSFERRING)
+
+    def _push(self, h: Handoff, upto_page: int, final: bool) -> None:
+        if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
+            return
+        src = h.req.pages[h.pages_sent : upto_page]
+        dst = h.dst_pages[h.pages_sent : upto_page]
+        runs = coalesce_page_runs(src, dst)
+        spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
+        h.pages_sent = max(h.pages_sent, upto_page)
+        h.writes_in_flight += 1
+        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final))
+
+    # ---- control messages ---------------------------------------------------------------------------------
+
+    def _on_transfer_request(self, msg: dict) -> None:
+        room = msg["room"]
+        h = self.handoffs.get(room)
+        if h is None:
+            self.early_requests[room] = (msg, now() + self.args.disaggregation_bootstrap_timeout)
+            return
+        if h.poll != KVPoll.BOOTSTRAPPING:
+            return
+        try:
+            h.peer_control = _str(msg, "control")
+            check_compatible(self.kv.description, msg.get("peer") or {})
+            layout = layout_from_description((msg.get("peer") or {}).get("kv_layout"))
+            h.dst_pages = checked_pages(msg.get("dst_pages"), layout.num_pages,
+                                        math.ceil(len(h.req.input_ids) / self.page_size))
+            h.peer_session = _str(msg, "session")
+            base = msg.get("kv_base")
+            if type(base) is not int or base <= 0:
+                raise ValueError(f"bad kv_base {base!r}")
+            h.peer_region = KVRegion(base, layout)
+        except (IncompatiblePeer, ValueError, TypeError) as exc:
+            logger.warning("room %d: refusing decode peer: %s", room, exc)
+            self._fail(h, f"decode peer refused: {exc}")
+            return
+        h.advance(KVPoll.WAITING_FOR_INPUT)
+        self.waiting.append(h.req)
+
+    def _on_peer_abort(self, msg: dict) -> None:
+        h = self.handoffs.get(msg["room"])
+        if h is not None:
+            self._fail(h, "aborted by the decode server")
+
+    def _on_write_done(self, msg: dict) -> None:
+        h = self.handoffs.get(msg["room"])
+        if h is None:
+            return
+        h.writes_in_flight -= 1
+        if msg.get("final") and h.poll == KVPoll.TRANSFERRING:
+            self.kv.channel.send(h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid,
+                                                  "aux": _aux_record(h)})
+            h.advance(KVPoll.SUCCESS)
+            self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
+        self._release_if_drained(h)
+
+    def _on_write_failed(self, msg: dict) -> None:
+        h = self.handoffs.get(msg["room"])
+        if h is not None:
+            h.writes_in_flight -= 1
+            self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
+
+    def _expire(self) -> None:
+        t = now()
+        for h in list(self.handoffs.values()):
+            if h.poll == KVPoll.BOOTSTRAPPING and t > h.deadline:
+                self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
+                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s")
+        for room, (_, deadline) in list(self.early_requests.items()):
+            if t > deadline:
+                del self.early_requests[room]
+
+    def _fail(self, h: Handoff, error: str) -> None:
+        """End the request with an error; pages stay held until no write for the room is in flight."""
+        if h.poll == KVPoll.FAILED:
+            return
+        h.advance(KVPoll.FAILED, error)
+        self.worker.cancelled.add(h.room)
+        req = h.req
+        for queue_ in (self.waiting, self.running):
+            if req in queue_:
+                queue_.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if not req.finished:
+            self._finish(req, FinishReason("abort", message=error))
+        self._release_if_drained(h)
+
+    def _release_pages(self, req: Req) -> None:
+        h = self.handoffs.get(req.bootstrap_room)
+        if h is None or h.writes_in_flight == 0:
+            super()._release_pages(req)
+
+    def _release_if_drained(self, h: Handoff) -> None:
+        if h.writes_in_flight > 0 or not h.req.finished:
+            return
+        del self.handoffs[h.room]
+        self.worker.cancelled.discard(h.room)
+        super()._release_pages(h.req)
+        if h.poll == KVPoll.FAILED and h.peer_control is not None:
+            self.kv.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
+
+    def server_info(self) -> dict:
+        return {"disaggregation_mode": "prefill", "bootstrap": self.bootstrap.address, **self.kv.info()}
+
+    def close(self) -> None:
+        self.worker.close()
+        self.bootstrap.close()
+        self.kv.close()
+
+
+def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
+    if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
+        raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
+                         "(send them through the router)")
+    if not 0 <= req.bootstrap_room < 2**63:
+        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
+    if req.bootstrap_room in handoffs:
+        raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
+    if req.sampling_params.max_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
+
+
+def _aux_record(h: Handoff) -> dict:
+    req = h.req
+    return {
+        "room": h.room,
+        "first_token": req.output_ids[0],
+        "logprob": req.output_logprobs[0] if req.output_logprobs else None,
+        "top_logprobs": [list(t) for t in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
+    }
+
+
+def _str(msg: dict, key: str) -> str:
+    value = msg.get(key)
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"control message field {key!r} must be a non-empty string")
+    return value
