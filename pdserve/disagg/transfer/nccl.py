@@ -91,7 +91,6 @@ class NcclLibrary:
         "ncclRecv": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p],
         "ncclGroupStart": [],
         "ncclGroupEnd": [],
-        "ncclCommDestroy": [ctypes.c_void_p],
         "ncclCommAbort": [ctypes.c_void_p],
     }
 
@@ -136,9 +135,6 @@ class NcclLibrary:
                     self._check(fn(ptr, n, NCCL_UINT8, peer, comm, stream), what)
             finally:
                 self._check(self._ncclGroupEnd(), "ncclGroupEnd")
-
-    def destroy(self, comm: int) -> None:
-        self._check(self._ncclCommDestroy(comm), "ncclCommDestroy")
 
     def abort(self, comm: int) -> None:
         self._check(self._ncclCommAbort(comm), "ncclCommAbort")
@@ -291,11 +287,12 @@ class NcclTransferEngine(TransferEngine):
         self._closed = True
         self._server.close()
         self._peers.close()
+        # abort, not destroy: local and never blocks on a peer that is already gone
         for comm in self._send_comms.values():
-            self._nccl.destroy(comm)
+            self._nccl.abort(comm)
         for pending in self._recv_comms.values():
             if pending.comm is not None:
-                self._nccl.destroy(pending.comm)
+                self._nccl.abort(pending.comm)
         self._send_comms.clear()
         self._recv_comms.clear()
 
