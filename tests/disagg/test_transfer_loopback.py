@@ -101,3 +101,38 @@ def test_sender_refuses_unregistered_source(pair):
     sender, src, hello, conn = pair
     with pytest.raises(TransferError, match="outside every registered region"):
         sender.write(hello["session"], [src.data_ptr + src.nbytes - 4], [hello["base"]], [8])
+
+
+def test_tcp_write_to_silent_peer_times_out():
+    sender = make_transfer_engine("tcp", "cpu", timeout_s=0.5)
+    buf = torch.zeros(64, dtype=torch.uint8)
+    sender.register(buf.data_ptr(), 64)
+    try:
+        with pytest.raises(TransferError, match="no write ack from 127.0.0.1:9 within"):
+            sender.write("127.0.0.1:9", [buf.data_ptr()], [4096], [64])
+    finally:
+        sender.close()
+
+
+def test_tcp_receiver_refuses_malformed_messages():
+    from pdserve.disagg.transfer.channel import ControlClient
+
+    receiver = make_transfer_engine("tcp", "cpu")
+    buf = torch.zeros(64, dtype=torch.uint8)
+    receiver.register(buf.data_ptr(), 64)
+    client = ControlClient(receiver.session_id(), timeout_s=5)
+    try:
+        bad = [
+            ({"op": "write", "dst": [[buf.data_ptr(), "8"]]}, [b"x" * 8], "malformed span"),
+            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [b"x" * 7], "declares 8 bytes but carries 7"),
+            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [], "1 spans but 0 payload frames"),
+            ({"op": "read", "dst": []}, [], "unknown op"),
+        ]
+        for header, payload, message in bad:
+            client.send(header, payload)
+            with pytest.raises(TransferError, match=message):
+                client.recv("ack")
+        assert not buf.any()
+    finally:
+        client.close()
+        receiver.close()
