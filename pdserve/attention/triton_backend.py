@@ -1,0 +1,145 @@
+"""Paged attention through the Triton kernels in pdserve.kernels.attention: decode (split-KV) and extend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from pdserve.kernels.attention import (
+    decode_attention,
+    decode_num_splits,
+    decode_workspace,
+    extend_attention,
+    store_kv,
+)
+from pdserve.mem_cache.kv_pool import KVPool
+
+
+@dataclass(slots=True)
+class DecodeMetadata:
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    max_splits: int
+    partial_o: torch.Tensor | None
+    partial_lse: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class ExtendMetadata:
+    page_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    max_extend_len: int
+    out_cache_loc: torch.Tensor
+
+
+@dataclass(slots=True)
+class CudaGraphBuffers:
+    """Static decode inputs of max size; a graph of batch size bs reads rows [:bs]."""
+
+    seq_lens: torch.Tensor  # [max_bs] int32
+    page_table: torch.Tensor  # [max_bs, max_pages] int32
+    out_cache_loc: torch.Tensor  # [max_bs] int64
+    padding_loc: torch.Tensor  # [max_bs] int64: row i writes slot i % page_size of page 0
+    partial_o: torch.Tensor  # flat fp32 workspace, large enough for every bs
+    partial_lse: torch.Tensor
+
+
+class TritonAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, device, dtype,
+                 max_context_len: int):
+        assert num_heads % num_kv_heads == 0 and head_dim in (64, 128)
+        assert page_size >= 1 and page_size & (page_size - 1) == 0
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_context_len = max_context_len
+        self.metadata: DecodeMetadata | ExtendMetadata | None = None
+        self.graph_buffers: CudaGraphBuffers | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE:
+            bs = batch.batch_size
+            splits = decode_num_splits(bs, self.num_kv_heads, self.device)
+            partial_o, partial_lse = decode_workspace(bs, self.num_heads, self.head_dim, splits, self.device)
+            self.metadata = DecodeMetadata(
+                batch.page_table, batch.seq_lens, batch.out_cache_loc, splits, partial_o, partial_lse
+            )
+        else:
+            self.metadata = ExtendMetadata(
+                batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
+                max(batch.extend_lens_cpu, default=0), batch.out_cache_loc,
+            )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
+                scaling: float) -> torch.Tensor:
+        meta = self.metadata
+        k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        store_kv(k, v, k_cache, v_cache, meta.out_cache_loc)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if isinstance(meta, DecodeMetadata):
+            return decode_attention(
+                q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, scaling, self.page_size,
+                meta.max_splits, meta.partial_o, meta.partial_lse,
+            )
+        return extend_attention(
+            q, k_cache, v_cache, meta.page_table, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
+            meta.max_extend_len, out, scaling, self.page_size,
+        )
+
+    # ------------------------------------------------------------------------------------ CUDA graphs
+
+    def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
+        dev = self.device
+        workspace_rows = max(bs * decode_num_splits(bs, self.num_kv_heads, dev) for bs in range(1, max_bs + 1))
+        self.graph_buffers = CudaGraphBuffers(
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            page_table=torch.zeros(max_bs, max_pages_per_req, dtype=torch.int32, device=dev),
+            out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            padding_loc=torch.arange(max_bs, dtype=torch.int64, device=dev) % self.page_size,
+            partial_o=torch.empty(workspace_rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
+            partial_lse=torch.empty(workspace_rows * self.num_heads, dtype=torch.float32, device=dev),
+        )
+
+    def _graph_metadata(self, bs: int) -> DecodeMetadata:
+        g = self.graph_buffers
+        splits = decode_num_splits(bs, self.num_kv_heads, self.device)
+        partial_o = partial_lse = None
+        if splits > 1:
+            partial_o = g.partial_o[: bs * self.num_heads * splits * self.head_dim].view(
+                bs, self.num_heads, splits, self.head_dim
+            )
+            partial_lse = g.partial_lse[: bs * self.num_heads * splits].view(bs, self.num_heads, splits)
+        return DecodeMetadata(g.page_table[:bs], g.seq_lens[:bs], g.out_cache_loc[:bs], splits, partial_o, partial_lse)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs: int) -> None:
+        """Point the metadata at the static buffers' first bs rows, all padding (seq_len 1, page 0)."""
+        g = self.graph_buffers
+        g.seq_lens[:bs].fill_(1)
+        g.page_table[:bs].zero_()
+        g.out_cache_loc[:bs].copy_(g.padding_loc[:bs])
+        self.metadata = self._graph_metadata(bs)
+
+    def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy a decode batch of n <= bs requests into the static buffers (device copies only, no host sync);
+        rows n..bs-1 become padding: seq_len 1, page 0, KV written to slot (row % page_size) of page 0."""
+        assert batch.mode == ForwardMode.DECODE
+        g = self.graph_buffers
+        n, width = batch.batch_size, batch.page_table.shape[1]
+        assert n <= bs <= g.seq_lens.shape[0] and width <= g.page_table.shape[1]
+        g.seq_lens[:n].copy_(batch.seq_lens, non_blocking=True)
+        g.seq_lens[n:bs].fill_(1)
+        g.page_table[:n, :width].copy_(batch.page_table, non_blocking=True)
+        g.page_table[n:bs].zero_()
+        g.out_cache_loc[:n].copy_(batch.out_cache_loc, non_blocking=True)
+        g.out_cache_loc[n:bs].copy_(g.padding_loc[n:bs])
+        self.metadata = self._graph_metadata(bs)

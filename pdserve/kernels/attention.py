@@ -1,0 +1,331 @@
+"""Triton kernels for paged attention: KV store, decode (split-KV + reduce) and extend (cached prefix + causal).
+
+Paged KV layout (pdserve.mem_cache.kv_pool): one layer's K (or V) is `[num_slots, H_kv, D]`; token position `pos`
+of request `b` lives in slot `page_table[b, pos // page_size] * page_size + pos % page_size`.
+Every launcher works on any device Triton can run on (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_N = 64
+DECODE_MIN_SPLIT_LEN = 256  # a split covers at least this many tokens; shorter contexts run unsplit
+DECODE_MAX_SPLITS = 64
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    """Upper bound of KV splits per (request, kv head): enough programs to cover the GPU ~4 times.
+
+    Depends on the batch size only (never on sequence lengths), so a CUDA graph captured for a batch size
+    keeps a fixed grid; each request uses min(bound, ceil(seq_len / DECODE_MIN_SPLIT_LEN)) splits in-kernel.
+    """
+    want = triton.cdiv(4 * num_sms(device), batch_size * num_kv_heads)
+    return max(1, min(DECODE_MAX_SPLITS, triton.next_power_of_2(want)))
+
+
+# ----------------------------------------------------------------------------------------------- KV store
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, Loc,
+    stride_kt, stride_vt, stride_ct,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    k = tl.load(K + t * stride_kt + offs, mask=mask)
+    v = tl.load(V + t * stride_vt + offs, mask=mask)
+    tl.store(KCache + slot * stride_ct + offs, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + slot * stride_ct + offs, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> None:
+    """k_cache[loc[t]] = k[t] and v_cache[loc[t]] = v[t] for every new token t, in one launch.
+
+    k, v: [T, H_kv, D] (token stride free, heads and dims contiguous); k_cache, v_cache: [num_slots, H_kv, D]
+    contiguous; loc: [T] int64 slots. Casts to the cache dtype. Writes in place, returns nothing.
+    """
+    num_tokens, heads, dim = k.shape
+    assert k.stride(2) == 1 and k.stride(1) == dim and v.stride(2) == 1 and v.stride(1) == dim
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride(0) == heads * dim
+    if num_tokens == 0:
+        return
+    row = heads * dim
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), k_cache.stride(0),
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------- decode
+
+
+@triton.jit
+def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr):
+    return tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_LEN), MAX_SPLITS), 1)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh,
+    sm_scale_log2,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+):
+    """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    splits = _decode_splits(seq_len, MAX_SPLITS, MIN_SPLIT_LEN)
+    if split >= splits:
+        return
+    split_len = tl.cdiv(tl.cdiv(seq_len, splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    mask_g = offs_g < GROUP
+    heads = kvh * GROUP + offs_g
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
+    q = q.to(K.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pb
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        mask_n = pos < end
+        page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        qk = tl.dot(q, k) * sm_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if MAX_SPLITS == 1:
+        o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
+        row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
+        tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PartialLse + row, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    PartialO, PartialLse, SeqLens, Out, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = _decode_splits(tl.load(SeqLens + b), MAX_SPLITS, MIN_SPLIT_LEN)
+    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < splits
+    row = (b * tl.num_programs(1) + h) * MAX_SPLITS
+    lse = tl.load(PartialLse + row + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    o = tl.load(PartialO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+
+
+def decode_workspace(batch_size: int, num_heads: int, head_dim: int, max_splits: int, device) -> tuple:
+    """(partial_o [B, H_q, S, D] fp32, partial_lse [B, H_q, S] fp32) for split-KV decode; None pair when S == 1."""
+    if max_splits == 1:
+        return None, None
+    partial_o = torch.empty(batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
+    partial_lse = torch.empty(batch_size, num_heads, max_splits, dtype=torch.float32, device=device)
+    return partial_o, partial_lse
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+    out: torch.Tensor, scaling: float, page_size: int, max_splits: int,
+    partial_o: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Paged decode attention: request b's single query attends to KV positions 0..seq_lens[b]-1.
+
+    q: [B, H_q, D] (head_dim contiguous), k_cache/v_cache: [num_slots, H_kv, D], page_table: [B, >=pages] int32,
+    seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
+    max_splits: power of 2 (see decode_num_splits); partial_o/partial_lse from decode_workspace when it is > 1.
+    Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+    assert max_splits & (max_splits - 1) == 0
+    if max_splits > 1 and partial_o is None:
+        partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
+    _decode_split_kernel[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        scaling * LOG2E,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=DECODE_BLOCK_N, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=DECODE_MIN_SPLIT_LEN,
+        num_warps=4, num_stages=2,
+    )
+    if max_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            partial_o, partial_lse, seq_lens, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=DECODE_MIN_SPLIT_LEN, num_warps=4,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- extend
+
+
+@triton.jit
+def _extend_block(
+    acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+    stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = pos < kv_end
+        page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
+    else:
+        page = tl.load(page_row + pos // PAGE_SIZE)
+    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    if MASKED:
+        k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        qk = tl.dot(q, k) * sm_scale_log2
+        qk = tl.where((pos[None, :] <= q_pos[:, None]) & mask_n[None, :], qk, float("-inf"))
+    else:
+        k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
+        qk = tl.dot(q, k) * sm_scale_log2
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    else:
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, PageTable, PrefixLens, ExtendLens, ExtendStart,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ot, stride_oh,
+    sm_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program: BLOCK_M new tokens of request b, query head h. KV (prefix and new) is read from the pool."""
+    h = tl.program_id(0)
+    b = tl.program_id(2)
+    extend_len = tl.load(ExtendLens + b)
+    mblk = tl.cdiv(extend_len, BLOCK_M) - 1 - tl.program_id(1)  # longest rows of the causal triangle first
+    if mblk < 0:
+        return
+    prefix_len = tl.load(PrefixLens + b)
+    q_start = tl.load(ExtendStart + b)
+    kvh = h // GROUP
+    offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < extend_len
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+    q = q.to(K.dtype.element_ty)
+    q_pos = prefix_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pb
+    # KV positions below the block's first query position are visible to every row: no mask needed.
+    full_end = (prefix_len + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(prefix_len + (mblk + 1) * BLOCK_M, prefix_len + extend_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+            stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
+        )
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _extend_block(
+            acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+            stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
+        )
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=mask_m[:, None])
+
+
+def extend_config(head_dim: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+def extend_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+    prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start_loc: torch.Tensor, max_extend_len: int,
+    out: torch.Tensor, scaling: float, page_size: int, config: dict | None = None,
+) -> torch.Tensor:
+    """Paged extend (prefill on top of a cached prefix) attention; the new tokens' K/V must already be stored.
+
+    q: [T, H_q, D] (head_dim contiguous); request b's rows extend_start_loc[b] .. + extend_lens[b]; its row i
+    sits at position prefix_lens[b] + i and attends to KV positions 0 .. prefix_lens[b] + i, read from
+    k_cache/v_cache [num_slots, H_kv, D] through page_table [B, >=pages] int32. prefix_lens, extend_lens,
+    extend_start_loc: [B] int32; max_extend_len: host int >= max(extend_lens). out: [T, H_q, D] written in
+    place and returned. Rows of q outside every request are left unwritten.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[1]
+    cfg = config or extend_config(head_dim, q.device)
+    batch = prefix_lens.shape[0]
+    if batch == 0 or max_extend_len == 0:
+        return out
+    grid = (num_heads, triton.cdiv(max_extend_len, cfg["BLOCK_M"]), batch)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, prefix_lens, extend_lens, extend_start_loc,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1),
+        scaling * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, **cfg,
+    )
+    return out
+
+
+def attention_flops(q_lens: list[int], kv_lens: list[int], num_heads: int, head_dim: int) -> int:
+    """Matmul FLOPs of causal attention (QK^T and PV), counting only the visible (unmasked) pairs."""
+    pairs = sum(q * (kv - q) + q * (q + 1) // 2 for q, kv in zip(q_lens, kv_lens))
+    return 4 * pairs * num_heads * head_dim

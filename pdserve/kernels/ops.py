@@ -1,0 +1,85 @@
+"""Fused elementwise ops: a torch reference and a dispatcher per op (Triton on CUDA when installed, else torch).
+
+Every dispatcher computes the same function as its `*_ref`; the Triton versions round once per output element
+(fp32 arithmetic inside), so they agree with the references to the last bit or one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return HAS_TRITON and x.is_cuda
+
+
+def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = (normed.float() * weight.float()).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm over the last dim, HF-exact: y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
+
+    x: [..., N] any float dtype (last dim contiguous); weight: [N]. Inputs are never modified.
+    residual=None: returns y (new tensor, x's shape and dtype).
+    residual [..., N] given: h = (x + residual) rounded to x.dtype; returns (rmsnorm(h), h), both new tensors;
+    h is the residual stream for the next layer.
+    """
+    if _use_triton(x):
+        from pdserve.kernels import fused
+
+        return fused.rmsnorm(x, weight, eps, residual)
+    return rmsnorm_ref(x, weight, eps, residual)
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
+    """[max_positions, 2 * len(inv_freq)] fp32: row p = cat(cos(p * inv_freq), sin(p * inv_freq))."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device), inv_freq.double())
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+
+
+def apply_rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache.index_select(0, positions).float()
+    cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half : 2 * half].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x[..., : 2 * half] = rotated.to(x.dtype)
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
+    """Neox-style rotary embedding applied IN PLACE to q and k; returns None.
+
+    positions: [T] int64; q: [T, H_q, D], k: [T, H_kv, D] (views allowed, last dim contiguous);
+    cos_sin_cache: [max_pos, R] fp32 (see build_cos_sin_cache), R <= D even: the first R dims of each head
+    rotate as pairs (i, i + R/2); dims >= R are untouched. Arithmetic in fp32, one rounding per element.
+    """
+    if _use_triton(q):
+        from pdserve.kernels import fused
+
+        return fused.apply_rotary(positions, q, k, cos_sin_cache)
+    return apply_rotary_ref(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    inter = x.shape[-1] // 2
+    return (torch.nn.functional.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., 2I] = cat(gate, up) -> new tensor [..., I] = silu(gate) * up (fp32 math, x's dtype)."""
+    if _use_triton(x):
+        from pdserve.kernels import fused
+
+        return fused.silu_and_mul(x)
+    return silu_and_mul_ref(x)

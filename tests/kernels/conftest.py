@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Run the Triton kernels of pdserve.kernels on CPU tensors through Triton's interpreter."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    import triton.language as tl
+    import triton.language.standard as tl_standard
+
+    import pdserve.kernels.attention as attention
+    import pdserve.kernels.fused as fused
+
+    from triton.runtime import interpreter
+
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    # The interpreter holds scalars as 1-element arrays and int() of those fails on NumPy >= 2.4
+    # (Triton 3.6 `for i in range(start, end)` with loaded bounds); index through the first element.
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_index)
+    # Triton's own library functions (tl.cdiv, tl.sigmoid, ...) are jitted at import time as well.
+    for module in (attention, fused, tl, tl_standard):
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, JITFunction):
+                monkeypatch.setattr(module, name, interpreter.InterpretedFunction(obj.fn))

@@ -1,0 +1,30 @@
+"""The attention kernels on CPU through Triton's interpreter (small shapes; the GPU tests cover the matrix).
+
+fp32 only: Triton 3.6's interpreter returns garbage for tl.dot on bf16 operands (seen 2026-11-21, NumPy 2.4).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels_paged import make_batch, reference_attention, rel_err
+from pdserve.attention.base import ForwardMode
+
+
+@pytest.mark.parametrize("page_size,group", [(1, 2), (4, 1)])
+def test_decode_and_extend_interpreted(interpreted, page_size, group):
+    from pdserve.attention.triton_backend import TritonAttnBackend
+
+    for mode, specs in (
+        (ForwardMode.DECODE, [(0, 1), (70, 1), (600, 1)]),  # the 601-token request takes 2 KV splits
+        (ForwardMode.EXTEND, [(0, 9), (6, 40), (45, 1)]),
+    ):
+        batch, pool, q, k, v = make_batch(specs, page_size=page_size, num_heads=2 * group, num_kv_heads=2,
+                                          head_dim=64, dtype=torch.float32, device="cpu", mode=mode)
+        ref = reference_attention(q, k, v, pool, batch, 0.125)
+        backend = TritonAttnBackend(2 * group, 2, 64, page_size, "cpu", torch.float32, 4096)
+        backend.init_forward_metadata(batch)
+        out = backend.forward(q, k, v, 0, pool, 0.125)
+        assert rel_err(out, ref) < 1e-5
+        assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
