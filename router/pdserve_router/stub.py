@@ -118,7 +118,7 @@ class StubServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        self.requests.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()}})
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -37,6 +37,10 @@ class CircuitBreaker:
             self.state, self.successes = "half_open", 0
         return self.state != "open"
 
+    def reset(self) -> None:
+        """An instance that came back (it passed its health checks again) starts with a clean record."""
+        self.state, self.failures, self.successes = "closed", 0, 0
+
     def record(self, ok: bool, now: float) -> None:
         if ok:
             self.failures = 0
@@ -166,6 +170,7 @@ class HealthChecker:
             worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
             if not worker.healthy and worker.health_successes >= c.health_success_threshold:
                 worker.healthy = True
+                worker.breaker.reset()
                 log.warning("%s worker %s is healthy again; back in rotation", worker.role, worker.url)
             return
         worker.health_successes, worker.health_failures = 0, worker.health_failures + 1

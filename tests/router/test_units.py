@@ -1,0 +1,81 @@
+"""In-process unit tests: CLI parsing, circuit breaker, payload shaping, policies, and importing without torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pdserve_router.cli import parse_config
+from pdserve_router.config import RouterConfig
+from pdserve_router.payload import FirstEventMerger, inject_bootstrap
+from pdserve_router.policies import CacheAwarePolicy
+from pdserve_router.workers import CircuitBreaker, Worker
+
+
+def test_import_does_not_pull_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import pdserve_router, pdserve_router.app, pdserve_router.bench, pdserve_router.stub\n"
+            "from pdserve_router.app import create_app; from pdserve_router.cli import parse_config\n"
+            "create_app(parse_config(['--decode', 'http://127.0.0.1:1']))\n"
+            "assert sys.modules['torch'] is None\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cli_bootstrap_ports_broadcast_or_one_per_prefill():
+    config = parse_config(["--prefill", "http://a:1", "http://b:2", "--decode", "http://c:3"])
+    assert config.mode == "pd" and config.bootstrap_ports == (8998, 8998) and config.host == "127.0.0.1"
+    config = parse_config(["--prefill", "http://a:1", "http://b:2", "--prefill-bootstrap-ports", "7", "8"])
+    assert config.bootstrap_ports == (7, 8)
+    with pytest.raises(SystemExit):
+        parse_config(["--prefill", "http://a:1", "http://b:2", "--prefill-bootstrap-ports", "7", "8", "9"])
+    with pytest.raises(SystemExit):
+        parse_config(["--worker", "http://a:1", "--decode", "http://b:2"])
+    assert parse_config(["--worker", "http://a:1", "--policy", "least_load"]).mode == "regular"
+
+
+def test_bootstrap_host_is_ipv6_safe():
+    breaker = CircuitBreaker(1, 1, 1.0)
+    prefill = Worker("http://[::1]:30000/", "prefill", breaker, bootstrap_port=8998)
+    assert prefill.url == "http://[::1]:30000" and prefill.bootstrap_host == "[::1]"
+    body = inject_bootstrap({"text": "x"}, "/generate", prefill, None)
+    assert body["bootstrap_host"] == "[::1]" and body["bootstrap_port"] == 8998 and body["bootstrap_room"] < 2**63
+
+
+def test_circuit_breaker_states():
+    breaker = CircuitBreaker(failure_threshold=2, success_threshold=2, open_duration_s=10.0)
+    breaker.record(False, now=0.0)
+    assert breaker.allows(0.0)
+    breaker.record(False, now=1.0)
+    assert breaker.state == "open" and not breaker.allows(5.0)
+    assert breaker.allows(11.0) and breaker.state == "half_open"
+    breaker.record(False, now=11.5)
+    assert breaker.state == "open" and not breaker.allows(12.0)
+    assert breaker.allows(22.0)
+    breaker.record(True, now=22.1)
+    assert breaker.state == "half_open"
+    breaker.record(True, now=22.2)
+    assert breaker.state == "closed"
+
+
+def test_cache_aware_matches_token_ids_and_respects_the_threshold():
+    config = RouterConfig(cache_block_chars=4, cache_threshold=0.5)
+    workers = [Worker(f"http://w{i}:1", "decode", CircuitBreaker(5, 2, 1.0)) for i in range(2)]
+    policy = CacheAwarePolicy(config)
+    first = policy.select(workers, list(range(16)))
+    assert all(policy.select(workers, list(range(16)) + [99, i]) is first for i in range(5))
+    first.in_flight = 1  # a mostly new prompt ignores a short shared prefix and goes to the less loaded worker
+    assert policy.select(workers, list(range(4)) + list(range(100, 116))) is not first
+
+
+def test_first_event_merger_handles_split_chunks():
+    prefill = {0: {"meta_info": {"input_token_logprobs": [[-1.0, 5, None]]}}}
+    merger = FirstEventMerger(prefill)
+    stream = b'data: {"index": 0, "meta_info": {}}\n\ndata: {"index": 0, "meta_info": {}}\n\ndata: [DONE]\n\n'
+    out = b"".join(merger.feed(stream[i:i + 7]) for i in range(0, len(stream), 7)) + merger.flush()
+    events = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e.startswith("data: {")]
+    assert events[0]["meta_info"]["input_token_logprobs"] == [[-1.0, 5, None]]
+    assert events[1]["meta_info"] == {} and out.endswith(b"data: [DONE]\n\n")
