@@ -1,0 +1,272 @@
+"""Kernel micro-benchmarks on one CUDA GPU: paged decode / extend attention, KV store, fused ops, sampling.
+
+python -m pdserve.bench.kernels --out DIR [--quick]
+Writes DIR/kernels.json (every measurement) and DIR/kernels.png; prints a table. Times are medians of
+triton.testing.do_bench (extend, long kernels) or do_bench_cudagraph (everything else: the graphs the
+engine replays). Ceilings: a device-to-device copy measured here (bytes read + written) and the bf16
+matrix rate (an 8192^3 matmul measured here); the reference figures are 4,282 GB/s and 790 TFLOP/s (H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+from pdserve.attention.sdpa_backend import VARLEN_ATTN
+from pdserve.kernels import fused, ops, sampling
+from pdserve.kernels.attention import (
+    attention_flops,
+    decode_attention,
+    decode_num_splits,
+    decode_workspace,
+    extend_attention,
+    store_kv,
+)
+
+MODELS = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-8b": (32, 8, 128, 4096, 14336)}  # Hq, Hkv, D, hidden, inter
+BF16 = torch.bfloat16
+
+
+def ms_graph(fn) -> float:
+    fn()
+    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+
+
+def ms_eager(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def measure_ceilings() -> dict:
+    src = torch.randn(1 << 30, device="cuda", dtype=BF16)  # 2 GiB
+    dst = torch.empty_like(src)
+    copy_ms = ms_eager(lambda: dst.copy_(src))
+    del src, dst
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=BF16) for _ in range(2))
+    mm_ms = ms_eager(lambda: a @ b)
+    return {"copy_gbps": 2 * 2 * (1 << 30) / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
+
+
+class PagedPool:
+    """Random bf16 K/V for num_tokens tokens in shuffled pages, and page tables for uniform batches."""
+
+    def __init__(self, num_tokens: int, num_kv_heads: int, head_dim: int, page_size: int):
+        self.page_size = page_size
+        self.num_pages = num_tokens // page_size + 1
+        slots = self.num_pages * page_size
+        self.k = torch.randn(slots, num_kv_heads, head_dim, device="cuda", dtype=BF16)
+        self.v = torch.randn_like(self.k)
+        self.perm = torch.randperm(self.num_pages - 1, device="cuda").to(torch.int32) + 1
+
+    def page_table(self, batch: int, seq_len: int) -> torch.Tensor:
+        pages = triton.cdiv(seq_len, self.page_size)
+        assert batch * pages <= self.num_pages - 1
+        return self.perm[: batch * pages].view(batch, pages).contiguous()
+
+
+def bench_decode(ceil: dict, quick: bool) -> list[dict]:
+    rows = []
+    max_tokens = 1 << 20
+    for model, (hq, hkv, dim, _, _) in MODELS.items():
+        pool = PagedPool(max_tokens, hkv, dim, 16)
+        for ctx in (1024, 4096, 16384):
+            for batch in (1, 8, 32, 64, 128, 256):
+                if batch * ctx > max_tokens or (quick and batch not in (1, 64)):
+                    continue
+                q = torch.randn(batch, hq, dim, device="cuda", dtype=BF16)
+                out = torch.empty_like(q)
+                table = pool.page_table(batch, ctx)
+                seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+                splits = decode_num_splits(batch, hkv, q.device)
+                po, pl = decode_workspace(batch, hq, dim, splits, q.device)
+                ms = ms_graph(lambda: decode_attention(q, pool.k, pool.v, table, seq_lens, out, 0.088, 16, splits,
+                                                       po, pl))
+                nbytes = batch * ctx * hkv * dim * 2 * 2 + 2 * q.numel() * 2
+                gbps = nbytes / ms / 1e6
+                rows.append(dict(kind="decode", model=model, batch=batch, ctx=ctx, splits=splits, us=ms * 1e3,
+                                 gbps=gbps, frac_copy=gbps / ceil["copy_gbps"], frac_4282=gbps / 4282))
+        del pool
+    # page-size sensitivity at one point
+    for page_size in (1, 64):
+        pool = PagedPool(64 * 4096, 8, 128, page_size)
+        q = torch.randn(64, 32, 128, device="cuda", dtype=BF16)
+        out, table = torch.empty_like(q), pool.page_table(64, 4096)
+        seq_lens = torch.full((64,), 4096, device="cuda", dtype=torch.int32)
+        splits = decode_num_splits(64, 8, q.device)
+        ms = ms_graph(lambda: decode_attention(q, pool.k, pool.v, table, seq_lens, out, 0.088, page_size, splits))
+        gbps = (64 * 4096 * 8 * 128 * 4 + 4 * q.numel()) / ms / 1e6
+        rows.append(dict(kind="decode_page_size", model="llama-8b", page_size=page_size, batch=64, ctx=4096,
+                         us=ms * 1e3, gbps=gbps, frac_copy=gbps / ceil["copy_gbps"]))
+        del pool
+    return rows
+
+
+def bench_extend(ceil: dict) -> list[dict]:
+    rows = []
+    cases = [("8k", [(0, 8192)]), ("8k+8k prefix", [(8192, 8192)]), ("2k chunk after 6k", [(6144, 2048)]),
+             ("16x512", [(0, 512)] * 16)]
+    for model, (hq, hkv, dim, _, _) in MODELS.items():
+        pool = PagedPool(1 << 15, hkv, dim, 16)
+        for name, specs in cases:
+            batch = len(specs)
+            q_lens, kv_lens = [e for _, e in specs], [p + e for p, e in specs]
+            total = sum(q_lens)
+            q = torch.randn(total, hq, dim, device="cuda", dtype=BF16)
+            k = torch.randn(total, hkv, dim, device="cuda", dtype=BF16)
+            v = torch.randn_like(k)
+            out = torch.empty_like(q)
+            table = pool.page_table(batch, max(kv_lens))
+            as_i32 = lambda xs: torch.tensor(xs, device="cuda", dtype=torch.int32)  # noqa: E731
+            prefix, ext = as_i32([p for p, _ in specs]), as_i32(q_lens)
+            starts = as_i32([sum(q_lens[:i]) for i in range(batch)])
+            flops = attention_flops(q_lens, kv_lens, hq, dim)
+            impls = {"triton": lambda: extend_attention(q, pool.k, pool.v, table, prefix, ext, starts, max(q_lens), out,
+                                                        0.088, 16)}
+            if not any(p for p, _ in specs):
+                impls["sdpa_loop"] = lambda: [
+                    torch.nn.functional.scaled_dot_product_attention(
+                        q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None],
+                        v[s:s + n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+                    for s, n in zip(range(0, total, q_lens[0]), q_lens)]
+                if VARLEN_ATTN is not None:
+                    cu = as_i32([0] + [sum(q_lens[: i + 1]) for i in range(batch)])
+                    impls["varlen"] = lambda: VARLEN_ATTN(q, k, v, cu, cu, max(q_lens), max(q_lens),
+                                                          window_size=(-1, 0), enable_gqa=True)
+            for impl, fn in impls.items():
+                try:
+                    ms = ms_eager(fn)
+                except Exception as e:  # an unsupported torch path is a result, not a crash
+                    rows.append(dict(kind="extend", model=model, case=name, impl=impl, error=repr(e)[:300]))
+                    continue
+                tflops = flops / ms / 1e9
+                rows.append(dict(kind="extend", model=model, case=name, impl=impl, us=ms * 1e3, tflops=tflops,
+                                 frac_matmul=tflops / ceil["matmul_tflops"], frac_790=tflops / 790))
+        del pool
+    return rows
+
+
+def bench_store(ceil: dict) -> list[dict]:
+    rows = []
+    k_cache = torch.randn(1 << 20, 8, 128, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    for tokens in (1, 64, 256, 8192):
+        k = torch.randn(tokens, 8, 128, device="cuda", dtype=BF16)
+        v = torch.randn_like(k)
+        loc = torch.randperm(1 << 20, device="cuda")[:tokens]
+        nbytes = 4 * k.numel() * 2
+
+        def index_copy():
+            k_cache.index_copy_(0, loc, k)
+            v_cache.index_copy_(0, loc, v)
+
+        for impl, fn in (("triton", lambda: store_kv(k, v, k_cache, v_cache, loc)), ("index_copy", index_copy)):
+            ms = ms_graph(fn)
+            rows.append(dict(kind="store_kv", tokens=tokens, impl=impl, us=ms * 1e3, gbps=nbytes / ms / 1e6))
+    return rows
+
+
+def bench_fused(ceil: dict) -> list[dict]:
+    rows = []
+    for model, (hq, hkv, dim, hidden, inter) in MODELS.items():
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        cache = ops.build_cos_sin_cache(inv_freq, 32768).cuda()
+        for tokens in (1, 256, 8192):
+            x, res = (torch.randn(tokens, hidden, device="cuda", dtype=BF16) for _ in range(2))
+            w = torch.randn(hidden, device="cuda", dtype=BF16)
+            qkv = torch.randn(tokens, hq + 2 * hkv, dim, device="cuda", dtype=BF16)
+            pos = torch.randint(0, 32768, (tokens,), device="cuda")
+            gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=BF16)
+            cases = {
+                "rmsnorm": (lambda: fused.rmsnorm(x, w, 1e-6), lambda: ops.rmsnorm_ref(x, w, 1e-6), 2 * x.numel() * 2),
+                "add_rmsnorm": (lambda: fused.rmsnorm(x, w, 1e-6, res), lambda: ops.rmsnorm_ref(x, w, 1e-6, res),
+                                4 * x.numel() * 2),
+                "rotary": (lambda: fused.apply_rotary(pos, qkv[:, :hq], qkv[:, hq:hq + hkv], cache),
+                           lambda: ops.apply_rotary_ref(pos, qkv[:, :hq], qkv[:, hq:hq + hkv], cache),
+                           2 * tokens * (hq + hkv) * dim * 2),
+                "silu_and_mul": (lambda: fused.silu_and_mul(gate_up), lambda: ops.silu_and_mul_ref(gate_up),
+                                 3 * tokens * inter * 2),
+            }
+            for op, (fn, ref, nbytes) in cases.items():
+                ms, ref_ms = ms_graph(fn), ms_graph(ref)
+                rows.append(dict(kind="fused", model=model, op=op, tokens=tokens, us=ms * 1e3, torch_us=ref_ms * 1e3,
+                                 gbps=nbytes / ms / 1e6, frac_copy=nbytes / ms / 1e6 / ceil["copy_gbps"]))
+    return rows
+
+
+def bench_sampling() -> list[dict]:
+    rows = []
+    vocab = 151936
+    for batch in (1, 64, 256):
+        logits = torch.randn(batch, vocab, device="cuda") * 4
+        temps = torch.full((batch,), 0.7, device="cuda")
+        top_ks = torch.full((batch,), 50, device="cuda")
+        top_ps = torch.full((batch,), 0.9, device="cuda")
+        min_ps = torch.zeros(batch, device="cuda")
+        for max_top_k in (256, 1024):
+            ms = ms_graph(lambda: sampling.sample(logits, temps, top_ks, top_ps, min_ps, max_top_k=max_top_k))
+            rows.append(dict(kind="sampling", batch=batch, impl=f"topk{max_top_k}", us=ms * 1e3))
+        ms = ms_graph(lambda: logits.softmax(-1).sort(dim=-1, descending=True))
+        rows.append(dict(kind="sampling", batch=batch, impl="full_sort_only", us=ms * 1e3))
+    return rows
+
+
+def plot(rows: list[dict], ceil: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, model in zip(axes, MODELS):
+        for ctx in (1024, 4096, 16384):
+            pts = [r for r in rows if r["kind"] == "decode" and r["model"] == model and r["ctx"] == ctx]
+            ax.plot([r["batch"] for r in pts], [r["gbps"] for r in pts], marker="o", label=f"ctx {ctx}")
+        ax.axhline(ceil["copy_gbps"], ls="--", c="k", label=f"copy ceiling {ceil['copy_gbps']:.0f} GB/s")
+        ax.set(xscale="log", xlabel="batch", ylabel="GB/s (KV + q/out)", title=f"Triton paged decode, {model}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    ceil = measure_ceilings()
+    print(f"device {torch.cuda.get_device_name()}  copy {ceil['copy_gbps']:.0f} GB/s  "
+          f"matmul {ceil['matmul_tflops']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name, fn in (("decode", lambda: bench_decode(ceil, args.quick)), ("extend", lambda: bench_extend(ceil)),
+                     ("store", lambda: bench_store(ceil)), ("fused", lambda: bench_fused(ceil)),
+                     ("sampling", bench_sampling)):
+        part = fn()
+        rows += part
+        for r in part:
+            print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+        torch.cuda.empty_cache()
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                ceilings=ceil, reference_ceilings=dict(copy_gbps=4282, matmul_tflops=790),
+                varlen_attn=VARLEN_ATTN is not None, env={k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",)})
+    (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    plot(rows, ceil, out / "kernels.png")
+    print("\n%-10s %-6s %6s %6s %9s %8s %7s" % ("model", "batch", "ctx", "split", "us", "GB/s", "of copy"))
+    for r in rows:
+        if r["kind"] == "decode":
+            print("%-10s %-6d %6d %6d %9.1f %8.0f %6.0f%%" % (r["model"], r["batch"], r["ctx"], r["splits"], r["us"],
+                                                            r["gbps"], 100 * r["frac_copy"]))
+    for r in rows:
+        if r["kind"] == "extend" and "us" in r:
+            print(f"extend {r['model']:10s} {r['case']:18s} {r['impl']:9s} {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
