@@ -46,7 +46,6 @@ def measure_ceilings() -> dict:
     src = torch.randn(1 << 30, device="cuda", dtype=BF16)  # 2 GiB
     dst = torch.empty_like(src)
     copy_ms = ms_eager(lambda: dst.copy_(src))
-    del src, dst
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=BF16) for _ in range(2))
     mm_ms = ms_eager(lambda: a @ b)
     return {"copy_gbps": 2 * 2 * (1 << 30) / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
@@ -90,7 +89,6 @@ def bench_decode(ceil: dict, quick: bool) -> list[dict]:
                 gbps = nbytes / ms / 1e6
                 rows.append(dict(kind="decode", model=model, batch=batch, ctx=ctx, splits=splits, us=ms * 1e3,
                                  gbps=gbps, frac_copy=gbps / ceil["copy_gbps"], frac_4282=gbps / 4282))
-        del pool
     # page-size sensitivity at one point
     for page_size in (1, 64):
         pool = PagedPool(64 * 4096, 8, 128, page_size)
@@ -102,7 +100,6 @@ def bench_decode(ceil: dict, quick: bool) -> list[dict]:
         gbps = (64 * 4096 * 8 * 128 * 4 + 4 * q.numel()) / ms / 1e6
         rows.append(dict(kind="decode_page_size", model="llama-8b", page_size=page_size, batch=64, ctx=4096,
                          us=ms * 1e3, gbps=gbps, frac_copy=gbps / ceil["copy_gbps"]))
-        del pool
     return rows
 
 
@@ -146,7 +143,6 @@ def bench_extend(ceil: dict) -> list[dict]:
                 tflops = flops / ms / 1e9
                 rows.append(dict(kind="extend", model=model, case=name, impl=impl, us=ms * 1e3, tflops=tflops,
                                  frac_matmul=tflops / ceil["matmul_tflops"], frac_790=tflops / 790))
-        del pool
     return rows
 
 
