@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.sampling import sample
 from pdserve.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -46,22 +47,6 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i, row.suppressed_ids] = float("-inf")
 
 
-def filter_logits(logits: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masks, vectorised over the batch. Returns probabilities."""
-    logits = logits / temps[:, None]
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    mask = ranks >= top_k[:, None]
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mask |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p[:, None]
-    mask |= sorted_probs < (min_p[:, None] * sorted_probs[:, :1])
-    mask[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
-    filtered = torch.full_like(logits, float("-inf")).scatter_(1, sorted_idx, sorted_logits)
-    return filtered.softmax(dim=-1)
-
-
 def _seeded_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
     g = torch.Generator(device=device)
     g.manual_seed((seed * _SEED_MIX + step) % (2**63))
@@ -90,20 +75,17 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
-        vocab = logits.shape[1]
-        temps = torch.tensor([1.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
-        top_k = torch.tensor([vocab if r.params.top_k < 1 else r.params.top_k for r in rows], device=dev)
-        top_p = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
-        probs = filter_logits(logits, temps, top_k, top_p, min_p)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        temps = torch.tensor([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
+        top_ks = torch.tensor([max(r.params.top_k, 0) for r in rows], device=dev)
+        top_ps = torch.tensor([r.params.top_p for r in rows], device=dev)
+        min_ps = torch.tensor([r.params.min_p for r in rows], device=dev)
+        tokens = sample(logits, temps, top_ks, top_ps, min_ps, generator=self.generator)
         for i, row in enumerate(rows):
-            if row.params.seed is not None:
+            if row.params.seed is not None and not greedy[i]:
                 g = _seeded_generator(row.params.seed, len(row.output_ids), dev)
-                noise[i] = torch.empty(vocab, device=dev).exponential_(generator=g)
-        tokens = (probs / noise).argmax(dim=-1)
-        greedy_mask = torch.tensor(greedy, device=dev)
-        return torch.where(greedy_mask, logits.argmax(dim=-1), tokens)
+                one = slice(i, i + 1)
+                tokens[i] = sample(logits[one], temps[one], top_ks[one], top_ps[one], min_ps[one], generator=g)[0]
+        return tokens
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SamplingRow]):

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from pdserve.kernels import apply_rotary
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -76,26 +78,17 @@ def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: 
     raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with a cos/sin cache indexed by position."""
+    """Neox-style rotary embedding; the cos/sin cache is computed in float32 as HF does."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None):
         super().__init__()
         inv_freq, attention_factor = compute_inv_freq(base, head_dim, scaling, max_position)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * attention_factor, persistent=False)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; returns rotated copies in the input dtype."""
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        q_out = q.float() * cos + rotate_half(q.float()) * sin
-        k_out = k.float() * cos + rotate_half(k.float()) * sin
-        return q_out.to(q.dtype), k_out.to(k.dtype)
+        """q: [T, Hq, D], k: [T, Hkv, D]; rotated in place and returned."""
+        apply_rotary(positions, q, k, self.cos_sin_cache)
+        return q, k

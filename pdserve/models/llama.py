@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pdserve.attention.base import AttentionBackend, ForwardBatch
-from pdserve.layers.activation import silu_and_mul
+from pdserve.kernels import silu_and_mul
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.mem_cache.kv_pool import KVPool

@@ -40,7 +40,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
             torch.set_default_dtype(prev)
     # rotary caches stay float32 for accuracy
     for module in model.modules():
-        for name in ("cos_cache", "sin_cache"):
+        for name in ("cos_sin_cache",):
             if hasattr(module, name):
                 setattr(module, name, getattr(module, name).float())
     return model.eval()
