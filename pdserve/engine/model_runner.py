@@ -9,6 +9,7 @@ import torch
 from pdserve.attention import create_backend, resolve_backend_name
 from pdserve.attention.base import ForwardBatch, ForwardMode
 from pdserve.config import ServerArgs
+from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.models.llama import ForwardContext
 from pdserve.models.loader import load_model
@@ -49,6 +50,12 @@ class ModelRunner:
             num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
+        self.graph_runner = None
+        if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
+            self.graph_runner = CudaGraphRunner(
+                self.model, self.backend, self.pool, min(args.cuda_graph_max_bs, args.max_running_requests),
+                self.context_len, self.device,
+            )
         logger.info(
             "model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
             model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
@@ -78,6 +85,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab]."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)
         return self.model(ForwardContext(batch, self.backend, self.pool))
 
