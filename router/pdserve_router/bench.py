@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -46,6 +47,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str
+    prefill_url: str | None = None
+
+
 @dataclass
 class PhaseResult:
     target: str
@@ -71,20 +79,34 @@ async def wait_up(session: aiohttp.ClientSession, url: str, timeout: float = 20.
     raise TimeoutError(f"{url} did not come up")
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, prompt: str) -> float:
-    """TTFT in ms of one streaming /generate; reads the stream to its end."""
+async def drain(session: aiohttp.ClientSession, url: str, body: dict) -> None:
+    async with session.post(url, json=body) as resp:
+        await resp.read()
+
+
+async def one_stream(session: aiohttp.ClientSession, target: Target, prompt: str, tokens: int) -> float:
+    """TTFT in ms of one streaming /generate; reads the stream to its end. A direct target also gets the prefill
+    half sent by the client itself, so that the stubs do the same work with and without the router."""
     started = time.perf_counter()
-    async with session.post(url, json={"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 8}}) as resp:
+    body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": tokens}}
+    prefill = None
+    if target.prefill_url:
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=8998, bootstrap_room=random.getrandbits(63))
+        prefill = asyncio.ensure_future(drain(session, target.prefill_url + "/generate", body))
+    async with session.post(target.url + "/generate", json=body) as resp:
         if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
+            raise RuntimeError(f"{target.url}: HTTP {resp.status}: {await resp.text()}")
         await resp.content.readany()
         ttft = time.perf_counter() - started
         while await resp.content.readany():
             pass
+    if prefill is not None:
+        await prefill
     return ttft * 1000
 
 
-async def drive(target: str, url: str, clients: int, per_client: int | None, duration_s: float | None) -> PhaseResult:
+async def drive(target: Target, clients: int, tokens: int, per_client: int | None,
+                duration_s: float | None) -> PhaseResult:
     """`clients` loops of back-to-back streams: `per_client` each, or until `duration_s` has passed."""
     ttfts: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
@@ -96,13 +118,13 @@ async def drive(target: str, url: str, clients: int, per_client: int | None, dur
         async def client(index: int) -> None:
             n = 0
             while (per_client is None or n < per_client) and time.perf_counter() < stop_at:
-                ttfts.append(await one_stream(session, url, f"client {index} says hello number {n}"))
+                ttfts.append(await one_stream(session, target, f"client {index} says hello number {n}", tokens))
                 n += 1
                 if total and len(ttfts) % max(1, total // 4) == 0:
-                    print(f"  [{target}] {len(ttfts)}/{total} requests", flush=True)
+                    print(f"  [{target.name}] {len(ttfts)}/{total} requests", flush=True)
 
         await asyncio.gather(*(client(i) for i in range(clients)))
-        return PhaseResult(target, len(ttfts), time.perf_counter() - started, ttfts)
+        return PhaseResult(target.name, len(ttfts), time.perf_counter() - started, ttfts)
 
 
 def summary(result: PhaseResult) -> dict:
@@ -127,7 +149,7 @@ def plot(path: str, direct: PhaseResult, routed: PhaseResult, rates: dict, strea
     left.legend()
     left.grid(alpha=0.3)
     right.bar(list(rates), list(rates.values()), color=["tab:blue", "tab:orange"])
-    right.set(ylabel="requests / s", title="sustained rate, short streams (closed loop)")
+    right.set(ylabel="requests / s", title="sustained rate, 1-token streams (closed loop)")
     for i, value in enumerate(rates.values()):
         right.text(i, value, f"{value:.0f}", ha="center", va="bottom")
     fig.tight_layout()
@@ -136,29 +158,54 @@ def plot(path: str, direct: PhaseResult, routed: PhaseResult, rates: dict, strea
     print(f"plot written to {path}", flush=True)
 
 
-async def run_phases(args: argparse.Namespace, decode_url: str, router_url: str, router_pid: int) -> dict:
+def histogram_quantiles(metrics_before: str, metrics_after: str, name: str, qs: tuple[int, ...]) -> dict:
+    """Upper bucket bounds (ms) holding the q-th percentile of a histogram's observations between two scrapes."""
+    def buckets(text: str) -> list[tuple[float, float]]:
+        prefix = f"{name}_bucket{{le=\""
+        return [(float(line[len(prefix):].split('"')[0]), float(line.rsplit(" ", 1)[1]))
+                for line in text.splitlines() if line.startswith(prefix)]
+    deltas = [(bound, after - before) for (bound, after), (_, before) in zip(buckets(metrics_after),
+                                                                             buckets(metrics_before))]
+    total = deltas[-1][1] if deltas else 0
+    return {f"p{q}_ms_at_most": next((bound * 1000 for bound, count in deltas if count >= q / 100 * total), None)
+            for q in qs} | {"observations": total}
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+async def run_phases(args: argparse.Namespace, prefill_url: str, decode_url: str, router_url: str,
+                     router_pid: int) -> dict:
+    direct_target, router_target = Target("direct", decode_url, prefill_url), Target("router", router_url)
     async with aiohttp.ClientSession() as session:
         await wait_up(session, decode_url + "/health")
         await wait_up(session, router_url + "/health")
-    print("warm-up", flush=True)
-    await drive("warmup", router_url + "/generate", 10, 20, None)
-    print(f"latency phase: {args.streams} concurrent streams x {args.per_stream} requests", flush=True)
-    direct = await drive("direct", decode_url + "/generate", args.streams, args.per_stream, None)
-    routed = await drive("router", router_url + "/generate", args.streams, args.per_stream, None)
+        print("warm-up", flush=True)
+        await drive(Target("warmup", router_url), 10, args.tokens, 20, None)
+        print(f"latency phase: {args.streams} concurrent streams x {args.per_stream} requests", flush=True)
+        direct = await drive(direct_target, args.streams, args.tokens, args.per_stream, None)
+        before = await scrape(session, router_url)
+        routed = await drive(router_target, args.streams, args.tokens, args.per_stream, None)
+        internal = histogram_quantiles(before, await scrape(session, router_url),
+                                       "pdserve_router_added_latency_seconds", (50, 99))
     print(f"throughput phase: {args.throughput_clients} closed-loop clients for {args.duration_s:g} s", flush=True)
-    direct_rate = await drive("direct", decode_url + "/generate", args.throughput_clients, None, args.duration_s)
+    direct_rate = await drive(direct_target, args.throughput_clients, 1, None, args.duration_s)
     cpu_before = cpu_seconds(router_pid)
-    routed_rate = await drive("router", router_url + "/generate", args.throughput_clients, None, args.duration_s)
+    routed_rate = await drive(router_target, args.throughput_clients, 1, None, args.duration_s)
     router_cpu = (cpu_seconds(router_pid) - cpu_before) / routed_rate.seconds
     added = {f"added_p{q}_ms": round(percentile(routed.ttft_ms, q) - percentile(direct.ttft_ms, q), 3)
              for q in (50, 90, 99)}
-    results = {"latency": {"direct": summary(direct), "router": summary(routed), **added},
+    results = {"latency": {"direct": summary(direct), "router": summary(routed), **added,
+                           "router_internal_added": internal},
                "throughput": {"direct": summary(direct_rate), "router": summary(routed_rate),
                               "router_cpu_fraction": round(router_cpu, 2)},
-               "settings": {k: v for k, v in vars(args).items() if k != "plot"}}
+               "load_average": os.getloadavg(),
+               "settings": {k: v for k, v in vars(args).items() if k not in ("plot", "json")}}
     if args.plot:
-        plot(args.plot, direct, routed, {"direct to decode stub": direct_rate.rate, "through router": routed_rate.rate},
-             args.streams)
+        plot(args.plot, direct, routed, {"direct (client sends both halves)": direct_rate.rate,
+                                         "through router": routed_rate.rate}, args.streams)
     return results
 
 
@@ -181,14 +228,13 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, {int(c) for c in stub_cpu.split(",")})
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
     stub_cmd = [sys.executable, "-m", "pdserve_router.stub", "--prefill-ports", str(prefill_port), "--decode-ports",
-                str(decode_port), "--no-couple", "--tokens", str(args.tokens), "--token-interval-s",
-                str(args.token_interval_s)]
+                str(decode_port), "--no-couple", "--token-interval-s", str(args.token_interval_s)]
     router_cmd = [sys.executable, "-m", "pdserve_router", "--prefill", f"http://127.0.0.1:{prefill_port}",
                   "--decode", f"http://127.0.0.1:{decode_port}", "--port", str(router_port), "--log-level", "warning"]
     procs = [subprocess.Popen(pinned(stub_cmd, stub_cpu)), subprocess.Popen(pinned(router_cmd, router_cpu))]
     try:
-        results = asyncio.run(run_phases(args, f"http://127.0.0.1:{decode_port}", f"http://127.0.0.1:{router_port}",
-                                         procs[1].pid))
+        results = asyncio.run(run_phases(args, f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}",
+                                         f"http://127.0.0.1:{router_port}", procs[1].pid))
     finally:
         for proc in procs:
             proc.terminate()

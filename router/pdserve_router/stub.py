@@ -134,9 +134,15 @@ class StubServer:
                 await asyncio.sleep(self.response_delay_s)
                 return await self.answer(request, body, 1, "stop")
             aborted = self.role == "decode" and self.couple and rooms and not await self.wait_for_kv(body, rooms)
-            return await self.answer(request, body, 0 if aborted else self.tokens, "abort" if aborted else "length")
+            return await self.answer(request, body, 0 if aborted else self.max_tokens(body), "abort" if aborted else "length")
         finally:
             self.in_flight -= 1
+
+    def max_tokens(self, body: dict) -> int:
+        """`sampling_params.max_new_tokens` (or OpenAI `max_tokens`) when given, else the stub's `tokens`."""
+        params = body.get("sampling_params")
+        wanted = params.get("max_new_tokens") if isinstance(params, dict) else body.get("max_tokens")
+        return wanted if isinstance(wanted, int) and 0 < wanted <= 4096 else self.tokens
 
     async def wait_for_kv(self, body: dict, rooms: list[int]) -> bool:
         """True once every room's KV is ready; False when the request is aborted or times out first."""
