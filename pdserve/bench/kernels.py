@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.testing
 
-from pdserve.attention.sdpa_backend import VARLEN_ATTN
 from pdserve.kernels import fused, ops, sampling
 from pdserve.kernels.attention import (
     attention_flops,
@@ -31,6 +30,15 @@ from pdserve.kernels.attention import (
 
 MODELS = {"qwen3-0.6b": (16, 8, 128, 1024, 3072), "llama-8b": (32, 8, 128, 4096, 14336)}  # Hq, Hkv, D, hidden, inter
 BF16 = torch.bfloat16
+# extend kernel block configurations swept by bench_extend (the first of each list is extend_config's default)
+EXTEND_CANDIDATES = {
+    64: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+         num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)],
+    128: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+          num_stages=2), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
+          num_stages=3)],
+}
 
 
 def ms_graph(fn) -> float:
@@ -106,7 +114,7 @@ def bench_decode(ceil: dict, quick: bool) -> list[dict]:
 def bench_extend(ceil: dict) -> list[dict]:
     rows = []
     cases = [("8k", [(0, 8192)]), ("8k+8k prefix", [(8192, 8192)]), ("2k chunk after 6k", [(6144, 2048)]),
-             ("16x512", [(0, 512)] * 16)]
+             ("16x512", [(0, 512)] * 16), ("4x1024", [(0, 1024)] * 4), ("2x2048", [(0, 2048)] * 2)]
     for model, (hq, hkv, dim, _, _) in MODELS.items():
         pool = PagedPool(1 << 15, hkv, dim, 16)
         for name, specs in cases:
@@ -122,18 +130,17 @@ def bench_extend(ceil: dict) -> list[dict]:
             prefix, ext = as_i32([p for p, _ in specs]), as_i32(q_lens)
             starts = as_i32([sum(q_lens[:i]) for i in range(batch)])
             flops = attention_flops(q_lens, kv_lens, hq, dim)
-            impls = {"triton": lambda: extend_attention(q, pool.k, pool.v, table, prefix, ext, starts, max(q_lens), out,
-                                                        0.088, 16)}
+            impls = {
+                "triton_bm%d_bn%d_w%d_s%d" % tuple(c.values()): lambda c=c: extend_attention(
+                    q, pool.k, pool.v, table, prefix, ext, starts, max(q_lens), out, 0.088, 16, config=c)
+                for c in EXTEND_CANDIDATES[dim]
+            }
             if not any(p for p, _ in specs):
                 impls["sdpa_loop"] = lambda: [
                     torch.nn.functional.scaled_dot_product_attention(
                         q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None],
                         v[s:s + n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
                     for s, n in zip(range(0, total, q_lens[0]), q_lens)]
-                if VARLEN_ATTN is not None:
-                    cu = as_i32([0] + [sum(q_lens[: i + 1]) for i in range(batch)])
-                    impls["varlen"] = lambda: VARLEN_ATTN(q, k, v, cu, cu, max(q_lens), max(q_lens),
-                                                          window_size=(-1, 0), enable_gqa=True)
             for impl, fn in impls.items():
                 try:
                     ms = ms_eager(fn)
@@ -206,6 +213,12 @@ def bench_sampling() -> list[dict]:
         for max_top_k in (256, 1024):
             ms = ms_graph(lambda: sampling.sample(logits, temps, top_ks, top_ps, min_ps, max_top_k=max_top_k))
             rows.append(dict(kind="sampling", batch=batch, impl=f"topk{max_top_k}", us=ms * 1e3))
+        probs = logits.softmax(-1)
+        for k in (256, 1024):
+            ms = ms_graph(lambda: probs.topk(k, dim=-1))
+            rows.append(dict(kind="sampling", batch=batch, impl=f"torch_topk{k}_only", us=ms * 1e3))
+            ms = ms_graph(lambda: sampling.top_candidates(probs, k))
+            rows.append(dict(kind="sampling", batch=batch, impl=f"chunked_topk{k}_only", us=ms * 1e3))
         ms = ms_graph(lambda: logits.softmax(-1).sort(dim=-1, descending=True))
         rows.append(dict(kind="sampling", batch=batch, impl="full_sort_only", us=ms * 1e3))
     return rows
@@ -251,7 +264,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 ceilings=ceil, reference_ceilings=dict(copy_gbps=4282, matmul_tflops=790),
-                varlen_attn=VARLEN_ATTN is not None, env={k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",)})
+                env={k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES",)})
     (out / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     plot(rows, ceil, out / "kernels.png")
     print("\n%-10s %-6s %6s %6s %9s %8s %7s" % ("model", "batch", "ctx", "split", "us", "GB/s", "of copy"))
@@ -261,7 +274,7 @@ def main() -> None:
                                                             r["gbps"], 100 * r["frac_copy"]))
     for r in rows:
         if r["kind"] == "extend" and "us" in r:
-            print(f"extend {r['model']:10s} {r['case']:18s} {r['impl']:9s} {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
+            print(f"extend {r['model']:10s} {r['case']:18s} {r['impl']:22s} {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -65,19 +65,34 @@ def test_extend_prefix_ragged(page_size, group, head_dim):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("impl", ["loop", "varlen"])
 @pytest.mark.parametrize("with_prefix", [False, True])
-def test_sdpa_backend(impl, with_prefix):
-    from pdserve.attention import sdpa_backend
+def test_sdpa_backend(with_prefix):
+    """Mixed lengths: requests >= SDPA_MIN_LEN through SDPA, the others through the Triton extend kernel."""
+    from pdserve.attention.sdpa_backend import SdpaAttnBackend
 
-    if impl == "varlen" and sdpa_backend.VARLEN_ATTN is None:
-        pytest.skip("this PyTorch has no causal GQA varlen_attn")
-    specs = [(0, 1), (0, 300), (0, 4500), (0, 77)]
+    specs = [(0, 1), (0, 300), (0, 4500), (0, 77), (0, 1024), (0, 1023)]
     if with_prefix:
         specs[1] = (40, 260)
-    out, ref = run_backend(sdpa_backend.SdpaAttnBackend, specs, 16, 4, 128, ForwardMode.EXTEND, seed=7,
-                           ragged_impl=impl)
+    out, ref = run_backend(SdpaAttnBackend, specs, 16, 4, 128, ForwardMode.EXTEND, seed=7)
     assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_extend_candidate_configs(head_dim):
+    """Every block configuration the benchmark sweeps computes the same function."""
+    from pdserve.bench.kernels import EXTEND_CANDIDATES
+    from pdserve.kernels.attention import extend_attention
+
+    specs = [(0, 1), (37, 300), (4096, 129), (0, 700)]
+    batch, pool, q, k, v = make_batch(specs, page_size=16, num_heads=16, num_kv_heads=8, head_dim=head_dim,
+                                      dtype=torch.bfloat16, device="cuda", seed=head_dim)
+    pool.store(0, batch.out_cache_loc, k, v)
+    ref = reference_attention(q, k, v, pool, batch, 0.1)
+    for cfg in EXTEND_CANDIDATES[head_dim]:
+        out = torch.full_like(q, float("nan"))
+        extend_attention(q, pool.k_buffer(0), pool.v_buffer(0), batch.page_table, batch.prefix_lens,
+                         batch.extend_lens, batch.extend_start_loc, 700, out, 0.1, 16, config=cfg)
+        assert rel_err(out, ref) < TOL, cfg
 
 
 def test_kernels_write_every_output():

@@ -28,3 +28,18 @@ def test_decode_and_extend_interpreted(interpreted, page_size, group):
         out = backend.forward(q, k, v, 0, pool, 0.125)
         assert rel_err(out, ref) < 1e-5
         assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
+
+
+def test_sdpa_backend_hybrid_interpreted(interpreted):
+    """One request long enough for SDPA, one short one through the (interpreted) Triton extend kernel."""
+    from pdserve.attention.sdpa_backend import SDPA_MIN_LEN, SdpaAttnBackend
+
+    specs = [(0, SDPA_MIN_LEN + 3), (0, 20)]
+    batch, pool, q, k, v = make_batch(specs, page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                                      dtype=torch.float32, device="cpu")
+    ref = reference_attention(q, k, v, pool, batch, 0.125)
+    backend = SdpaAttnBackend(4, 2, 64, 4, "cpu", torch.float32, 4096)
+    backend.init_forward_metadata(batch)
+    assert backend.split is not None and backend.split.long_rows == [(0, SDPA_MIN_LEN + 3)]
+    out = backend.forward(q, k, v, 0, pool, 0.125)
+    assert rel_err(out, ref) < 1e-5
