@@ -28,6 +28,18 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class WorkCounters:
+    """What the forward passes did, for roofline accounting in the benchmarks."""
+
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_kv_tokens_read: int = 0
+    extend_steps: int = 0
+    extend_tokens: int = 0
+    extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
+
+
+@dataclass(slots=True)
 class ExtendItem:
     req: Req
     start: int  # first position computed in this pass
@@ -57,6 +69,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
+        self.work = WorkCounters()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -267,6 +280,9 @@ class Scheduler:
             page_size=self.page_size, device=self.device,
         )
         logits = self.runner.forward(batch)
+        self.work.extend_steps += 1
+        self.work.extend_tokens += len(input_ids)
+        self.work.extend_attention_pairs += sum((i.end - i.start) * (i.start + i.end + 1) // 2 for i in items)
         done: list[ExtendItem] = []
         for item, (first, count) in zip(items, row_of):
             req = item.req
@@ -296,6 +312,9 @@ class Scheduler:
             logits_indices=list(range(len(reqs))), page_size=self.page_size, device=self.device,
         )
         logits = self.runner.forward(batch)
+        self.work.decode_steps += 1
+        self.work.decode_tokens += len(reqs)
+        self.work.decode_kv_tokens_read += sum(positions) + len(reqs)
         for r in reqs:
             r.num_cached_tokens += 1
         self._sample_and_append(list(reqs), logits)

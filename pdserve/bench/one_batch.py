@@ -1,0 +1,90 @@
+"""One static batch: TTFT, time between tokens and throughput over a grid of batch size x input x output length,
+each with its roofline (prefill FLOPs over the bf16 matmul rate; decode bytes over HBM bandwidth).
+
+python -m pdserve.bench.one_batch --model-path DIR --batch-sizes 1 64 --input-lens 1024 --output-lens 64 [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+from random import Random
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.offline import parse_engine_flags
+from pdserve.bench.roofline import Ceilings, ModelCost
+from pdserve.scheduler.request import Req
+
+
+def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceilings | None) -> dict:
+    sched = llm.scheduler
+    rng = Random(bs * 7919 + input_len)
+    sched.flush_cache()
+    for i in range(bs):
+        ids = [rng.randint(0, min(10000, sched.model_config.vocab_size - 1)) for _ in range(input_len)]
+        sched.add_request(Req(rid=f"b{i}", input_ids=ids,
+                              sampling_params=SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    while sched.waiting or sched.chunked:
+        sched.step()
+    sync()
+    ttft = time.perf_counter() - start
+    step_times = []
+    while sched.has_work():
+        t = time.perf_counter()
+        sched.step()
+        sync()
+        step_times.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    tbt = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
+    row = {"batch_size": bs, "input_len": input_len, "output_len": output_len, "ttft_s": ttft, "tbt_s": tbt,
+           "output_tok_per_s": bs * output_len / total, "prefill_tok_per_s": bs * input_len / ttft}
+    if ceilings is not None:
+        cost = ModelCost.of(sched.model_config, itemsize=sched.runner.pool.layout.itemsize)
+        pairs = bs * input_len * (input_len + 1) // 2
+        row["prefill_ideal_s"] = cost.prefill_flops(bs * input_len, pairs) / (ceilings.matmul_tflops * 1e12)
+        row["prefill_mfu"] = row["prefill_ideal_s"] / ttft
+        mid_ctx = input_len + output_len // 2
+        row["decode_ideal_s"] = cost.decode_step_bytes(bs * mid_ctx) / (ceilings.hbm_gbps * 1e9)
+        row["tbt_over_ideal"] = tbt / row["decode_ideal_s"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-lens", type=int, nargs="+", default=[1024])
+    parser.add_argument("--output-lens", type=int, nargs="+", default=[64])
+    parser.add_argument("--out", type=Path)
+    args, engine_flags = parser.parse_known_args(argv)
+    llm = LLM(args.model_path, **parse_engine_flags(engine_flags))
+    run_case(llm, 1, 64, 4, None)  # warm-up
+    ceilings = Ceilings.measure() if torch.cuda.is_available() else None
+    rows = []
+    for bs, il, ol in itertools.product(args.batch_sizes, args.input_lens, args.output_lens):
+        row = run_case(llm, bs, il, ol, ceilings)
+        rows.append(row)
+        extra = (f"  prefill MFU {100 * row['prefill_mfu']:.1f}%  TBT/ideal {row['tbt_over_ideal']:.2f}x"
+                 if ceilings else "")
+        print(f"bs={bs:4d} in={il:6d} out={ol:5d}  TTFT {1e3 * row['ttft_s']:8.2f} ms  TBT {1e3 * row['tbt_s']:7.3f} ms"
+              f"  {row['output_tok_per_s']:9.1f} tok/s{extra}")
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "model": args.model_path,
+              "ceilings": asdict(ceilings) if ceilings else None, "rows": rows}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "one_batch.json").write_text(json.dumps(result, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
