@@ -5,7 +5,7 @@ import torch
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA (the transfer tests need 2 GPUs); skipped without it")
+    config.addinivalue_line("markers", "gpu: needs CUDA (some need 2 GPUs); skipped without it")
 
 
 def pytest_collection_modifyitems(config, items):
