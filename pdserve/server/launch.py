@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import shutil
 import signal
+import socket
 import tempfile
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
@@ -40,6 +41,11 @@ EXIT_START_FAILED = 1
 def launch_server(args: ServerArgs) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or a child's death (exit code 1)."""
     setup_logging(args.log_level)
+    try:
+        _check_port_free(args.host, args.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+        return EXIT_START_FAILED
     ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")  # mode 0700: only this user can reach the sockets
     args = args.replace(ipc_dir=ipc_dir)
     ctx = multiprocessing.get_context("spawn")
@@ -111,6 +117,12 @@ async def _start_http(args: ServerArgs, tm: TokenizerManager) -> web.AppRunner:
     await web.TCPSite(runner, args.host, args.port).start()
     logger.info("pdserve is ready: serving %s on http://%s:%d", args.model_name, args.host, args.port)
     return runner
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail in a second, not after the model has loaded, when the HTTP port is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, port))
 
 
 def stop_children(children: list[BaseProcess]) -> None:

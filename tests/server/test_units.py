@@ -1,0 +1,187 @@
+"""Unit tests of the server's pieces that need no running server: messages, detokenizer, metrics, protocol."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from server_util import parse_prometheus
+from transformers import AutoTokenizer
+
+from pdserve.config import ServerArgs
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.server.http_server import ApiError, check_bootstrap
+from pdserve.server.messages import (
+    BatchTokenOut,
+    DecodeSettings,
+    GetStatsReply,
+    MessageError,
+    TokenizedGenerateReq,
+    TokenOut,
+    decode,
+    encode,
+)
+from pdserve.server.metrics import ServerMetrics
+from pdserve.server.protocol import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
+from pdserve.server.tokenizer_manager import GenerateRequest
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+# --- messages -------------------------------------------------------------------------------------
+
+
+def test_messages_round_trip_nested_and_optional_fields():
+    batch = BatchTokenOut([
+        TokenOut("a", [1, 2], None, 3, 2, 0, [-0.5, -1.0], [[[1, -0.5]], [[2, -1.0]]]),
+        TokenOut("b", [], {"type": "stop", "matched": "x"}, 4, 1, 2, input_logprobs=[None, -2.0]),
+    ])
+    assert decode(encode(batch)) == batch
+    req = TokenizedGenerateReq("r", [5, 6], SamplingParams(temperature=0.0).to_dict(), bootstrap_room=2**63 - 1)
+    assert decode(encode(req)) == req
+    assert decode(encode(GetStatsReply(7, {"num_running": 1, "kv": 0.5}))).stats == {"num_running": 1, "kv": 0.5}
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1",  # never-used msgpack byte
+    msgpack.packb({"__type__": "Popen", "args": ["sh"]}),  # not a registered message
+    msgpack.packb({"__type__": "AbortReq", "rid": "x", "evil": 1}),  # unknown field
+    msgpack.packb({"rid": "x"}),  # untagged map
+    msgpack.packb([1, 2, 3]),
+])
+def test_malformed_messages_are_rejected(payload):
+    with pytest.raises(MessageError):
+        decode(payload)
+
+
+def test_unregistered_objects_cannot_be_sent():
+    with pytest.raises(MessageError):
+        encode({"rid": "x"})
+
+
+# --- incremental detokenization -------------------------------------------------------------------
+
+
+def _stream(detok: IncrementalDetokenizer, rid: str, ids: list[int], final: dict) -> list[str]:
+    texts = []
+    for i, token in enumerate(ids):
+        finish = final if i == len(ids) - 1 else None
+        out = TokenOut(rid, [token], finish, 1, i + 1, 0)
+        texts.extend(o.text for o in detok.process(BatchTokenOut([out])).outputs)
+    return texts
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    text = "请介绍一下你自己 — naïve café ✓ 😀"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split()), "the test needs characters spread over several tokens"
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.register(DecodeSettings("r", True, [], False))
+    pieces = _stream(detok, "r", ids, {"type": "length"})
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert sum(1 for p in pieces if p) > 5, "text must flow incrementally, not all at the end"
+    assert detok.states == {}
+
+
+def test_stop_string_and_its_prefix_are_never_returned(tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog")
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.register(DecodeSettings("r", True, ["over the"], False))
+    pieces = _stream(detok, "r", ids, {"type": "stop", "matched": "over the"})
+    streamed = ""
+    for piece in pieces:
+        streamed += piece
+        assert "The quick brown fox jumps ".startswith(streamed), streamed  # never a piece of "over the"
+    assert streamed == "The quick brown fox jumps "
+
+
+def test_held_back_text_is_released_when_it_stops_matching(tokenizer):
+    ids = tokenizer.encode("dog and dot")
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.register(DecodeSettings("r", True, ["dots!"], False))
+    pieces = _stream(detok, "r", ids, {"type": "length"})
+    assert "".join(pieces) == "dog and dot"
+
+
+def test_logprob_entries_carry_token_text(tokenizer):
+    ids = tokenizer.encode("hello world")
+    detok = IncrementalDetokenizer(tokenizer)
+    detok.register(DecodeSettings("r", True, [], True))
+    out = TokenOut("r", ids, {"type": "length"}, 1, len(ids), 0, [-0.1] * len(ids), [[[ids[0], -0.1]]] * len(ids))
+    result = detok.process(BatchTokenOut([out])).outputs[0]
+    assert [e[1] for e in result.output_logprobs] == ids
+    assert "".join(e[2] for e in result.output_logprobs) == "hello world"
+    assert result.output_top_logprobs[0] == [[-0.1, ids[0], tokenizer.decode([ids[0]])]]
+
+
+# --- metrics --------------------------------------------------------------------------------------
+
+
+def test_metrics_render_valid_prometheus_text():
+    metrics = ServerMetrics()
+    metrics.request_started()
+    metrics.observe_ttft(0.02)
+    metrics.observe_inter_token(0.01, 3)
+    metrics.request_finished(TokenOut("r", [1], {"type": "length"}, 5, 4, 2), 0.3)
+    text = metrics.render({"num_running": 2, "kv_used_tokens": 32, "kv_total_tokens": 128,
+                           "prefix_hit_tokens": 1, "prefix_query_tokens": 4}, in_flight=1)
+    samples = parse_prometheus(text)
+    assert samples["pdserve_requests_finished_total{finish_reason=\"length\"}"] == 1
+    assert samples["pdserve_inter_token_latency_seconds_count"] == 3
+    assert samples["pdserve_time_to_first_token_seconds_bucket{le=\"0.025\"}"] == 1
+    assert samples["pdserve_time_to_first_token_seconds_bucket{le=\"0.01\"}"] == 0
+    assert samples["pdserve_kv_cache_usage_ratio"] == 0.25
+    assert samples["pdserve_prefix_cache_hit_rate"] == 0.25
+    assert samples["pdserve_generation_tokens_total"] == 4
+
+
+# --- protocol -------------------------------------------------------------------------------------
+
+
+def test_top_level_sampling_fields_are_honoured_and_nested_ones_win():
+    body = GenerateReqInput.model_validate({"text": "x", "max_new_tokens": 32, "temperature": 0.7})
+    params = sglang_sampling_params(body, body.sampling_params)
+    assert (params.max_tokens, params.temperature) == (32, 0.7)
+    body = GenerateReqInput.model_validate(
+        {"text": "x", "max_new_tokens": 32, "sampling_params": {"max_new_tokens": 5, "stop": "\n"}})
+    params = sglang_sampling_params(body, body.sampling_params)
+    assert (params.max_tokens, params.stop) == (5, ["\n"])
+    with pytest.raises(SamplingParamsError):
+        sglang_sampling_params(GenerateReqInput.model_validate({"text": "x", "top_p": 0}), None)
+
+
+def test_batch_size_detection():
+    assert GenerateReqInput.model_validate({"text": "a"}).batch_size is None
+    assert GenerateReqInput.model_validate({"text": ["a", "b"]}).batch_size == 2
+    assert GenerateReqInput.model_validate({"input_ids": [1, 2, 3]}).batch_size is None
+    assert GenerateReqInput.model_validate({"input_ids": [[1], [2]]}).batch_size == 2
+
+
+def test_openai_unsupported_features_are_named():
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert ChatCompletionRequest.model_validate(base).unsupported_feature() is None
+    assert ChatCompletionRequest.model_validate({**base, "tools": [{"type": "function"}]}).unsupported_feature() == "tools"
+    assert ChatCompletionRequest.model_validate({**base, "logit_bias": None}).unsupported_feature() is None
+
+
+def test_bootstrap_fields_per_item_and_range():
+    body = GenerateReqInput.model_validate(
+        {"text": ["a", "b"], "bootstrap_host": "10.0.0.1", "bootstrap_port": [8998, 8999], "bootstrap_room": [1, 2]})
+    assert bootstrap_for(body, 1) == ("10.0.0.1", 8999, 2)
+    with pytest.raises(ValueError):
+        bootstrap_for(GenerateReqInput.model_validate({"text": "a", "bootstrap_room": 2**63}), 0)
+
+
+def test_pd_server_requires_bootstrap_fields():
+    request = GenerateRequest("r", [1], SamplingParams())
+    check_bootstrap(ServerArgs(model_path="m"), request)  # colocated: fine without them
+    pd_args = ServerArgs(model_path="m", disaggregation_mode="decode")
+    with pytest.raises(ApiError) as err:
+        check_bootstrap(pd_args, request)
+    assert err.value.status == 400 and "bootstrap_host" in err.value.message
+    request.bootstrap_host, request.bootstrap_room = "10.0.0.1", 7
+    check_bootstrap(pd_args, request)
