@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import aiohttp
@@ -105,9 +107,10 @@ async def one_stream(session: aiohttp.ClientSession, target: Target, prompt: str
     return ttft * 1000
 
 
-async def drive(target: Target, clients: int, tokens: int, per_client: int | None,
-                duration_s: float | None) -> PhaseResult:
-    """`clients` loops of back-to-back streams: `per_client` each, or until `duration_s` has passed."""
+async def drive_here(target: Target, clients: int, tokens: int, per_client: int | None, duration_s: float | None,
+                     stagger_s: float = 0.0) -> PhaseResult:
+    """`clients` loops of back-to-back streams: `per_client` each, or until `duration_s` has passed; each loop
+    starts after a random delay of up to `stagger_s`."""
     ttfts: list[float] = []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -116,6 +119,7 @@ async def drive(target: Target, clients: int, tokens: int, per_client: int | Non
         total = clients * per_client if per_client else None
 
         async def client(index: int) -> None:
+            await asyncio.sleep(random.uniform(0, stagger_s))  # steady state, not 100 requests in the same instant
             n = 0
             while (per_client is None or n < per_client) and time.perf_counter() < stop_at:
                 ttfts.append(await one_stream(session, target, f"client {index} says hello number {n}", tokens))
@@ -125,6 +129,35 @@ async def drive(target: Target, clients: int, tokens: int, per_client: int | Non
 
         await asyncio.gather(*(client(i) for i in range(clients)))
         return PhaseResult(target.name, len(ttfts), time.perf_counter() - started, ttfts)
+
+
+def drive_in_child(*spec) -> PhaseResult:
+    return asyncio.run(drive_here(*spec))
+
+
+class Driver:
+    """Runs the client loops in this process, or split over `procs` processes so the clients are not the bottleneck."""
+
+    def __init__(self, procs: int):
+        self.procs = procs
+        context = multiprocessing.get_context("spawn")
+        self.pool = ProcessPoolExecutor(procs, mp_context=context) if procs > 1 else None
+
+    async def drive(self, target: Target, clients: int, tokens: int, per_client: int | None,
+                    duration_s: float | None, stagger_s: float = 0.0) -> PhaseResult:
+        if self.pool is None:
+            return await drive_here(target, clients, tokens, per_client, duration_s, stagger_s)
+        loop = asyncio.get_running_loop()
+        shares = [clients // self.procs + (i < clients % self.procs) for i in range(self.procs)]
+        parts = await asyncio.gather(*(loop.run_in_executor(self.pool, drive_in_child, target, share, tokens,
+                                                            per_client, duration_s, stagger_s)
+                                        for share in shares if share))
+        return PhaseResult(target.name, sum(p.requests for p in parts), max(p.seconds for p in parts),
+                           [t for p in parts for t in p.ttft_ms])
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
 
 
 def summary(result: PhaseResult) -> dict:
@@ -179,15 +212,20 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> str:
 async def run_phases(args: argparse.Namespace, prefill_url: str, decode_url: str, router_url: str,
                      router_pid: int) -> dict:
     direct_target, router_target = Target("direct", decode_url, prefill_url), Target("router", router_url)
+    driver = Driver(args.client_procs)
+    drive = driver.drive
     async with aiohttp.ClientSession() as session:
         await wait_up(session, decode_url + "/health")
         await wait_up(session, router_url + "/health")
         print("warm-up", flush=True)
-        await drive(Target("warmup", router_url), 10, args.tokens, 20, None)
+        await drive(Target("warmup", router_url), 10 * args.client_procs, args.tokens, 20, None)
         print(f"latency phase: {args.streams} concurrent streams x {args.per_stream} requests", flush=True)
-        direct = await drive(direct_target, args.streams, args.tokens, args.per_stream, None)
+        stagger_s = args.tokens * args.token_interval_s
+        direct = await drive(direct_target, args.streams, args.tokens, args.per_stream, None, stagger_s)
         before = await scrape(session, router_url)
-        routed = await drive(router_target, args.streams, args.tokens, args.per_stream, None)
+        cpu_before = cpu_seconds(router_pid)
+        routed = await drive(router_target, args.streams, args.tokens, args.per_stream, None, stagger_s)
+        latency_cpu = (cpu_seconds(router_pid) - cpu_before) / routed.seconds
         internal = histogram_quantiles(before, await scrape(session, router_url),
                                        "pdserve_router_added_latency_seconds", (50, 99))
     print(f"throughput phase: {args.throughput_clients} closed-loop clients for {args.duration_s:g} s", flush=True)
@@ -195,10 +233,11 @@ async def run_phases(args: argparse.Namespace, prefill_url: str, decode_url: str
     cpu_before = cpu_seconds(router_pid)
     routed_rate = await drive(router_target, args.throughput_clients, 1, None, args.duration_s)
     router_cpu = (cpu_seconds(router_pid) - cpu_before) / routed_rate.seconds
+    driver.close()
     added = {f"added_p{q}_ms": round(percentile(routed.ttft_ms, q) - percentile(direct.ttft_ms, q), 3)
              for q in (50, 90, 99)}
     results = {"latency": {"direct": summary(direct), "router": summary(routed), **added,
-                           "router_internal_added": internal},
+                           "router_internal_added": internal, "router_cpu_fraction": round(latency_cpu, 2)},
                "throughput": {"direct": summary(direct_rate), "router": summary(routed_rate),
                               "router_cpu_fraction": round(router_cpu, 2)},
                "load_average": os.getloadavg(),
@@ -217,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token-interval-s", type=float, default=0.02, help="stub pacing between tokens")
     parser.add_argument("--throughput-clients", type=int, default=32)
     parser.add_argument("--duration-s", type=float, default=5.0)
+    parser.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     parser.add_argument("--router-cpu", default="0", help="core for the router (taskset); 'none' to not pin")
     parser.add_argument("--stub-cpu", default="1", help="core for stubs and clients; 'none' to not pin")
     parser.add_argument("--plot", default=None, help="PNG path for the plot (needs matplotlib)")
