@@ -1,0 +1,363 @@
+"""`python -m pdserve.launch_cluster`: a router plus N prefill and M decode servers on this machine, one command.
+
+    python -m pdserve.launch_cluster                                   # 1 prefill + 1 decode, a tiny model
+    python -m pdserve.launch_cluster --model-path DIR --num-prefill 2 --num-decode 2 -- --max-total-tokens 8192
+    python -m pdserve.launch_cluster --colocated --num-workers 2       # baseline: regular router, no PD
+
+Prefill i runs on GPU i, decode j on GPU N+j (`--base-gpu-id`); with no GPU everything runs on the CPU.
+Every server and the router is a child process in its own session, logging to a file under `--log-dir`.
+The launcher waits until each server's and then the router's /health answers, prints the router URL and a
+curl line, and stops everything on Ctrl-C/SIGTERM. If a child dies, it says which and stops the rest (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+HEALTH_POLL_SECONDS = 0.5
+HEALTH_REQUEST_TIMEOUT_SECONDS = 2.0
+TERMINATE_TIMEOUT_SECONDS = 30.0  # a server itself waits up to 15 s for its scheduler and detokenizer
+KILL_TIMEOUT_SECONDS = 5.0
+LOG_TAIL_LINES = 30
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXAMPLE_PROMPT = "The capital of France is"
+BACKENDS = ("auto", "mooncake", "nccl", "tcp", "fake")
+
+
+class ClusterError(RuntimeError):
+    """Start-up could not finish, or a child died; the message says which child and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str  # "prefill 0", "decode 1", "worker 0", "router"
+    argv: tuple[str, ...]
+    url: str  # where /health answers
+    gpu: int | None = None
+    bootstrap_port: int | None = None
+
+
+@dataclass(slots=True)
+class Child:
+    spec: ChildSpec
+    proc: subprocess.Popen
+    log_path: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return ""
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.launch_cluster",
+        description="Start a pdserve router with prefill and decode servers (or colocated workers) on this machine. "
+                    "Flags after `--` go to every server, e.g. `-- --max-total-tokens 8192 --page-size 16`.",
+    )
+    parser.add_argument("--model-path", default=None,
+                        help="HF-format model folder; default: a tiny random-weight qwen3 model built once and cached.")
+    parser.add_argument("--num-prefill", type=int, default=1, help="Prefill servers (default: 1).")
+    parser.add_argument("--num-decode", type=int, default=1, help="Decode servers (default: 1).")
+    parser.add_argument("--colocated", action="store_true",
+                        help="Baseline without PD: --num-workers colocated servers behind a regular-mode router.")
+    parser.add_argument("--num-workers", type=int, default=1, help="Colocated servers with --colocated (default: 1).")
+    parser.add_argument("--transfer-backend", choices=BACKENDS, default="auto",
+                        help="KV transfer backend of the PD servers (default: auto: mooncake if usable, else tcp).")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="auto: one GPU per server when CUDA is present, else the CPU.")
+    parser.add_argument("--host", default="127.0.0.1", help="Address every server and the router bind.")
+    parser.add_argument("--port", type=int, default=0, help="Router port (default: a free one).")
+    parser.add_argument("--router-args", default="",
+                        help="Extra router flags in one string, e.g. \"--decode-policy round_robin\".")
+    parser.add_argument("--log-dir", default=None, help="Where the children's logs go (default: a new temp dir).")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0,
+                        help="Seconds to wait for every server and the router to become healthy.")
+    return parser
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's flags, and the engine flags after `--` (passed to every server as they are)."""
+    engine_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, engine_args = argv[:split], argv[split + 1 :]
+    parser = build_arg_parser()
+    ns = parser.parse_args(argv)
+    counts = {"--num-prefill": ns.num_prefill, "--num-decode": ns.num_decode, "--num-workers": ns.num_workers}
+    for flag, value in counts.items():
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if not 0 <= ns.port < 65536:
+        parser.error(f"--port must be in 0..65535, got {ns.port}")
+    owned = ("--model-path", "--model", "--port", "--host", "--device", "--base-gpu-id", "--disaggregation-mode",
+             "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend")
+    clash = sorted({a.split("=")[0] for a in engine_args} & set(owned))
+    if clash:
+        parser.error(f"{', '.join(clash)} after `--` would override what the cluster launcher sets; "
+                     "use the launcher's own flags (--model-path, --host, --device, --transfer-backend)")
+    return ns, engine_args
+
+
+# ---- planning -------------------------------------------------------------------------------------------------
+
+
+class PortPicker:
+    """Free TCP ports on `host`, never the same one twice in this launch."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self.taken: set[int] = set()
+
+    def pick(self) -> int:
+        while True:
+            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+            with socket.socket(family) as sock:
+                sock.bind((self.host, 0))
+                port = sock.getsockname()[1]
+            if port not in self.taken:
+                self.taken.add(port)
+                return port
+
+
+def reachable_host(bind_host: str) -> str:
+    """The address the router and the decode servers use to reach a server bound on `bind_host`."""
+    if bind_host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if bind_host == "::":
+        return "::1"
+    return bind_host
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def resolve_device(device: str, num_servers: int) -> str:
+    """cuda or cpu; cuda needs one visible GPU per server."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        if device == "cuda":
+            raise ClusterError("--device cuda was given but no CUDA device is visible")
+        return "cpu"
+    if gpus < num_servers:
+        raise ClusterError(f"{num_servers} servers need {num_servers} GPUs (one each) but {gpus} are visible; "
+                           "start fewer servers or use --device cpu")
+    return "cuda"
+
+
+def server_argv(model_path: str, host: str, port: int, device: str, gpu: int | None, extra: list[str]) -> list[str]:
+    argv = [sys.executable, "-m", "pdserve.launch_server", "--model-path", model_path, "--host", host,
+            "--port", str(port), "--device", device]
+    if gpu is not None:
+        argv += ["--base-gpu-id", str(gpu)]
+    return argv + extra
+
+
+def plan_cluster(ns: argparse.Namespace, model_path: str, device: str, engine_args: list[str],
+                 ports: PortPicker) -> tuple[list[ChildSpec], ChildSpec]:
+    """The servers to start, then the router that goes in front of them."""
+    host, reach = ns.host, reachable_host(ns.host)
+    gpu = (lambda index: index) if device == "cuda" else (lambda index: None)
+    servers: list[ChildSpec] = []
+    if ns.colocated:
+        for i in range(ns.num_workers):
+            port = ports.pick()
+            argv = server_argv(model_path, host, port, device, gpu(i), engine_args)
+            servers.append(ChildSpec(f"worker {i}", tuple(argv), http_url(reach, port), gpu(i)))
+        router_flags = ["--worker", *(s.url for s in servers)]
+    else:
+        pd = ["--disaggregation-transfer-backend", ns.transfer_backend]
+        for i in range(ns.num_prefill):
+            port, bootstrap = ports.pick(), ports.pick()
+            argv = server_argv(model_path, host, port, device, gpu(i), engine_args) + pd + [
+                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)]
+            servers.append(ChildSpec(f"prefill {i}", tuple(argv), http_url(reach, port), gpu(i), bootstrap))
+        for j in range(ns.num_decode):
+            port = ports.pick()
+            index = ns.num_prefill + j
+            argv = server_argv(model_path, host, port, device, gpu(index), engine_args) + pd + [
+                "--disaggregation-mode", "decode"]
+            servers.append(ChildSpec(f"decode {j}", tuple(argv), http_url(reach, port), gpu(index)))
+        prefills = [s for s in servers if s.bootstrap_port is not None]
+        router_flags = ["--prefill", *(s.url for s in prefills),
+                        "--prefill-bootstrap-ports", *(str(s.bootstrap_port) for s in prefills),
+                        "--decode", *(s.url for s in servers if s.name.startswith("decode"))]
+    router_port = ns.port or ports.pick()
+    router_argv = [sys.executable, "-m", "pdserve_router", *router_flags, "--host", host, "--port", str(router_port),
+                   *ns.router_args.split()]
+    return servers, ChildSpec("router", tuple(router_argv), http_url(reach, router_port))
+
+
+# ---- running --------------------------------------------------------------------------------------------------
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=HEALTH_REQUEST_TIMEOUT_SECONDS) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class Cluster:
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+
+    def start(self, spec: ChildSpec) -> Child:
+        log_path = os.path.join(self.log_dir, spec.name.replace(" ", "-") + ".log")
+        with open(log_path, "w") as log:
+            # own session: Ctrl-C reaches only the launcher, which stops the children in order
+            proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        child = Child(spec, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            code = child.proc.poll()
+            if code is not None:
+                raise ClusterError(f"{child.name} (pid {child.proc.pid}) exited with code {code}; "
+                                   f"last lines of {child.log_path}:\n{child.log_tail()}")
+
+    def wait_healthy(self, children: list[Child], deadline: float) -> None:
+        pending = list(children)
+        while pending:
+            self.check_alive()
+            if self.stop_requested.is_set():
+                raise ClusterError("interrupted during start-up")
+            pending = [c for c in pending if not healthy(c.spec.url)]
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise ClusterError(f"not healthy within the start-up timeout: {names} (logs in {self.log_dir})")
+            if pending:
+                self.stop_requested.wait(HEALTH_POLL_SECONDS)
+
+    def watch(self) -> None:
+        """Until a stop is requested; raises ClusterError as soon as a child dies."""
+        while not self.stop_requested.wait(HEALTH_POLL_SECONDS):
+            self.check_alive()
+
+    def stop(self) -> None:
+        """Router first, then the servers: terminate, wait, kill whatever is left (with its own children)."""
+        for child in reversed(self.children):
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + TERMINATE_TIMEOUT_SECONDS
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                print(f"pdserve-cluster: {child.name} did not stop in {TERMINATE_TIMEOUT_SECONDS:.0f} s; killing it",
+                      file=sys.stderr, flush=True)
+            _signal_group(child.proc, signal.SIGKILL)  # also whatever a clean exit left behind
+            try:
+                child.proc.wait(KILL_TIMEOUT_SECONDS)
+            except subprocess.TimeoutExpired:
+                print(f"pdserve-cluster: {child.name} (pid {child.proc.pid}) survived SIGKILL", file=sys.stderr)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the child's whole session (start_new_session: its group id is its pid), grandchildren included."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def default_model_path() -> str:
+    from pdserve.tools.make_model import default_model_dir
+
+    print("pdserve-cluster: no --model-path; using the tiny random-weight qwen3 model (built once, cached)",
+          flush=True)
+    return str(default_model_dir("qwen3-tiny"))
+
+
+def curl_line(router_url: str) -> str:
+    body = json.dumps({"text": EXAMPLE_PROMPT, "max_new_tokens": 32, "temperature": 0})
+    return f"curl -X POST {router_url}/generate -H \"Content-Type: application/json\" -d '{body}'"
+
+
+def describe(ns: argparse.Namespace, device: str, servers: list[Child], router: Child) -> str:
+    mode = (f"colocated: {ns.num_workers} worker(s)" if ns.colocated else
+            f"PD: {ns.num_prefill} prefill, {ns.num_decode} decode, transfer backend {ns.transfer_backend}")
+    lines = [f"pdserve cluster ready ({mode}, on {device})"]
+    for child in [*servers, router]:
+        spec = child.spec
+        where = f"GPU {spec.gpu}" if spec.gpu is not None else ""
+        boot = f"bootstrap port {spec.bootstrap_port}" if spec.bootstrap_port is not None else ""
+        extras = ", ".join(x for x in (boot, where) if x)
+        lines.append(f"  {spec.name:<10} {spec.url}{f'  ({extras})' if extras else ''}  log: {child.log_path}")
+    lines += ["", f"Router: {router.spec.url}", "Try:", f"  {curl_line(router.spec.url)}", "",
+              "Ctrl-C stops everything."]
+    return "\n".join(lines)
+
+
+def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
+    num_servers = ns.num_workers if ns.colocated else ns.num_prefill + ns.num_decode
+    log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
+    os.makedirs(log_dir, exist_ok=True)
+    cluster = Cluster(log_dir)
+
+    def on_signal(signum: int, frame) -> None:
+        cluster.stop_requested.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        device = resolve_device(ns.device, num_servers)
+        model_path = ns.model_path or default_model_path()
+        server_specs, router_spec = plan_cluster(ns, model_path, device, engine_args, PortPicker(ns.host))
+        deadline = time.monotonic() + ns.startup_timeout
+        print(f"pdserve-cluster: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
+        servers = [cluster.start(spec) for spec in server_specs]
+        cluster.wait_healthy(servers, deadline)
+        router = cluster.start(router_spec)  # after the servers, so its first health check already passes
+        cluster.wait_healthy([router], deadline)
+        print(describe(ns, device, servers, router), flush=True)
+        cluster.watch()
+        print("pdserve-cluster: stopping", flush=True)
+        return EXIT_OK
+    except ClusterError as exc:
+        print(f"pdserve-cluster: {exc}", file=sys.stderr, flush=True)
+        print("pdserve-cluster: stopping everything", file=sys.stderr, flush=True)
+        return EXIT_FAILED
+    finally:
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
+    return run(ns, engine_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
