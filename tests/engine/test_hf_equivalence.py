@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 
-from .conftest import TINY_PRESETS
+TINY_PRESETS = ("llama-tiny", "qwen2-tiny", "qwen3-tiny")
 
 MAX_NEW = 16
 
