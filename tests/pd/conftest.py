@@ -1,0 +1,88 @@
+"""Fixtures for PD end-to-end tests: real prefill, decode, colocated and router processes on loopback (CPU).
+
+One session-wide set is started in a single parallel batch: a colocated server (the reference) and, per
+transfer backend, a prefill + decode pair behind its own router.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cluster_util import PDCluster, Proc, free_port, prefill_server, decode_server, router, server, start_all, stop_all  # noqa: E402
+
+from pdserve.tools.make_model import make_model  # noqa: E402
+
+CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
+
+
+def mooncake_available() -> bool:
+    try:
+        return importlib.util.find_spec("mooncake.engine") is not None
+    except ImportError:
+        return False
+
+
+BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not mooncake_available(), reason="mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"))]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def other_model(tmp_path_factory) -> str:
+    """A different architecture: a decode server with it must be refused by the prefill's handshake."""
+    return str(make_model("llama-tiny", tmp_path_factory.mktemp("models") / "llama-tiny", seed=0))
+
+
+@pytest.fixture(scope="session")
+def session_servers(tiny_model) -> Iterator[dict]:
+    backends = ["tcp"] + (["mooncake"] if mooncake_available() else [])
+    colocated = server("colocated", tiny_model)
+    pairs = {}
+    for backend in backends:
+        bootstrap = free_port()
+        pairs[backend] = (prefill_server(tiny_model, backend, bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE)),
+                          bootstrap, decode_server(tiny_model, backend))
+    servers = [colocated, *(p for p, _, _ in pairs.values()), *(d for _, _, d in pairs.values())]
+    start_all(servers)
+    routers = {backend: router([(p, b)], [d], name=f"router-{backend}") for backend, (p, b, d) in pairs.items()}
+    try:
+        start_all(list(routers.values()))
+    except BaseException:
+        stop_all(servers)
+        raise
+    clusters = {backend: PDCluster(backend, p, b, d, routers[backend]) for backend, (p, b, d) in pairs.items()}
+    yield {"colocated": colocated, "clusters": clusters}
+    stop_all([*routers.values(), *servers])
+
+
+@pytest.fixture(scope="session")
+def colocated(session_servers) -> Proc:
+    return session_servers["colocated"]
+
+
+@pytest.fixture(params=BACKENDS)
+def pd(request, session_servers) -> PDCluster:
+    return session_servers["clusters"][request.param]
+
+
+@pytest.fixture(scope="session")
+def tcp_cluster(session_servers) -> PDCluster:
+    return session_servers["clusters"]["tcp"]
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model):
+    from pdserve import LLM
+
+    return LLM(tiny_model, device="cpu", max_total_tokens=4096, context_length=512)
