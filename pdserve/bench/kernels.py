@@ -34,9 +34,9 @@ BF16 = torch.bfloat16
 EXTEND_CANDIDATES = {
     64: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
          num_stages=3), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)],
-    128: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+    128: [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
           num_stages=2), dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-          dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
+          dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2), dict(BLOCK_M=64, BLOCK_N=64, num_warps=4,
           num_stages=3)],
 }
 
@@ -217,8 +217,6 @@ def bench_sampling() -> list[dict]:
         for k in (256, 1024):
             ms = ms_graph(lambda: probs.topk(k, dim=-1))
             rows.append(dict(kind="sampling", batch=batch, impl=f"torch_topk{k}_only", us=ms * 1e3))
-            ms = ms_graph(lambda: sampling.top_candidates(probs, k))
-            rows.append(dict(kind="sampling", batch=batch, impl=f"chunked_topk{k}_only", us=ms * 1e3))
         ms = ms_graph(lambda: logits.softmax(-1).sort(dim=-1, descending=True))
         rows.append(dict(kind="sampling", batch=batch, impl="full_sort_only", us=ms * 1e3))
     return rows

@@ -19,21 +19,6 @@ def _exponential_race(weights: torch.Tensor, generator: torch.Generator | None) 
     return (weights / noise).argmax(dim=-1)
 
 
-def top_candidates(probs: torch.Tensor, k: int, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """probs.topk(k, sorted=True) for k <= chunk: top-k of each vocab chunk first (many short rows keep the GPU
-    busy where one long row per request does not), then top-k of the survivors. Same values and order; ids may differ among ties."""
-    batch, vocab = probs.shape
-    chunk = max(chunk, k)
-    if vocab <= 2 * chunk:
-        return probs.topk(k, dim=-1, sorted=True)
-    chunks = -(-vocab // chunk)
-    padded = torch.nn.functional.pad(probs, (0, chunks * chunk - vocab), value=-1.0).view(batch, chunks, chunk)
-    part_probs, part_ids = padded.topk(k, dim=-1, sorted=False)
-    part_ids = part_ids + torch.arange(0, chunks * chunk, chunk, device=probs.device)[None, :, None]
-    top_probs, pick = part_probs.view(batch, -1).topk(k, dim=-1, sorted=True)
-    return top_probs, part_ids.view(batch, -1).gather(1, pick)
-
-
 def top_k_top_p_min_p_candidates(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, max_top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +28,7 @@ def top_k_top_p_min_p_candidates(
     probs: [B, V] fp32 rows summing to 1; top_ks: [B] int (<= 0 means no limit); top_ps, min_ps: [B] float.
     """
     k = min(max_top_k, probs.shape[-1])
-    top_probs, token_ids = top_candidates(probs, k)
+    top_probs, token_ids = probs.topk(k, dim=-1, sorted=True)
     mass_ahead = top_probs.cumsum(dim=-1) - top_probs
     ranks = torch.arange(k, device=probs.device)
     limit = torch.where(top_ks > 0, top_ks, k)

@@ -19,7 +19,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """Run the Triton kernels of pdserve.kernels on CPU tensors through Triton's interpreter."""
+    """Run the Triton kernels of pdserve.kernels on CPU tensors through Triton's interpreter.
+
+    CPU-only: Triton 3.6's interpreter leaves triton.language patched after nested @jit calls, which breaks
+    later compilation of real kernels in the same process (seen on H200, 2026-11-21); GPU runs test the real ones.
+    """
+    if torch.cuda.is_available():
+        pytest.skip("interpreter tests run where there is no CUDA device")
     triton = pytest.importorskip("triton")
     from triton.runtime.jit import JITFunction
 

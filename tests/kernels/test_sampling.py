@@ -28,7 +28,7 @@ def test_candidates_match_full_sort(device):
     top_ps = torch.tensor([1.0, 1.0, 0.9, 0.5, 0.3, 1.0], device=device)
     min_ps = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.0, 0.2], device=device)
     expect = sorted_reference(probs, top_ks, top_ps, min_ps)
-    # exact with K = V; with K = 256 (chunked top-k) exact for rows whose survivors fit in the top 256 (not row 0)
+    # exact with K = V; with K = 256 exact for rows whose survivors fit in the top 256 (not row 0)
     for max_top_k, rows in ((10000, slice(None)), (256, slice(1, None))):
         weights, ids = top_k_top_p_min_p_candidates(probs, top_ks, top_ps, min_ps, max_top_k=max_top_k)
         ours = torch.zeros_like(probs).scatter(1, ids, weights)
