@@ -1,0 +1,8 @@
+# Source on the GPU machine (device tool): installs the carried wheels and Debian libraries, sets the safe NCCL env.
+#   carry: .whl .deb      usage: source scripts/gpu_env.sh
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || return 1
+export PYTHONPATH="$PWD:$PWD/router:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p /tmp/debroot && for f in .deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
+export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
