@@ -200,6 +200,10 @@ class DecodeScheduler(Scheduler):
     def kv_pool_is_fully_free(self) -> bool:
         return not self.quarantine and super().kv_pool_is_fully_free()
 
+    @property
+    def model_info(self) -> dict:
+        return {**super().model_info, **self.server_info()}
+
     def server_info(self) -> dict:
         return {"disaggregation_mode": "decode", **self.kv.info()}
 

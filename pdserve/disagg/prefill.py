@@ -231,6 +231,10 @@ class PrefillScheduler(Scheduler):
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
             self.kv.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
 
+    @property
+    def model_info(self) -> dict:
+        return {**super().model_info, **self.server_info()}
+
     def server_info(self) -> dict:
         return {"disaggregation_mode": "prefill", "bootstrap": self.bootstrap.address, **self.kv.info()}
 

@@ -87,6 +87,8 @@ class Scheduler:
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.capacity * self.page_size,
             "attention_backend": self.runner.backend_name,
+            "cuda_graphs": self.runner.graph_runner is not None,
+            "disaggregation_mode": self.args.disaggregation_mode,
         }
 
     def add_request(self, req: Req) -> None:

@@ -1,0 +1,99 @@
+"""PD on two GPUs: greedy output through prefill (GPU 0) -> decode (GPU 1) equals a colocated server, per
+transfer backend; and the TTFT that PD adds over colocated at concurrency 1.
+
+python scripts/gpu_pd_check.py --model-path DIR --backends mooncake nccl --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cluster_util import free_port, prefill_server, decode_server, router, server, start_all, stop_all  # noqa: E402
+
+GPU_FLAGS = ["--device", "cuda", "--max-total-tokens", "131072", "--context-length", "20000", "--cuda-graph-max-bs", "16"]
+
+
+def generate(url: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def ttft_ms(url: str, ids: list[int]) -> float:
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+            "stream": True}
+    req = urllib.request.Request(f"{url}/generate", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        for line in resp:
+            if line.startswith(b"data: ") and b"[DONE]" not in line:
+                first = time.perf_counter()
+                resp.read()
+                return 1e3 * (first - start)
+    raise RuntimeError("no token streamed")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--backends", nargs="+", default=["mooncake", "nccl"])
+    parser.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 100000) for _ in range(n)] for n in (5, 300, 2000, 9000)]
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    colocated = start_all([server("colocated", args.model_path, *GPU_FLAGS, "--base-gpu-id", "0")])[0]
+    report = {"model": args.model_path, "backends": {}}
+    try:
+        expected = [generate(colocated.url, {"input_ids": p, "sampling_params": greedy})["output_ids"] for p in prompts]
+        colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, 100000) for _ in range(n)])
+                         for _ in range(5)] for n in args.ttft_lens}
+        report["colocated_ttft_ms"] = {n: statistics.median(v) for n, v in colo_ttft.items()}
+        for backend in args.backends:
+            bport = free_port()
+            p = prefill_server(args.model_path, backend, bport, *GPU_FLAGS, "--base-gpu-id", "0")
+            d = decode_server(args.model_path, backend, *GPU_FLAGS, "--base-gpu-id", "1")
+            procs = start_all([p, d])
+            r = start_all([router([(p, bport)], [d])])[0]
+            try:
+                got = [generate(r.url, {"input_ids": q, "sampling_params": greedy})["output_ids"] for q in prompts]
+                batch = generate(r.url, {"input_ids": prompts, "sampling_params": greedy})
+                batch_ids = [item["output_ids"] for item in batch]
+                pd_ttft = {n: statistics.median(ttft_ms(r.url, [rng.randrange(100, 100000) for _ in range(n)])
+                                                for _ in range(5)) for n in args.ttft_lens}
+                info = json.loads(urllib.request.urlopen(f"{p.url}/get_server_info", timeout=10).read())
+                report["backends"][backend] = {
+                    "identical": [g == e for g, e in zip(got, expected)],
+                    "batch_identical": [g == e for g, e in zip(batch_ids, expected)],
+                    "pd_ttft_ms": pd_ttft,
+                    "added_ttft_ms": {n: pd_ttft[n] - report["colocated_ttft_ms"][n] for n in args.ttft_lens},
+                    "prefill_server_info": info,
+                }
+            except Exception as exc:  # keep going with the next backend; the report says what failed
+                report["backends"][backend] = {"error": repr(exc), "prefill_log": p.log()[-3000:],
+                                               "decode_log": d.log()[-3000:]}
+            finally:
+                stop_all([r, *procs])
+            print(backend, json.dumps({k: v for k, v in report["backends"][backend].items()
+                                       if k != "prefill_server_info"}, indent=1)[:3000], flush=True)
+    finally:
+        stop_all([colocated])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pd_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    print("colocated TTFT ms", report["colocated_ttft_ms"])
+
+
+if __name__ == "__main__":
+    main()
