@@ -109,9 +109,7 @@ def build_forward_batch(
         starts.append(acc)
         acc += e
     width = max((len(r) for r in page_rows), default=1) or 1
-    table = torch.zeros((len(page_rows), width), dtype=torch.int32)
-    for i, row in enumerate(page_rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    table = torch.tensor([row + [0] * (width - len(row)) for row in page_rows], dtype=torch.int32)
 
     def dev(values, dtype):
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
