@@ -26,6 +26,8 @@ MAX_TOTAL_TOKENS = 4096
 # small PD timeouts so that failure tests end in seconds
 PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "6", "--disaggregation-waiting-timeout", "6",
                "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-failures", "2"]
+# one intra-op thread per process: several servers share a few cores, and oversubscription makes each token slower
+CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
 def free_port() -> int:
@@ -76,7 +78,7 @@ class Proc:
         fd, self.log_path = tempfile.mkstemp(prefix=f"pdserve-{self.name}-", suffix=".log")
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True, env=CHILD_ENV)
         return self
 
     def healthy(self) -> bool:
