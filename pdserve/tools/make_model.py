@@ -6,16 +6,18 @@ A model directory holds config.json, generation_config.json, model.safetensors (
 model.safetensors.index.json), and a byte-level BPE tokenizer trained here on `CORPUS` (tokenizer.json,
 tokenizer_config.json with a ChatML chat template, special_tokens_map.json). Transformers loads it as is.
 
-Presets: `*-tiny` run on a CPU in tests (2 layers, GQA, float32); `qwen3-0.6b` and `llama-3.1-8b` have the
-exact shapes of the released models (bfloat16) and are initialised on the GPU when there is one.
-RoPE: llama presets use `llama3` scaling as Llama-3.1 does; `qwen2-tiny` uses `linear` scaling (Qwen's
-`yarn` is left out: `linear` and `llama3` are the scalings a from-scratch engine reproduces exactly).
+Presets: `*-tiny` run on a CPU in tests (2 layers, GQA 4/2 heads, float32): `llama-tiny` has tied embeddings
+(as Llama-3.2-1B) and `llama3` RoPE scaling (as Llama-3.1); `qwen2-tiny` has q/k/v biases and `linear` RoPE
+scaling (Qwen's own `yarn` is left out: `linear` and `llama3` are what a from-scratch engine reproduces
+exactly); `qwen3-tiny` has q/k RMSNorm and head_dim 32 != hidden 64 / 4 heads. `qwen3-0.6b` and
+`llama-3.1-8b` have the exact shapes of the released models (bfloat16) and initialise on the GPU when there is
+one: per tensor on the device, then to the CPU, while a writer thread saves the previous ~4.5 GB shard.
 
-Weights are normal with std 1/sqrt(fan_in) for projections (every sub-layer moves the residual stream, so
-greedy decoding depends on the context and does not repeat one token), biases std 0.5 (an engine that drops
-them gives other tokens), embeddings and lm_head std 2/sqrt(hidden) (logits of std ~2), RMSNorm weights 1.
-Each tensor has its own generator seeded from (seed, name): the same seed gives the same bytes on the same
-kind of device. Tiny presets always initialise on the CPU.
+Weights: projections normal(0, 1/sqrt(fan_in)), o_proj/down_proj 4x that (each sub-layer outweighs the token
+embedding in the residual stream, so tied models do not echo their input), q/k/v biases std 0.2, embedding
+and lm_head rows of norm 2 (logits of std ~2), RMSNorm weights 1. Greedy decoding then gives varied,
+context-dependent tokens. Each tensor has its own generator seeded from (seed, name): the same seed gives
+the same bytes on the same kind of device; tiny presets always initialise on the CPU.
 """
 
 from __future__ import annotations
@@ -246,7 +248,7 @@ def hf_config(preset: Preset, dtype: str) -> dict[str, Any]:
         "num_hidden_layers": preset.num_hidden_layers,
         "num_key_value_heads": preset.num_key_value_heads,
         "rms_norm_eps": preset.rms_norm_eps,
-        "rope_scaling": preset.rope_scaling,
+        "rope_scaling": dict(preset.rope_scaling) if preset.rope_scaling else None,  # transformers edits it
         "rope_theta": preset.rope_theta,
         "tie_word_embeddings": preset.tie_word_embeddings,
         "torch_dtype": dtype,
@@ -268,10 +270,12 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
 
 def build_tokenizer(preset: Preset) -> Any:
     """A byte-level BPE trained on CORPUS, padded with never-produced `<|reserved_N|>` entries, specials last."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     n_regular = preset.vocab_size - len(SPECIAL_TOKENS)
     tokenizer = Tokenizer(models.BPE())
+    if preset.model_type.startswith("qwen"):
+        tokenizer.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json, and transformers' Qwen2Tokenizer
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
@@ -471,10 +475,10 @@ def cache_root() -> Path:
 
 def default_model_dir(preset: str = "qwen3-tiny") -> Path:
     """The cached model of `preset` (seed 0, preset dtype), built on first use into <cache>/models/<preset>."""
-    target = cache_root() / "models" / preset
-    expected = marker(preset, 0, PRESETS[preset].dtype) if preset in PRESETS else None
-    if expected is None:
+    if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    target = cache_root() / "models" / preset
+    expected = marker(preset, 0, PRESETS[preset].dtype)
     if _read_marker(target) == expected:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
