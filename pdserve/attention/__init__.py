@@ -21,8 +21,8 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     if device_type != "cuda":
         return "torch_native"
     try:
-        importlib.import_module("pdserve.attention.triton_backend")
-        return "triton"
+        importlib.import_module("pdserve.attention.sdpa_backend")
+        return "sdpa"  # torch SDPA for long prompts without a cached prefix, Triton for everything else
     except ImportError:
         return "torch_native"
 

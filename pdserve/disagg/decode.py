@@ -67,6 +67,8 @@ class DecodeScheduler(Scheduler):
             handler(msg)
         self._expire()
         self._preallocate()
+        if self._changed:  # first tokens just committed: report them before the next decode step
+            return self._collect_outputs()
         return super().step()
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
@@ -88,6 +90,7 @@ class DecodeScheduler(Scheduler):
             try:
                 info = self._check_route(route)
             except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
+                logger.warning("room %d: refusing prefill %s: %s", h.room, bootstrap_addr(h.req), exc)
                 self._fail(h, f"prefill handshake failed: {exc}", tell_prefill=False)
                 continue
             need = math.ceil(len(h.req.input_ids) / self.page_size)

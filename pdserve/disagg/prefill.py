@@ -120,7 +120,8 @@ class PrefillScheduler(Scheduler):
     # ---- KV push ------------------------------------------------------------------------------------------
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        self._push(self.handoffs[req.bootstrap_room], end // self.page_size, final=False)
+        if end < len(req.input_ids):  # the last chunk's pages go with the first token in on_prefill_done
+            self._push(self.handoffs[req.bootstrap_room], end // self.page_size, final=False)
 
     def on_prefill_done(self, req: Req) -> None:
         h = self.handoffs[req.bootstrap_room]

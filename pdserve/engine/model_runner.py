@@ -103,28 +103,29 @@ def build_forward_batch(
     page_size: int,
     device: torch.device,
 ) -> ForwardBatch:
+    """Two host-to-device copies: every int64 field in one buffer, every int32 field in another."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     starts, acc = [], 0
     for e in extend_lens:
         starts.append(acc)
         acc += e
     width = max((len(r) for r in page_rows), default=1) or 1
-    table = torch.tensor([row + [0] * (width - len(row)) for row in page_rows], dtype=torch.int32)
-
-    def dev(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    table = [page for row in page_rows for page in (row + [0] * (width - len(row)))]
+    t, b = len(input_ids), len(seq_lens)
+    longs = torch.tensor([*input_ids, *positions, *out_cache_loc, *logits_indices], dtype=torch.int64)
+    ints = torch.tensor([*seq_lens, *prefix_lens, *extend_lens, *starts, *table], dtype=torch.int32)
+    longs, ints = longs.to(device, non_blocking=True), ints.to(device, non_blocking=True)
     return ForwardBatch(
         mode=mode,
-        input_ids=dev(input_ids, torch.int64),
-        positions=dev(positions, torch.int64),
-        out_cache_loc=dev(out_cache_loc, torch.int64),
-        seq_lens=dev(seq_lens, torch.int32),
-        prefix_lens=dev(prefix_lens, torch.int32),
-        extend_lens=dev(extend_lens, torch.int32),
-        extend_start_loc=dev(starts, torch.int32),
-        page_table=table.to(device, non_blocking=True),
-        logits_indices=dev(logits_indices, torch.int64),
+        input_ids=longs[:t],
+        positions=longs[t : 2 * t],
+        out_cache_loc=longs[2 * t : 3 * t],
+        logits_indices=longs[3 * t :],
+        seq_lens=ints[:b],
+        prefix_lens=ints[b : 2 * b],
+        extend_lens=ints[2 * b : 3 * b],
+        extend_start_loc=ints[3 * b : 4 * b],
+        page_table=ints[4 * b :].view(b, width),
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=list(prefix_lens),
         extend_lens_cpu=list(extend_lens),

@@ -79,7 +79,8 @@ class Sampler:
         top_ks = torch.tensor([max(r.params.top_k, 0) for r in rows], device=dev)
         top_ps = torch.tensor([r.params.top_p for r in rows], device=dev)
         min_ps = torch.tensor([r.params.min_p for r in rows], device=dev)
-        tokens = sample(logits, temps, top_ks, top_ps, min_ps, generator=self.generator)
+        any_filter = any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows)
+        tokens = sample(logits, temps, top_ks, top_ps, min_ps, generator=self.generator, any_filter=any_filter)
         for i, row in enumerate(rows):
             if row.params.seed is not None and not greedy[i]:
                 g = _seeded_generator(row.params.seed, len(row.output_ids), dev)

@@ -85,7 +85,11 @@ class KVPool:
 
 
 class PageAllocator:
-    """Free list plus reference counts. Pages 1..num_pages-1 are allocatable; page 0 is reserved."""
+    """Free list plus reference counts. Pages 1..num_pages-1 are allocatable; page 0 is reserved.
+
+    The free list is a stack kept so that allocations come out as ascending contiguous runs where possible:
+    a KV transfer then coalesces a request's pages into few large copies.
+    """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
@@ -105,7 +109,8 @@ class PageAllocator:
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(n)]
+        pages = self._free[len(self._free) - n :][::-1]
+        del self._free[len(self._free) - n :]
         for p in pages:
             self._refs[p] = 1
         return pages
@@ -117,11 +122,13 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Drop one reference of each page; pages that reach zero return to the free list."""
+        released = []
         for p in pages:
             assert self._refs[p] > 0, f"double free of page {p}"
             self._refs[p] -= 1
             if self._refs[p] == 0:
-                self._free.append(p)
+                released.append(p)
+        self._free.extend(reversed(released))  # the next alloc hands them out again in ascending runs
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
