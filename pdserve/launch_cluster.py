@@ -268,9 +268,10 @@ class Cluster:
             self.check_alive()
 
     def stop(self) -> None:
-        """Router first, then the servers: terminate, wait, kill whatever is left (with its own children)."""
+        """Router first, then the servers: SIGTERM, wait, then SIGKILL whatever is left of each child's session."""
         for child in reversed(self.children):
-            _signal_group(child.proc, signal.SIGTERM)
+            if child.proc.poll() is None:
+                child.proc.terminate()  # the server stops its own scheduler and detokenizer
         deadline = time.monotonic() + TERMINATE_TIMEOUT_SECONDS
         for child in reversed(self.children):
             try:

@@ -104,15 +104,20 @@ class Proc:
         except ProcessLookupError:
             pass
 
+    def terminate(self) -> None:
+        """SIGTERM to the server process only, as a user would send; it stops its own children."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+
     def stop(self) -> None:
         if self.proc is None:
             return
-        self.signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(STOP_TIMEOUT)
         except subprocess.TimeoutExpired:
             pass
-        self.signal(signal.SIGKILL)
+        self.signal(signal.SIGKILL)  # whatever is left of the session
         self.proc.wait(10)
         os.unlink(self.log_path)
 
@@ -142,7 +147,7 @@ def start_all(procs: list[Proc]) -> list[Proc]:
 def stop_all(procs: Iterable[Proc]) -> None:
     procs = [p for p in procs if p.proc is not None]
     for proc in procs:
-        proc.signal(signal.SIGTERM)
+        proc.terminate()
     for proc in procs:
         proc.stop()
 

@@ -15,7 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cluster_util import PDCluster, Proc, free_port, prefill_server, decode_server, router, server, start_all, stop_all  # noqa: E402
+from cluster_util import (PDCluster, Proc, decode_server, free_port, prefill_server, router, server,  # noqa: E402
+                          start_all, stop_all)
 
 from pdserve.tools.make_model import make_model  # noqa: E402
 
@@ -29,8 +30,8 @@ def mooncake_available() -> bool:
         return False
 
 
-BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
-    not mooncake_available(), reason="mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"))]
+NO_MOONCAKE = "mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"
+BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason=NO_MOONCAKE))]
 
 
 @pytest.fixture(scope="session")

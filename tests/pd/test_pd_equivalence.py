@@ -8,6 +8,8 @@ from cluster_util import PDCluster, Proc, wait_kv_free
 
 from pdserve import SamplingParams
 
+pytestmark = pytest.mark.timeout(600)  # the first test also pays for starting the servers
+
 MAX_NEW = 12
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
@@ -94,7 +96,8 @@ def test_openai_completions(pd: PDCluster, colocated: Proc):
     assert chats[0].message.content == chats[1].message.content
     stream = clients[0].chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
                                                 max_tokens=MAX_NEW, temperature=0, stream=True)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == chats[1].message.content
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert streamed == chats[1].message.content
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
