@@ -54,7 +54,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker", nargs="+", default=[], metavar="URL",
                         help="Colocated (non-PD) servers: selects regular mode.")
     parser.add_argument("--mode", choices=("pd", "regular"), default=None,
-                        help="Default: regular when --worker is given, else pd (instances may come later via /workers).")
+                        help="Default: regular when --worker is given, else pd (instances may come later via "
+                             "/workers).")
     defaults = RouterConfig.__dataclass_fields__
     for f in fields(RouterConfig):
         if f.name not in _HELP:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
-from .payload import (BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids, error_body, error_response,
+from .payload import (FirstEventMerger, attempt_rid, batch_size, body_rids, error_body, error_response,
                       inject_bootstrap, merge_json_response, prefill_items_by_index, routing_key)
 from .policies import make_policy
 from .workers import NoHealthyWorker, Worker, WorkerRegistry
@@ -167,15 +167,16 @@ class Dispatcher:
             body["rid"] = attempt.body_rid
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "X-Request-Id": attempt.rid, **self.auth}
+        attempt.main.in_flight += 1
+        main_task = asyncio.ensure_future(self.open_main(attempt, data, headers))  # decode goes out first
         if attempt.side:
             attempt.side_task = self.start_side(attempt, data, headers)
-        attempt.main.in_flight += 1
         log.debug("rid=%s attempt %d -> %s%s", attempt.rid, attempt.number, attempt.main.url,
                   f" + {attempt.side.url}" if attempt.side else "")
         dispatched = time.perf_counter()
         resp: aiohttp.ClientResponse | None = None
         try:
-            resp, first = await self.race_side(attempt, self.open_main(attempt, data, headers))
+            resp, first = await self.race_side(attempt, main_task)
             attempt.first_received = True
             return await self.respond(attempt, resp, first, dispatched - ctx.started)
         except BaseException as exc:
@@ -238,9 +239,8 @@ class Dispatcher:
             raise UpstreamError(worker, resp.status, body)
         return resp, body
 
-    async def race_side(self, attempt: Attempt, main_coro):
-        """Awaits `main_coro`, but fails fast with the side's error if the prefill half fails first."""
-        main_task = asyncio.ensure_future(main_coro)
+    async def race_side(self, attempt: Attempt, main_task: asyncio.Future):
+        """Awaits `main_task`, but fails fast with the side's error if the prefill half fails first."""
         side_task = attempt.side_task
         try:
             if side_task is not None and not side_task.done():

@@ -56,12 +56,14 @@ class StubServer:
     couple: bool = True
     fail_status: int | None = None
     healthy: bool = True
+    held: bool = False  # generate requests wait until release() while held
     requests: list[dict] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)
     abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
     in_flight: int = 0
     max_in_flight: int = 0
     runner: web.AppRunner | None = None
+    released: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -82,12 +84,19 @@ class StubServer:
         return app
 
     async def start(self) -> None:
+        self.released = asyncio.Event()
+        if not self.held:
+            self.released.set()
         self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         self.port = self.runner.addresses[-1][1]
         self.name = self.name or f"{self.role}:{self.port}"
+
+    def release(self) -> None:
+        self.held = False
+        self.released.set()
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -118,14 +127,17 @@ class StubServer:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append({"path": request.path, "body": body, "headers": {k.lower(): v for k, v in request.headers.items()}})
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.requests.append({"path": request.path, "body": body, "headers": headers})
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
+            await self.released.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             if self.fail_status is not None:
-                error = {"message": f"stub {self.name} fails on purpose", "type": "StubError", "code": self.fail_status}
+                message = f"stub {self.name} fails on purpose"
+                error = {"message": message, "type": "StubError", "code": self.fail_status}
                 return web.json_response({"error": error}, status=self.fail_status)
             rooms = body.get("bootstrap_room")
             rooms = rooms if isinstance(rooms, list) else [] if rooms is None else [rooms]
@@ -134,7 +146,9 @@ class StubServer:
                 await asyncio.sleep(self.response_delay_s)
                 return await self.answer(request, body, 1, "stop")
             aborted = self.role == "decode" and self.couple and rooms and not await self.wait_for_kv(body, rooms)
-            return await self.answer(request, body, 0 if aborted else self.max_tokens(body), "abort" if aborted else "length")
+            if aborted:
+                return await self.answer(request, body, 0, "abort")
+            return await self.answer(request, body, self.max_tokens(body), "length")
         finally:
             self.in_flight -= 1
 
@@ -231,6 +245,9 @@ class StubHost:
 
     def stop(self, server: StubServer) -> None:
         self.call(server.stop())
+
+    def release(self, server: StubServer) -> None:
+        self.loop.call_soon_threadsafe(server.release)
 
     def restart(self, server: StubServer) -> None:
         self.call(server.start())

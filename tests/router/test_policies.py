@@ -30,19 +30,19 @@ def test_random_uses_every_instance(stubs, start_router):
 
 
 def test_least_load_avoids_the_busy_instance(stubs, start_router):
-    p1 = stubs.add("prefill")
-    d1, d2 = stubs.add("decode", tokens=3, token_interval_s=0.5), stubs.add("decode", tokens=3, token_interval_s=0.5)
+    p1, d1, d2 = stubs.add("prefill"), stubs.add("decode", held=True), stubs.add("decode", held=True)
     router = start_router("--prefill", p1.url, "--decode", d1.url, d2.url, "--decode-policy", "least_load")
     long_one = threading.Thread(target=router.post, args=("/generate", {"text": "long", "stream": True}))
     long_one.start()
-    deadline = time.monotonic() + 5
-    while sum(s.in_flight for s in (d1, d2)) == 0 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 10
+    while d1.in_flight + d2.in_flight == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     busy, idle = (d1, d2) if d1.in_flight else (d2, d1)
-    idle.tokens = busy.tokens = 1
-    idle.token_interval_s = 0.0
+    stubs.release(idle)
     for i in range(5):
         assert router.post("/generate", {"text": f"short {i}"}).status == 200
+    assert busy.in_flight == 1  # the long stream was in flight during every short one
+    stubs.release(busy)
     long_one.join()
     assert len(busy.requests) == 1 and len(idle.requests) == 5
 
