@@ -14,6 +14,8 @@ import queue
 import threading
 from dataclasses import dataclass
 
+import torch
+
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
 from pdserve.disagg.common import Handoff, KVManager, KVPoll, checked_pages, now
@@ -32,6 +34,7 @@ class WriteJob:
     peer_session: str
     spans: tuple[list[int], list[int], list[int]]
     final: bool
+    computed: torch.cuda.Event | None  # recorded after the forward that filled the pages (None on CPU)
 
 
 class TransferWorker:
@@ -53,6 +56,8 @@ class TransferWorker:
             result = {"type": "write_done", "room": job.room, "final": job.final}
             if job.room not in self.cancelled:
                 try:
+                    if job.computed is not None:
+                        job.computed.synchronize()  # a transfer engine copies on its own streams
                     self.engine.write(job.peer_session, *job.spans)
                 except Exception as exc:  # any engine failure fails this room only
                     result = {"type": "write_failed", "room": job.room, "error": f"{type(exc).__name__}: {exc}"}
@@ -139,7 +144,11 @@ class PrefillScheduler(Scheduler):
         spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
         h.pages_sent = max(h.pages_sent, upto_page)
         h.writes_in_flight += 1
-        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final))
+        computed = None
+        if self.device.type == "cuda":
+            computed = torch.cuda.Event()
+            computed.record()
+        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final, computed))
 
     # ---- control messages ---------------------------------------------------------------------------------
 
