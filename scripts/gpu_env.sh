@@ -5,4 +5,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   || return 1
 export PYTHONPATH="$PWD:$PWD/router:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p /tmp/debroot && for f in .deb/*.deb; do dpkg -x "$f" /tmp/debroot; done
-export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# Keep only the libraries the image lacks: a carried Debian build must not shadow one the image has.
+for lib in /tmp/debroot/{usr/,}lib/x86_64-linux-gnu/lib*.so.*; do
+  ldconfig -p 2>/dev/null | grep -q "/${lib##*/}\$" && rm -f "$lib"
+done
+export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:/tmp/debroot/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

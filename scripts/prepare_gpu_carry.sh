@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Fill the git-ignored .whl/ and .deb/ at the repo root with what the lent GPU machine's image lacks, for
+# Python 3.12 manylinux x86_64; scripts/gpu_env.sh installs them there (device tool: carry [".whl", ".deb"]).
+#
+# Not carried: nvidia-nccl-cu12 (the image's torch 2.11+cu130 brings nvidia-nccl-cu13, whose
+# nvidia/nccl/lib/libnccl.so.2 serves a ctypes binding; the cu12 wheel alone is far over the 64 MiB carry limit);
+# aiohttp, requests, msgpack, numpy, tqdm, transformers, safetensors, tokenizers, triton (in the image).
+# Debian packages: what mooncake's engine.so links and auditwheel leaves out (libibverbs, libmlx5, libnuma, libcurl)
+# and their less common dependencies; gpu_env.sh drops the libraries the machine already has.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(
+  pyzmq==27.3.0
+  pydantic==2.13.4
+  pydantic-core==2.46.4
+  annotated-types==0.7.0
+  typing-inspection==0.4.2
+  typing-extensions==4.16.0
+  mooncake-transfer-engine-cuda13==0.3.14
+)
+DEBS=(
+  libibverbs1 ibverbs-providers librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
+  libcurl4 libnghttp2-14 librtmp1 libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2
+)
+LIMIT_MIB=55
+
+rm -rf .whl .deb
+mkdir -p .whl .deb
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+(cd .deb && apt-get download -q "${DEBS[@]}")
+
+du -b .whl/* .deb/* | awk '{printf "%8.2f MiB  %s\n", $1 / 1048576, $2}'
+total=$(du -cb .whl .deb | tail -1 | cut -f1)
+printf 'total %.2f MiB (limit %d MiB)\n' "$(echo "$total / 1048576" | bc -l)" "$LIMIT_MIB"
+if [ "$total" -gt $((LIMIT_MIB * 1048576)) ]; then
+  echo "carry too large" >&2
+  exit 1
+fi
