@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_shell(args: ServerArgs, server_argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: stop the server too
     port = _free_port()
     log_path = os.path.join(tempfile.gettempdir(), f"pdserve-shell-{os.getpid()}.log")
     command = [sys.executable, "-m", "pdserve.launch_server", *server_argv, "--host", "127.0.0.1", "--port", str(port)]
@@ -131,4 +133,6 @@ def _stream_reply(base_url: str, args: ServerArgs, history: list[dict]) -> str |
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pdserve.server.ipc import exit_now
+
+    exit_now(main())

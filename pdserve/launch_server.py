@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from pdserve.config import ServerArgs
 
 
@@ -15,4 +13,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pdserve.server.ipc import exit_now
+
+    exit_now(main())

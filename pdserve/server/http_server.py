@@ -55,10 +55,19 @@ class ApiError(Exception):
         self.code = code
 
 
+def json_response(data: Any, status: int = 200) -> web.Response:
+    """JSON with non-ASCII text as UTF-8 (readable in curl), not \\u escapes."""
+    return web.json_response(data, status=status, dumps=_dumps)
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False)
+
+
 def error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     body = {"error": {"message": message, "type": error_type, "code": code if code is not None else status}}
-    return web.json_response(body, status=status)
+    return json_response(body, status=status)
 
 
 @web.middleware
@@ -215,7 +224,7 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
 
 
 async def send_sse(response: web.StreamResponse, payload: dict | str) -> None:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else _dumps(payload)
     await response.write(f"data: {data}\n\n".encode())
 
 
@@ -260,7 +269,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await stream_with_early_errors(request, _generate_events(streams, requests, is_batch, with_text))
     generations = await collect(streams)
     results = [generate_result(g, r, with_text) for g, r in zip(generations, requests)]
-    return web.json_response(results if is_batch else results[0])
+    return json_response(results if is_batch else results[0])
 
 
 async def _generate_events(
@@ -362,14 +371,14 @@ async def get_model_info(request: web.Request) -> web.Response:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
     info = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
             "served_model_name": args.model_name, "is_generation": True, **tm.model_info}
-    return web.json_response(info)
+    return json_response(info)
 
 
 async def get_server_info(request: web.Request) -> web.Response:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
     server_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("api_key", "ipc_dir")}
     stats = await _scheduler_stats(tm)
-    return web.json_response({**server_args, "model_info": tm.model_info, "scheduler": stats,
+    return json_response({**server_args, "model_info": tm.model_info, "scheduler": stats,
                               "requests_in_flight": len(tm.states), "time": time.time()})
 
 
@@ -388,17 +397,17 @@ async def flush_cache(request: web.Request) -> web.Response:
         raise ApiError(503, "the scheduler did not answer in time") from exc
     if not flushed:
         raise ApiError(400, "cannot flush the cache while requests are running")
-    return web.json_response({"success": True, "message": "Cache flushed."})
+    return json_response({"success": True, "message": "Cache flushed."})
 
 
 async def abort_request(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     body = await parse_body(request, AbortRequestInput)
     if body.abort_all:
-        return web.json_response({"success": True, "aborted": tm.abort_all()})
+        return json_response({"success": True, "aborted": tm.abort_all()})
     if not tm.abort(body.rid):
         raise ApiError(404, f"no request with id {body.rid!r} is in flight")
-    return web.json_response({"success": True, "aborted": 1})
+    return json_response({"success": True, "aborted": 1})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -419,7 +428,8 @@ def create_app(args: Any, tm: TokenizerManager, server_metrics: ServerMetrics) -
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
-    app.router.add_route("*", "/flush_cache", flush_cache)
+    app.router.add_get("/flush_cache", flush_cache)
+    app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
     openai_api.add_routes(app)

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import zmq
 
@@ -46,6 +46,7 @@ def _configure(sock: zmq.Socket) -> None:
 
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    logging.getLogger("torch").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def child_setup(role: str, log_level: str) -> None:
@@ -55,7 +56,7 @@ def child_setup(role: str, log_level: str) -> None:
     multiprocessing.current_process().name = role
     setup_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     parent = os.getppid()
     threading.Thread(target=_exit_when_orphaned, args=(parent, role), daemon=True, name="parent-watch").start()
 
@@ -71,3 +72,14 @@ def load_tokenizer(args: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, trust_remote_code=False)
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without interpreter teardown: garbage-collecting torch's module graph takes seconds.
+
+    Every process of the server holds only sockets and memory at exit; nothing needs flushing but logs.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,14 +14,16 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
+from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
-from pdserve.server.ipc import setup_logging
+from pdserve.server.ipc import load_tokenizer, setup_logging
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from pdserve.config import ServerArgs
 
 logger = logging.getLogger("pdserve.server")
+T = TypeVar("T")
 
 STARTUP_TIMEOUT_SECONDS = 1800.0  # loading a large checkpoint can take many minutes
 TERMINATE_TIMEOUT_SECONDS = 10.0
@@ -86,17 +89,17 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
     for child in children:
         child.start()
         loop.add_reader(child.sentinel, on_child_exit, child)
-    tm = TokenizerManager(args, ServerMetrics())
+    tm: TokenizerManager | None = None
     runner: web.AppRunner | None = None
     try:
-        ready = asyncio.ensure_future(tm.wait_ready({c.name for c in children}, STARTUP_TIMEOUT_SECONDS))
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        # Loading the tokenizer imports transformers (seconds); a thread keeps signals and the watchdog live.
+        tokenizer = await _unless_stopped(_in_daemon_thread(load_tokenizer, args), stop)
         if stop.is_set():
-            ready.cancel()
             return exit_code
-        stopped.cancel()
-        ready.result()
+        tm = TokenizerManager(args, ServerMetrics(), tokenizer)
+        await _unless_stopped(tm.wait_ready({c.name for c in children}, STARTUP_TIMEOUT_SECONDS), stop)
+        if stop.is_set():
+            return exit_code
         tm.start()
         runner = await _start_http(args, tm)
         await stop.wait()
@@ -106,7 +109,43 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
             loop.remove_reader(child.sentinel)
         if runner is not None:
             await runner.cleanup()
-        tm.close()
+        if tm is not None:
+            tm.close()
+
+
+async def _unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """The awaitable's result, or None as soon as `stop` is set."""
+    task = asyncio.ensure_future(awaitable)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for pending in (task, stopped):
+        if not pending.done():
+            pending.cancel()
+    return None if stop.is_set() else task.result()
+
+
+def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future:
+    """Run `fn` in a daemon thread, which (unlike the default executor's) never delays exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, daemon=True, name=f"load-{fn.__name__}").start()
+    return future
 
 
 async def _start_http(args: ServerArgs, tm: TokenizerManager) -> web.AppRunner:

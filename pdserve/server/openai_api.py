@@ -21,6 +21,7 @@ from pdserve.server.http_server import (
     check_bootstrap,
     check_unique_rids,
     collect,
+    json_response,
     new_rid,
     parse_body,
     sampling_error,
@@ -59,7 +60,7 @@ async def list_models(request: web.Request) -> web.Response:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
     card = {"id": args.model_name, "object": "model", "created": int(_START_TIME), "owned_by": "pdserve",
             "root": args.model_path, "max_model_len": tm.context_length}
-    return web.json_response({"object": "list", "data": [card]})
+    return json_response({"object": "list", "data": [card]})
 
 
 _START_TIME = time.time()
@@ -134,7 +135,7 @@ async def _respond(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_with_early_errors(request, fmt.events(streams, body.n, include_usage))
     generations = await collect(streams)
-    return web.json_response(fmt.response(generations, body.n))
+    return json_response(fmt.response(generations, body.n))
 
 
 def _usage(generations: list[Generation], n: int) -> dict:

@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.ipc import ipc_addr, load_tokenizer, pull_socket, push_socket
+from pdserve.server.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.server.messages import (
     AbortReq,
     BatchStrOut,
@@ -92,10 +92,10 @@ class ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, args: Any, metrics: ServerMetrics):
+    def __init__(self, args: Any, metrics: ServerMetrics, tokenizer: Any):
         self.args = args
         self.metrics = metrics
-        self.tokenizer = load_tokenizer(args)
+        self.tokenizer = tokenizer
         self.model_info: dict = {}
         self.states: dict[str, ReqState] = {}
         self._control_ids = itertools.count()

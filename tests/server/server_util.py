@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 API_KEY = "test-key"
 CONTEXT_LENGTH = 256
 MAX_BATCH_ITEMS = 8
-STARTUP_TIMEOUT = 120.0
+STARTUP_TIMEOUT = 300.0  # generous: a loaded 2-core machine imports torch slowly
 
 
 def free_port() -> int:
@@ -71,6 +71,7 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(0.25)
+        self.stop()
         raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log()}")
 
     def log(self) -> str:
