@@ -56,6 +56,8 @@ class LLM:
                     if out.finish_reason is not None and out.rid in pending:
                         pending.discard(out.rid)
                         bar.update(1)
+            while self.scheduler.has_work():  # read back the last launched batch, release its pages
+                self.scheduler.step()
         return [self._make_output(r) for r in reqs]
 
     def _make_req(self, prompt: str | list[int], params: SamplingParams) -> Req:

@@ -37,16 +37,19 @@ def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceili
         sched.step()
     sync()
     ttft = time.perf_counter() - start
-    step_times = []
+    step_times, gpu_busy = [], None
+    if torch.cuda.is_available() and sched.has_work():
+        gpu_busy = decode_gpu_busy(sched, steps=min(16, output_len - 2))
     while sched.has_work():
         t = time.perf_counter()
         sched.step()
-        sync()
         step_times.append(time.perf_counter() - t)
+    sync()
     total = time.perf_counter() - start
     tbt = sorted(step_times)[len(step_times) // 2] if step_times else float("nan")
     row = {"batch_size": bs, "input_len": input_len, "output_len": output_len, "ttft_s": ttft, "tbt_s": tbt,
-           "output_tok_per_s": bs * output_len / total, "prefill_tok_per_s": bs * input_len / ttft}
+           "output_tok_per_s": bs * output_len / total, "prefill_tok_per_s": bs * input_len / ttft,
+           "decode_gpu_busy": gpu_busy}
     if ceilings is not None:
         cost = ModelCost.of(sched.model_config, itemsize=sched.runner.pool.layout.itemsize)
         pairs = bs * input_len * (input_len + 1) // 2
@@ -56,6 +59,23 @@ def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceili
         row["decode_ideal_s"] = cost.decode_step_bytes(bs * mid_ctx) / (ceilings.hbm_gbps * 1e9)
         row["tbt_over_ideal"] = tbt / row["decode_ideal_s"]
     return row
+
+
+def decode_gpu_busy(sched, steps: int) -> float | None:
+    """Fraction of wall time the GPU spends in kernels over `steps` decode steps (torch profiler)."""
+    if steps <= 0:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        torch.cuda.synchronize()
+        wall_us = 1e6 * (time.perf_counter() - start)
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return kernel_us / wall_us
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -74,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = run_case(llm, bs, il, ol, ceilings)
         rows.append(row)
         extra = (f"  prefill MFU {100 * row['prefill_mfu']:.1f}%  TBT/ideal {row['tbt_over_ideal']:.2f}x"
-                 if ceilings else "")
+                 f"  GPU busy {100 * (row['decode_gpu_busy'] or 0):.0f}%" if ceilings else "")
         print(f"bs={bs:4d} in={il:6d} out={ol:5d}  TTFT {1e3 * row['ttft_s']:8.2f} ms  TBT {1e3 * row['tbt_s']:7.3f} ms"
               f"  {row['output_tok_per_s']:9.1f} tok/s{extra}")
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -61,17 +61,18 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """logits: float32 [B, V], one row per request."""
-        raw = logits
+        token_list = self.sample_tokens(logits, rows).tolist()
+        return SampleResult(token_list, *self._logprobs(logits, token_list, rows))
+
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Next tokens as a device tensor [B]; no host sync."""
         if any(r.params.has_penalties or r.suppressed_ids for r in rows):
             logits = logits.clone()
             apply_penalties(logits, rows)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample_random(logits, rows, greedy)
-        token_list = tokens.tolist()
-        return SampleResult(token_list, *self._logprobs(raw, token_list, rows))
+            return logits.argmax(dim=-1)
+        return self._sample_random(logits, rows, greedy)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device

@@ -10,7 +10,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,18 @@ class WorkCounters:
     extend_steps: int = 0
     extend_tokens: int = 0
     extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
+
+
+@dataclass(slots=True, eq=False)
+class InflightDecode:
+    """A decode batch launched but not yet read back (overlap scheduling)."""
+
+    reqs: list[Req]
+    tokens: torch.Tensor  # sampled tokens, on the device
+    host_tokens: torch.Tensor  # their host copy, valid once `done` has completed
+    done: torch.cuda.Event | None
+    req_ids: set[int] = field(default_factory=set)
+    deferred_pages: list[int] = field(default_factory=list)  # freed once this batch has been read back
 
 
 @dataclass(slots=True)
@@ -70,6 +82,9 @@ class Scheduler:
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
         self.work = WorkCounters()
+        self.overlap = not args.disable_overlap_schedule
+        self.inflight: InflightDecode | None = None
+        self._pinned: list[torch.Tensor] = []
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -138,16 +153,19 @@ class Scheduler:
     def step(self) -> list[StepOutput]:
         items = self._schedule_extend()
         if items:
+            self._finish_inflight()
             self._run_extend(items)
         elif self.running:
             self._run_decode()
+        else:
+            self._finish_inflight()
         return self._collect_outputs()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._changed)
+        return bool(self.waiting or self.running or self.chunked or self._changed or self.inflight)
 
     def flush_cache(self) -> bool:
-        if self.waiting or self.running or self.chunked:
+        if self.waiting or self.running or self.chunked or self.inflight:
             return False
         if self.radix is not None:
             self.radix.reset()
@@ -302,25 +320,102 @@ class Scheduler:
                     self.on_prefill_done(item.req)
 
     def _run_decode(self) -> None:
+        if self.overlap and self._launch_overlapped():
+            return
+        self._finish_inflight()
         self._make_room_for_decode()
-        reqs = self.running
+        reqs = list(self.running)
         if not reqs:
             return
-        positions = [r.seq_len - 1 for r in reqs]
+        logits = self._decode_forward(reqs, [r.seq_len for r in reqs], [r.output_ids[-1] for r in reqs])
+        self._sample_and_append(reqs, logits)
+        self.running = [r for r in self.running if not r.finished]
+
+    def _decode_forward(self, reqs: list[Req], lens: list[int], input_ids: list[int], fix_ids=None) -> torch.Tensor:
+        """One decode pass where request i has lens[i] tokens and feeds input_ids[i] at position lens[i] - 1."""
+        positions = [n - 1 for n in lens]
         batch = build_forward_batch(
-            ForwardMode.DECODE, [r.output_ids[-1] for r in reqs], positions,
-            [self._slot(r, p) for r, p in zip(reqs, positions)],
+            ForwardMode.DECODE, input_ids, positions, [self._slot(r, p) for r, p in zip(reqs, positions)],
             prefix_lens=positions, extend_lens=[1] * len(reqs), page_rows=[r.pages for r in reqs],
             logits_indices=list(range(len(reqs))), page_size=self.page_size, device=self.device,
         )
-        logits = self.runner.forward(batch)
+        if fix_ids is not None:
+            fix_ids(batch.input_ids)
         self.work.decode_steps += 1
         self.work.decode_tokens += len(reqs)
-        self.work.decode_kv_tokens_read += sum(positions) + len(reqs)
+        self.work.decode_kv_tokens_read += sum(lens)
         for r in reqs:
             r.num_cached_tokens += 1
-        self._sample_and_append(list(reqs), logits)
+        return self.runner.forward(batch)
+
+    # ---- overlap scheduling: launch step N+1 before reading back step N ----------------------------------------
+
+    def _launch_overlapped(self) -> bool:
+        """Launch a decode batch whose inputs may still be on the device; then read back the previous batch.
+        Returns False (nothing launched) when a request needs host-side sampling state or KV runs short."""
+        reqs = list(self.running)
+        if not all(self._overlappable(r) for r in reqs):
+            return False
+        prev = self.inflight
+        ahead = prev.req_ids if prev is not None else set()
+        lens = [r.seq_len + (id(r) in ahead) for r in reqs]
+        if not all(self._ensure_pages(r, n) for r, n in zip(reqs, lens)):
+            return False
+        fix_ids = None
+        if prev is not None and ahead:
+            prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
+            rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in ahead]
+            dst = torch.tensor([i for i, _ in rows], device=self.device)
+            src = torch.tensor([j for _, j in rows], device=self.device)
+
+            def fix_ids(input_ids: torch.Tensor) -> None:
+                input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
+
+        input_ids = [0 if id(r) in ahead else r.output_ids[-1] for r in reqs]
+        logits = self._decode_forward(reqs, lens, input_ids, fix_ids)
+        rows = [SamplingRow(r.sampling_params, r.input_ids, r.output_ids, [], None) for r in reqs]
+        tokens = self.sampler.sample_tokens(logits, rows)
+        self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids={id(r) for r in reqs})
+        if prev is not None:
+            self._read_back(prev)
+        return True
+
+    def _overlappable(self, req: Req) -> bool:
+        p = req.sampling_params
+        return not (p.has_penalties or req.return_logprob or len(req.output_ids) < p.min_tokens
+                    or (p.seed is not None and not p.is_greedy))
+
+    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if tokens.device.type != "cuda":
+            return tokens, None
+        if not self._pinned:
+            size = self.args.max_running_requests
+            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()  # double buffer: the previous batch's copy is still being read
+        host = self._pinned[0][: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def _finish_inflight(self) -> None:
+        if self.inflight is not None:
+            prev, self.inflight = self.inflight, None
+            self._read_back(prev)
+
+    def _read_back(self, batch: InflightDecode) -> None:
+        if batch.done is not None:
+            batch.done.synchronize()
+        for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
+            if req.finished:
+                continue  # ended while the batch ran (stop, abort): its extra token is dropped
+            req.output_ids.append(token)
+            self._changed[req.rid] = req
+            reason = self._check_stop(req)
+            if reason is not None:
+                self._finish(req, reason)
         self.running = [r for r in self.running if not r.finished]
+        self.allocator.free(batch.deferred_pages)
 
     def _make_room_for_decode(self) -> None:
         """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""
@@ -413,7 +508,10 @@ class Scheduler:
         self._changed[req.rid] = req
 
     def _release_pages(self, req: Req) -> None:
-        self.allocator.free(req.pages)
+        if self.inflight is not None and id(req) in self.inflight.req_ids:
+            self.inflight.deferred_pages.extend(req.pages)  # the launched batch still writes this KV
+        else:
+            self.allocator.free(req.pages)
         req.pages = []
         req.num_cached_tokens = 0
 
