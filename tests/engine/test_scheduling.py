@@ -159,3 +159,14 @@ def test_unsupported_architecture_is_refused(tmp_path, qwen3_tiny):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
         LLM(str(bad), device="cpu")
+
+
+def test_overlap_schedule_matches_synchronous_decode(qwen3_tiny, llm):
+    ps = prompts(6, seed=50)
+    sync = LLM(qwen3_tiny, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096,
+               chunked_prefill_size=64, disable_overlap_schedule=True)
+    sp = [greedy(12), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)] * 3
+    assert llm.scheduler.overlap and not sync.scheduler.overlap
+    assert [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == \
+           [o.token_ids for o in sync.generate(ps, sp, use_tqdm=False)]
+    assert llm.scheduler.kv_pool_is_fully_free() and sync.scheduler.kv_pool_is_fully_free()
