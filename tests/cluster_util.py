@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-STARTUP_TIMEOUT = 240.0
+STARTUP_TIMEOUT = 480.0  # generous: CI boxes shared with other jobs start servers slowly
 STOP_TIMEOUT = 30.0
 CONTEXT_LENGTH = 512
 MAX_TOTAL_TOKENS = 4096

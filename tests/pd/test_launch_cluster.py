@@ -16,7 +16,7 @@ import time
 import pytest
 from cluster_util import CHILD_ENV, http
 
-pytestmark = pytest.mark.timeout(600)  # two servers start inside the test
+pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
 
 
 def live_session_members(sid: int) -> list[int]:

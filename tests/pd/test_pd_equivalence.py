@@ -8,7 +8,7 @@ from cluster_util import PDCluster, Proc, wait_kv_free
 
 from pdserve import SamplingParams
 
-pytestmark = pytest.mark.timeout(600)  # the first test also pays for starting the servers
+pytestmark = pytest.mark.timeout(900)  # the first test also pays for starting the servers
 
 MAX_NEW = 12
 GREEDY = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from cluster_util import PDCluster, Proc, decode_server, http, router, start_all, stop_all, wait_kv_free
 
-pytestmark = pytest.mark.timeout(600)  # the first test also pays for starting the servers
+pytestmark = pytest.mark.timeout(900)  # the first test also pays for starting the servers
 
 PROMPT = "The capital of France is"
 FAIL_WITHIN_S = 15.0  # the PD timeouts in cluster_util are 6 s

@@ -22,7 +22,7 @@ from cluster_util import (Proc, decode_server, free_port, prefill_server, router
 
 from pdserve.tools.make_model import make_model  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)  # the first test also pays for starting the servers
+pytestmark = pytest.mark.timeout(900)  # the first test also pays for starting the servers
 
 BODY = {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
 RECEIVED = "pdserve_requests_received_total"
