@@ -91,6 +91,15 @@ class ModelRunner:
         return self.model(ForwardContext(batch, self.backend, self.pool))
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the GPU: staged through pinned memory on CUDA
+    (a copy from pageable memory would block until the stream's earlier work is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_forward_batch(
     mode: ForwardMode,
     input_ids: list[int],
@@ -112,9 +121,8 @@ def build_forward_batch(
     width = max((len(r) for r in page_rows), default=1) or 1
     table = [page for row in page_rows for page in (row + [0] * (width - len(row)))]
     t, b = len(input_ids), len(seq_lens)
-    longs = torch.tensor([*input_ids, *positions, *out_cache_loc, *logits_indices], dtype=torch.int64)
-    ints = torch.tensor([*seq_lens, *prefix_lens, *extend_lens, *starts, *table], dtype=torch.int32)
-    longs, ints = longs.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+    longs = to_device([*input_ids, *positions, *out_cache_loc, *logits_indices], torch.int64, device)
+    ints = to_device([*seq_lens, *prefix_lens, *extend_lens, *starts, *table], torch.int32, device)
     return ForwardBatch(
         mode=mode,
         input_ids=longs[:t],

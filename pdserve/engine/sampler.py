@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.model_runner import to_device
 from pdserve.kernels.sampling import sample
 from pdserve.sampling_params import SamplingParams
 
@@ -76,10 +77,10 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], device=dev)
-        top_ks = torch.tensor([max(r.params.top_k, 0) for r in rows], device=dev)
-        top_ps = torch.tensor([r.params.top_p for r in rows], device=dev)
-        min_ps = torch.tensor([r.params.min_p for r in rows], device=dev)
+        temps = to_device([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], torch.float32, dev)
+        top_ks = to_device([max(r.params.top_k, 0) for r in rows], torch.int64, dev)
+        top_ps = to_device([r.params.top_p for r in rows], torch.float32, dev)
+        min_ps = to_device([r.params.min_p for r in rows], torch.float32, dev)
         any_filter = any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows)
         tokens = sample(logits, temps, top_ks, top_ps, min_ps, generator=self.generator, any_filter=any_filter)
         for i, row in enumerate(rows):

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.attention.base import ForwardMode
 from pdserve.config import ServerArgs
-from pdserve.engine.model_runner import ModelRunner, build_forward_batch
+from pdserve.engine.model_runner import ModelRunner, build_forward_batch, to_device
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
@@ -365,8 +365,8 @@ class Scheduler:
         if prev is not None and ahead:
             prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
             rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in ahead]
-            dst = torch.tensor([i for i, _ in rows], device=self.device)
-            src = torch.tensor([j for _, j in rows], device=self.device)
+            dst = to_device([i for i, _ in rows], torch.int64, self.device)
+            src = to_device([j for _, j in rows], torch.int64, self.device)
 
             def fix_ids(input_ids: torch.Tensor) -> None:
                 input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
