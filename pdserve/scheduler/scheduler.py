@@ -381,9 +381,10 @@ class Scheduler:
         return True
 
     def _overlappable(self, req: Req) -> bool:
+        """Greedy requests with no host-side sampling state. Sampled batches stay synchronous: on an H200 they
+        ran slower overlapped (docs/benchmarks.md), so they wait until the sampler's uploads are reworked."""
         p = req.sampling_params
-        return not (p.has_penalties or req.return_logprob or len(req.output_ids) < p.min_tokens
-                    or (p.seed is not None and not p.is_greedy))
+        return p.is_greedy and not (p.has_penalties or req.return_logprob or len(req.output_ids) < p.min_tokens)
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":
