@@ -27,6 +27,7 @@ from pdserve.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
 
 
 class KVPoll(IntEnum):

@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import Handoff, KVManager, KVPoll, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, now
 from pdserve.disagg.prefill import IDLE_WAIT_S, validate_pd_request
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.scheduler import Scheduler
@@ -43,6 +43,9 @@ class DecodeScheduler(Scheduler):
         validate_pd_request(req, self.handoffs)
 
     def _accept(self, req: Req) -> None:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            self._accept_fake(req)
+            return
         addr = bootstrap_addr(req)
         h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
         self.handoffs[h.room] = h
@@ -53,6 +56,15 @@ class DecodeScheduler(Scheduler):
             timeout = self.args.disaggregation_bootstrap_timeout
             self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout)
         self.heartbeat.watch(addr)
+
+    def _accept_fake(self, req: Req) -> None:
+        """No prefill peer: the prompt's pages hold whatever they held (decode-only benchmarks, health checks)."""
+        pages = self.allocator.alloc(math.ceil(len(req.input_ids) / self.page_size))
+        if pages is None:
+            self._finish(req, FinishReason("abort", message="KV cache full"))
+            return
+        req.pages = pages
+        self._commit(Handoff(req, req.bootstrap_room, deadline=now()), req.input_ids[-1], {})
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.handoffs) or bool(self.quarantine)
@@ -74,7 +86,7 @@ class DecodeScheduler(Scheduler):
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
         h = self.handoffs.get(req.bootstrap_room) if req is not None else None
-        if h is not None:
+        if h is not None and h.req is req:
             self._fail(h, message, tell_prefill=True)
         else:
             super().abort_request(rid, message)
@@ -91,7 +103,8 @@ class DecodeScheduler(Scheduler):
                 info = self._check_route(route)
             except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
                 logger.warning("room %d: refusing prefill %s: %s", h.room, bootstrap_addr(h.req), exc)
-                self._fail(h, f"prefill handshake failed: {exc}", tell_prefill=False)
+                h.peer_control = _control_endpoint(route)
+                self._fail(h, f"prefill handshake failed: {exc}", tell_prefill=h.peer_control is not None)
                 continue
             need = math.ceil(len(h.req.input_ids) / self.page_size)
             reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
@@ -142,7 +155,7 @@ class DecodeScheduler(Scheduler):
 
     def _commit(self, h: Handoff, token: int, aux: dict) -> None:
         req = h.req
-        del self.handoffs[h.room]
+        self.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
         req.num_cached_tokens = len(req.input_ids)
         req.output_ids.append(token)
@@ -214,6 +227,14 @@ class DecodeScheduler(Scheduler):
         self.heartbeat.close()
         self.route_pool.shutdown(wait=False, cancel_futures=True)
         self.kv.close()
+
+
+def _control_endpoint(route: Future) -> str | None:
+    """The prefill rank's control endpoint, when the route lookup itself succeeded (so it can be told to stop)."""
+    try:
+        return route.result()["ranks"]["0"]["control_endpoint"]
+    except Exception:  # the lookup failed or the answer is malformed: nobody to tell
+        return None
 
 
 def bootstrap_addr(req: Req) -> str:

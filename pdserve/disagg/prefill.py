@@ -18,7 +18,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -91,6 +91,9 @@ class PrefillScheduler(Scheduler):
         validate_pd_request(req, self.handoffs)
 
     def _accept(self, req: Req) -> None:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            self.waiting.append(req)  # prefilled like any request; nothing is sent
+            return
         h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
         self.handoffs[h.room] = h
         early = self.early_requests.pop(h.room, None)
@@ -114,7 +117,7 @@ class PrefillScheduler(Scheduler):
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
         h = self.handoffs.get(req.bootstrap_room) if req is not None else None
-        if h is not None:
+        if h is not None and h.req is req:
             self._fail(h, message)
         else:
             super().abort_request(rid, message)
@@ -125,11 +128,14 @@ class PrefillScheduler(Scheduler):
     # ---- KV push ------------------------------------------------------------------------------------------
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        if end < len(req.input_ids):  # the last chunk's pages go with the first token in on_prefill_done
+        if req.bootstrap_room in self.handoffs and end < len(req.input_ids):  # the last chunk's pages go with the first token in on_prefill_done
             self._push(self.handoffs[req.bootstrap_room], end // self.page_size, final=False)
 
     def on_prefill_done(self, req: Req) -> None:
-        h = self.handoffs[req.bootstrap_room]
+        h = self.handoffs.get(req.bootstrap_room)
+        if h is None:  # a fake-transfer request ends with its first token
+            self._finish(req, FinishReason("length"))
+            return
         if self.radix is not None:
             self.radix.insert(req.input_ids, req.pages)
         self._push(h, math.ceil(len(req.input_ids) / self.page_size), final=True)
@@ -255,6 +261,10 @@ class PrefillScheduler(Scheduler):
 
 
 def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
+    if req.sampling_params.max_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        return
     if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
         raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
                          "(send them through the router)")
@@ -262,8 +272,6 @@ def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
         raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
     if req.bootstrap_room in handoffs:
         raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
-    if req.sampling_params.max_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
 
 
 def _aux_record(h: Handoff) -> dict:

@@ -1,0 +1,132 @@
+"""Draw docs/img/*.png from the GPU results kept in docs/results/<date>/ (JSON and logs the benchmarks wrote).
+
+python scripts/plot_benchmarks.py [--results docs/results/2026-11-21] [--out docs/img]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+OFFLINE_LINE = re.compile(r"Throughput: ([\d.]+) tok/s")
+ROOFLINE_LINE = re.compile(r"-> ([\d.]+)%")
+KV_LINE = re.compile(r"^kv (\d+) tok p\d+ \w+\s+[\d.]+\s+\d+\s+[\d.]+\s+([\d.]+)")
+
+
+def offline_runs(results: Path) -> list[tuple[str, float, float]]:
+    runs = []
+    first = json.loads((results / "offline-run1-triton-sync.json").read_text())
+    runs.append(("triton, sync", first["output_tok_per_s"], 100 * first["roofline_fraction"]))
+    for name, label in (("offline-run3-sdpa-sync.log", "sdpa, sync"),
+                        ("offline-run3-sdpa-overlap.log", "sdpa, overlapped sampling")):
+        text = (results / name).read_text()
+        runs.append((label, float(OFFLINE_LINE.search(text)[1]), float(ROOFLINE_LINE.search(text)[1])))
+    return runs
+
+
+def plot_offline(results: Path, out: Path) -> None:
+    runs = offline_runs(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar([r[0] for r in runs], [r[1] for r in runs], color=["#4c72b0", "#55a868", "#c44e52"])
+    for bar, (_, _, roof) in zip(bars, runs):
+        ax.annotate(f"{roof:.0f}% of roofline", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom")
+    ax.axhline(20000, ls="--", color="gray", label="target 20,000 tok/s")
+    ax.set_ylabel("output tok/s")
+    ax.set_title("Offline seeds workload, qwen3-0.6b, H200, 2026-11-21")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "offline.png", dpi=120)
+
+
+def plot_decode(results: Path, out: Path) -> None:
+    cases = []
+    for name, label in (("one_batch-qwen3-0.6b-overlap.json", "qwen3-0.6b"),
+                        ("one_batch-llama-3.1-8b-overlap.json", "llama-3.1-8b")):
+        for row in json.loads((results / name).read_text())["rows"]:
+            cases.append((f"{label}\nbs={row['batch_size']} in={row['input_len']}", 1e3 * row["tbt_s"],
+                          1e3 * row["decode_ideal_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(cases))
+    ax.bar([x - 0.2 for x in xs], [c[1] for c in cases], width=0.4, label="measured time between tokens")
+    ax.bar([x + 0.2 for x in xs], [c[2] for c in cases], width=0.4, label="bytes / HBM bandwidth")
+    ax.set_xticks(list(xs), [c[0] for c in cases])
+    ax.set_ylabel("ms")
+    ax.set_title("Decode step vs HBM roofline (overlap on), H200, 2026-11-21")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "decode_tbt.png", dpi=120)
+
+
+def plot_kv_transfer(results: Path, out: Path) -> None:
+    series: dict[str, list[tuple[int, float]]] = {}
+    backend = None
+    for line in (results / "kv_transfer.log").read_text().splitlines():
+        if line.startswith("[") and "transport=" in line:
+            backend = line[1 : line.index("]")] + " (" + line.split("transport=")[1].strip() + ")"
+        elif backend and (m := KV_LINE.match(line)):
+            series.setdefault(backend, []).append((int(m[1]), float(m[2])))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.axhline(394, ls="--", color="gray", label="GPU0->GPU1 copy ceiling 394 GB/s")
+    ax.axhline(0.7 * 394, ls=":", color="gray", label="target 70%")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prompt tokens (llama-3.1-8b KV, 128 KiB/token)")
+    ax.set_ylabel("GB/s")
+    ax.set_title("KV handoff bandwidth, 2x H200 NVLink, 2026-11-21")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "kv_transfer.png", dpi=120)
+
+
+def pd_blocks(log: str) -> dict[str, dict]:
+    """The per-backend JSON blocks gpu_pd_check.py prints ("mooncake {...}")."""
+    blocks, name, lines = {}, None, []
+    for line in log.splitlines():
+        if name is None and line.endswith(" {"):
+            name, lines = line[:-2], ["{"]
+        elif name is not None:
+            lines.append(line)
+            if line == "}":
+                blocks[name] = json.loads("\n".join(lines))
+                name = None
+    return blocks
+
+
+def plot_pd_ttft(results: Path, out: Path) -> None:
+    blocks = pd_blocks((results / "pd-llama-3.1-8b-run2.log").read_text())
+    lengths = sorted({int(n) for b in blocks.values() for n in b["added_ttft_ms"]})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(blocks)
+    for i, (backend, data) in enumerate(blocks.items()):
+        xs = [j + i * width for j in range(len(lengths))]
+        ax.bar(xs, [data["added_ttft_ms"][str(n)] for n in lengths], width=width, label=backend)
+    ax.set_xticks([j + width * (len(blocks) - 1) / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
+    ax.axhline(5, ls="--", color="gray", label="target 5 ms (4k prompt)")
+    ax.set_ylabel("added TTFT over colocated (ms)")
+    ax.set_title("PD vs colocated TTFT, llama-3.1-8b, concurrency 1, 2x H200, 2026-11-21")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "pd_ttft.png", dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--results", type=Path, default=Path("docs/results/2026-11-21"))
+    parser.add_argument("--out", type=Path, default=Path("docs/img"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for plot in (plot_offline, plot_decode, plot_kv_transfer, plot_pd_ttft):
+        plot(args.results, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The prefill and decode schedulers in one process over the tcp backend: handoff, chunking, failures, pools."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST
+from pdserve.disagg.decode import DecodeScheduler
+from pdserve.disagg.prefill import PrefillScheduler
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.request import Req
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.tools.make_model import make_model
+
+_ports = itertools.count(28600)
+TIMEOUTS = dict(disaggregation_bootstrap_timeout=3.0, disaggregation_waiting_timeout=3.0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("m") / "qwen3-tiny"))
+
+
+def engine_args(model, **kw) -> dict:
+    return dict(model_path=model, device="cpu", max_total_tokens=4096, page_size=4, chunked_prefill_size=32,
+                disaggregation_transfer_backend="tcp", **TIMEOUTS) | kw
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    port = next(_ports)
+    prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+                                          port=1, **engine_args(model)))
+    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model)))
+    yield prefill, decode, port
+    prefill.close()
+    decode.close()
+
+
+def run(scheds, timeout=60.0) -> dict[tuple[int, str], dict]:
+    outs: dict[tuple[int, str], dict] = {}
+    deadline = time.monotonic() + timeout
+    while any(s.has_work() for s in scheds):
+        assert time.monotonic() < deadline, "schedulers did not drain"
+        for i, s in enumerate(scheds):
+            for o in s.step():
+                entry = outs.setdefault((i, o.rid), {"ids": [], "finish": None})
+                entry["ids"] += o.new_token_ids
+                entry["finish"] = o.finish_reason or entry["finish"]
+    return outs
+
+
+def greedy(n=8):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def pd_req(rid, ids, port, room, n=8):
+    return Req(rid=rid, input_ids=list(ids), sampling_params=greedy(n), bootstrap_host="127.0.0.1",
+               bootstrap_port=port, bootstrap_room=room)
+
+
+def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
+    prefill, decode, port = pair
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in (3, 31, 70, 130)]  # 70 and 130 are chunked
+    colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    for i, p in enumerate(prompts):
+        colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
+        for s in (prefill, decode):
+            s.add_request(pd_req(str(i), p, port, room=100 + i))
+    expected = run([colocated])
+    got = run([prefill, decode])
+    for i in range(len(prompts)):
+        assert got[(1, str(i))]["ids"] == expected[(0, str(i))]["ids"]
+        assert got[(0, str(i))]["ids"] == expected[(0, str(i))]["ids"][:1]  # prefill reports the first token
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+
+
+def test_request_without_bootstrap_fields_is_refused(pair):
+    prefill, decode, _ = pair
+    for s in (prefill, decode):
+        with pytest.raises(ValueError, match="bootstrap_host, bootstrap_port and bootstrap_room"):
+            s.add_request(Req(rid="x", input_ids=[5, 6, 7], sampling_params=greedy()))
+
+
+def test_fake_transfer_requests_serve_health_checks(pair):
+    prefill, decode, _ = pair
+    for s in (prefill, decode):
+        s.add_request(Req(rid="health", input_ids=[5, 6, 7], sampling_params=greedy(1),
+                          bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_room=0))
+    outs = run([prefill, decode])
+    assert len(outs[(0, "health")]["ids"]) == 1 and len(outs[(1, "health")]["ids"]) == 1
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+
+
+def test_decode_abort_reaches_prefill_and_frees_both_pools(pair):
+    prefill, decode, port = pair
+    prompt = list(range(10, 90))
+    for s in (prefill, decode):
+        s.add_request(pd_req("gone", prompt, port, room=555, n=40))
+    for _ in range(200):  # until the decode side runs the request or is waiting for its KV
+        prefill.step()
+        decode.step()
+        if "gone" in decode.reqs and (decode.reqs["gone"].output_ids or decode.handoffs):
+            break
+    decode.abort_request("gone")
+    outs = run([prefill, decode])
+    assert outs[(1, "gone")]["finish"]["type"] == "abort"
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+
+
+def test_unclaimed_room_times_out_on_the_prefill(pair):
+    prefill, _, port = pair
+    prefill.add_request(pd_req("lonely", [5, 6, 7, 8], port, room=777))
+    outs = run([prefill], timeout=20)
+    finish = outs[(0, "lonely")]["finish"]
+    assert finish["type"] == "abort" and "no decode server claimed bootstrap_room 777" in finish["message"]
+    assert prefill.kv_pool_is_fully_free()
+
+
+def test_page_size_mismatch_is_refused_naming_both_values(model, pair):
+    prefill, _, port = pair
+    other = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=3, **engine_args(model, page_size=8)))
+    try:
+        for s in (prefill, other):
+            s.add_request(pd_req("mismatch", [5, 6, 7, 8, 9], port, room=888))
+        outs = run([prefill, other], timeout=2.5)  # the prefill is told at once, well before its 3 s timeout
+        message = outs[(1, "mismatch")]["finish"]["message"]
+        assert "page_size mismatch: prefill has 4, decode has 8" in message
+        assert prefill.kv_pool_is_fully_free() and other.kv_pool_is_fully_free()
+    finally:
+        other.close()
