@@ -4,11 +4,8 @@ import pytest
 import torch
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs CUDA (some need 2 GPUs); skipped without it")
-
-
 def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (see pyproject.toml) are skipped where torch sees no CUDA device."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

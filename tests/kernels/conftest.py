@@ -4,19 +4,6 @@ import pytest
 import torch
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture
 def interpreted(monkeypatch):
     """Run the Triton kernels of pdserve.kernels on CPU tensors through Triton's interpreter.
