@@ -27,6 +27,7 @@ from pdserve.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
+IDLE_WAIT_S = 0.002  # an idle PD scheduler waits this long for a control message before polling its queue again
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
 
 
@@ -93,6 +94,15 @@ class ControlChannel:
         if client is None:
             client = self._clients[endpoint] = ControlClient(endpoint, timeout_s=5.0)
         client.send(msg)
+
+    def dispatch(self, handlers: dict, wait_s: float) -> None:
+        """Run the handler of every queued message (waiting up to wait_s for the first one)."""
+        for msg in self.drain(wait_s):
+            handler = handlers.get(msg["type"])
+            if handler is None:
+                logger.warning("ignoring unknown control message %r", msg["type"])
+                continue
+            handler(msg)
 
     def drain(self, wait_s: float = 0.0) -> list[dict]:
         msgs = []

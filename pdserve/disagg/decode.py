@@ -16,8 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, now
-from pdserve.disagg.prefill import IDLE_WAIT_S, validate_pd_request
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, IDLE_WAIT_S, Handoff, KVManager, KVPoll, now
+from pdserve.disagg.prefill import validate_pd_request
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -71,12 +71,7 @@ class DecodeScheduler(Scheduler):
 
     def step(self):
         idle = not (self.waiting or self.running or self.chunked)
-        for msg in self.kv.channel.drain(IDLE_WAIT_S if idle and (self.handoffs or self.quarantine) else 0.0):
-            handler = self.handlers.get(msg["type"])
-            if handler is None:
-                logger.warning("ignoring unknown control message %r", msg["type"])
-                continue
-            handler(msg)
+        self.kv.channel.dispatch(self.handlers, IDLE_WAIT_S if idle and (self.handoffs or self.quarantine) else 0.0)
         self._expire()
         self._preallocate()
         if self._changed:  # first tokens just committed: report them before the next decode step

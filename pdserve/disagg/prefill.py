@@ -18,14 +18,13 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, IDLE_WAIT_S, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.002
 
 
 @dataclass(slots=True)
@@ -105,12 +104,7 @@ class PrefillScheduler(Scheduler):
 
     def step(self):
         idle = not (self.waiting or self.running or self.chunked)
-        for msg in self.kv.channel.drain(IDLE_WAIT_S if idle and self.handoffs else 0.0):
-            handler = self.handlers.get(msg["type"])
-            if handler is None:
-                logger.warning("ignoring unknown control message %r", msg["type"])
-                continue
-            handler(msg)
+        self.kv.channel.dispatch(self.handlers, IDLE_WAIT_S if idle and self.handoffs else 0.0)
         self._expire()
         return super().step()
 
