@@ -82,7 +82,8 @@ class Router:
     async def health_route(self, request: web.Request) -> web.Response:
         try:
             for role in self.roles:
-                self.registry.available(role)
+                if not any(w.ready for w in self.registry.available(role)):
+                    raise NoHealthyWorker(f"no {role} instance has passed a health check yet")
         except NoHealthyWorker as exc:
             return error_response(503, str(exc))
         return web.json_response({"status": "ok"})
@@ -165,7 +166,7 @@ class Router:
             worker = self.registry.add(spec["url"], role, port)
         except (ValueError, KeyError) as exc:  # ConfigError and JSON errors are ValueErrors
             return error_response(409 if isinstance(exc, KeyError) else 400, str(exc).strip("'\""))
-        worker.healthy = await self.health.probe(worker)
+        worker.healthy = worker.ready = await self.health.probe(worker)
         return web.json_response(worker.describe(), status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:

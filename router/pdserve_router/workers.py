@@ -60,7 +60,8 @@ class Worker:
     role: Role
     breaker: CircuitBreaker
     bootstrap_port: int | None = None
-    healthy: bool = True
+    healthy: bool = True  # in rotation (dispatch tries a new instance before its first health check)
+    ready: bool = False  # has passed at least one health check; the router's /health waits for it
     in_flight: int = 0
     health_failures: int = 0
     health_successes: int = 0
@@ -76,6 +77,7 @@ class Worker:
 
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
+                "ready": self.ready,
                 "circuit": self.breaker.state, "in_flight": self.in_flight}
 
 
@@ -167,6 +169,7 @@ class HealthChecker:
     def update(self, worker: Worker, ok: bool) -> None:
         c = self.registry.config
         if ok:
+            worker.ready = True
             worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
             if not worker.healthy and worker.health_successes >= c.health_success_threshold:
                 worker.healthy = True

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from .conftest import free_port
+
 
 def test_killed_decode_leaves_rotation_and_comes_back(stubs, start_router):
     p1, d1, d2 = stubs.add("prefill"), stubs.add("decode"), stubs.add("decode")
@@ -95,3 +97,14 @@ def test_circuit_breaker_opens_after_repeated_failures(stubs, start_router):
         assert router.post("/generate", {"text": f"q{i}"}).status == 200
     assert router.workers()[bad.url]["circuit"] == "open"
     assert len(bad.requests) == 2
+
+
+def test_health_waits_for_a_passed_check_of_every_role(stubs, start_router):
+    p1 = stubs.add("prefill")
+    dead_decode = f"http://127.0.0.1:{free_port()}"
+    router = start_router("--prefill", p1.url, "--decode", dead_decode, "--health-check-interval-s", "30")
+    router.wait_for(lambda: router.workers()[p1.url]["ready"])
+    reply = router.get("/health")
+    assert reply.status == 503
+    assert reply.json()["error"]["message"] == "no decode instance has passed a health check yet"
+    assert router.workers()[dead_decode]["ready"] is False
