@@ -49,10 +49,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
 @torch.no_grad()
 def load_weights(model: LlamaForCausalLM, model_path: Path, show_progress: bool = True) -> None:
     params = dict(model.named_parameters())
+    device = str(next(iter(params.values())).device)  # tensors are read straight onto the model's device
     loaded: set[str] = set()
     files = checkpoint_files(model_path)
     for file in tqdm(files, desc="Loading safetensors", disable=not show_progress or len(files) < 2):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safe_open(str(file), framework="pt", device=device) as f:
             for hf_name in f.keys():
                 name = _param_name(hf_name)
                 if "rotary_emb" in name:
