@@ -10,17 +10,18 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from pdserve.attention.base import ForwardMode
 from pdserve.config import ServerArgs
-from pdserve.engine.model_runner import ModelRunner, build_forward_batch, to_device
+from pdserve.engine.model_runner import ModelRunner, build_forward_batch
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.models.model_config import ModelConfig
+from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
 from pdserve.scheduler.stop import StopChecker
 
@@ -39,18 +40,6 @@ class WorkCounters:
     extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
 
 
-@dataclass(slots=True, eq=False)
-class InflightDecode:
-    """A decode batch launched but not yet read back (overlap scheduling)."""
-
-    reqs: list[Req]
-    tokens: torch.Tensor  # sampled tokens, on the device
-    host_tokens: torch.Tensor  # their host copy, valid once `done` has completed
-    done: torch.cuda.Event | None
-    req_ids: set[int] = field(default_factory=set)
-    deferred_pages: list[int] = field(default_factory=list)  # freed once this batch has been read back
-
-
 @dataclass(slots=True)
 class ExtendItem:
     req: Req
@@ -62,7 +51,7 @@ class ExtendItem:
         return self.end == len(self.req.all_ids)
 
 
-class Scheduler:
+class Scheduler(OverlapMixin):
     def __init__(self, args: ServerArgs, tokenizer=None):
         self.args = args
         self.model_config = ModelConfig.from_path(args.model_path)
@@ -347,76 +336,6 @@ class Scheduler:
         for r in reqs:
             r.num_cached_tokens += 1
         return self.runner.forward(batch)
-
-    # ---- overlap scheduling: launch step N+1 before reading back step N ----------------------------------------
-
-    def _launch_overlapped(self) -> bool:
-        """Launch a decode batch whose inputs may still be on the device; then read back the previous batch.
-        Returns False (nothing launched) when a request needs host-side sampling state or KV runs short."""
-        reqs = list(self.running)
-        if not all(self._overlappable(r) for r in reqs):
-            return False
-        prev = self.inflight
-        ahead = prev.req_ids if prev is not None else set()
-        lens = [r.seq_len + (id(r) in ahead) for r in reqs]
-        if not all(self._ensure_pages(r, n) for r, n in zip(reqs, lens)):
-            return False
-        fix_ids = None
-        if prev is not None and ahead:
-            prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
-            rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in ahead]
-            dst = to_device([i for i, _ in rows], torch.int64, self.device)
-            src = to_device([j for _, j in rows], torch.int64, self.device)
-
-            def fix_ids(input_ids: torch.Tensor) -> None:
-                input_ids.index_copy_(0, dst, prev.tokens.index_select(0, src))
-
-        input_ids = [0 if id(r) in ahead else r.output_ids[-1] for r in reqs]
-        logits = self._decode_forward(reqs, lens, input_ids, fix_ids)
-        rows = [SamplingRow(r.sampling_params, r.input_ids, r.output_ids, [], None) for r in reqs]
-        tokens = self.sampler.sample_tokens(logits, rows)
-        self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids={id(r) for r in reqs})
-        if prev is not None:
-            self._read_back(prev)
-        return True
-
-    def _overlappable(self, req: Req) -> bool:
-        """Greedy requests with no host-side sampling state. Sampled batches stay synchronous: on an H200 they
-        ran slower overlapped (docs/benchmarks.md), so they wait until the sampler's uploads are reworked."""
-        p = req.sampling_params
-        return p.is_greedy and not (p.has_penalties or req.return_logprob or len(req.output_ids) < p.min_tokens)
-
-    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        if tokens.device.type != "cuda":
-            return tokens, None
-        if not self._pinned:
-            size = self.args.max_running_requests
-            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._pinned.reverse()  # double buffer: the previous batch's copy is still being read
-        host = self._pinned[0][: tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
-
-    def _finish_inflight(self) -> None:
-        if self.inflight is not None:
-            prev, self.inflight = self.inflight, None
-            self._read_back(prev)
-
-    def _read_back(self, batch: InflightDecode) -> None:
-        if batch.done is not None:
-            batch.done.synchronize()
-        for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
-            if req.finished:
-                continue  # ended while the batch ran (stop, abort): its extra token is dropped
-            req.output_ids.append(token)
-            self._changed[req.rid] = req
-            reason = self._check_stop(req)
-            if reason is not None:
-                self._finish(req, reason)
-        self.running = [r for r in self.running if not r.finished]
-        self.allocator.free(batch.deferred_pages)
 
     def _make_room_for_decode(self) -> None:
         """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, SamplingFields, bootstrap_for, sglang_sampling_params
+from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, RequestRejected, TokenizerManager, merge_streams
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,6 @@ concurrency, disconnects, bad input, metrics, and a clean SIGTERM (last test).""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import time
 
