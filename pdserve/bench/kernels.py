@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.testing
 
+from pdserve.bench.roofline import Ceilings
 from pdserve.kernels import fused, ops, sampling
 from pdserve.kernels.attention import (
     attention_flops,
@@ -51,12 +52,8 @@ def ms_eager(fn) -> float:
 
 
 def measure_ceilings() -> dict:
-    src = torch.randn(1 << 30, device="cuda", dtype=BF16)  # 2 GiB
-    dst = torch.empty_like(src)
-    copy_ms = ms_eager(lambda: dst.copy_(src))
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=BF16) for _ in range(2))
-    mm_ms = ms_eager(lambda: a @ b)
-    return {"copy_gbps": 2 * 2 * (1 << 30) / copy_ms / 1e6, "matmul_tflops": 2 * 8192**3 / mm_ms / 1e9}
+    ceilings = Ceilings.measure()
+    return {"copy_gbps": ceilings.hbm_gbps, "matmul_tflops": ceilings.matmul_tflops}
 
 
 class PagedPool:
