@@ -50,9 +50,12 @@ class RadixCache:
             pages.append(child.page)
             node = child
         self.allocator.incref(pages)
-        self.query_tokens += len(token_ids)
-        self.hit_tokens += len(pages) * self.page_size
         return pages
+
+    def record_hit(self, query_tokens: int, hit_tokens: int) -> None:
+        """Hit statistics, counted once per admitted request (a refused admission is retried later)."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += hit_tokens
 
     def insert(self, token_ids: list[int], pages: list[int]) -> None:
         """Cache the full pages of token_ids (pages[i] holds tokens of page i). Caller keeps its own references."""

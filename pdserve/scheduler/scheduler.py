@@ -227,6 +227,8 @@ class Scheduler(OverlapMixin):
         if self.chunked is not None:
             reserved += self._decode_reserve(self.chunked)
         if need + reserved <= self._available_pages():
+            if self.radix is not None:
+                self.radix.record_hit(len(req.input_ids), req.num_cached_tokens)
             return True
         self._release_pages(req)
         return False
