@@ -110,8 +110,8 @@ class PrefillScheduler(Scheduler):
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        h = self.handoffs.get(req.bootstrap_room) if req is not None else None
-        if h is not None and h.req is req:
+        h = self._handoff_of(req) if req is not None else None
+        if h is not None:
             self._fail(h, message)
         else:
             super().abort_request(rid, message)
@@ -122,11 +122,12 @@ class PrefillScheduler(Scheduler):
     # ---- KV push ------------------------------------------------------------------------------------------
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        if req.bootstrap_room in self.handoffs and end < len(req.input_ids):  # the last chunk's pages go with the first token in on_prefill_done
-            self._push(self.handoffs[req.bootstrap_room], end // self.page_size, final=False)
+        h = self._handoff_of(req)
+        if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
+            self._push(h, end // self.page_size, final=False)
 
     def on_prefill_done(self, req: Req) -> None:
-        h = self.handoffs.get(req.bootstrap_room)
+        h = self._handoff_of(req)
         if h is None:  # a fake-transfer request ends with its first token
             self._finish(req, FinishReason("length"))
             return
@@ -228,9 +229,14 @@ class PrefillScheduler(Scheduler):
         self._release_if_drained(h)
 
     def _release_pages(self, req: Req) -> None:
-        h = self.handoffs.get(req.bootstrap_room)
+        h = self._handoff_of(req)
         if h is None or h.writes_in_flight == 0:
             super()._release_pages(req)
+
+    def _handoff_of(self, req: Req) -> Handoff | None:
+        """The handoff of this request (a fake-transfer request has none, whatever its room)."""
+        h = self.handoffs.get(req.bootstrap_room)
+        return h if h is not None and h.req is req else None
 
     def _release_if_drained(self, h: Handoff) -> None:
         if h.writes_in_flight > 0 or not h.req.finished:
