@@ -62,7 +62,7 @@ class Scheduler(OverlapMixin):
         self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
         self.radix = None if args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
         self.sampler = Sampler(self.device, args.random_seed)
-        self.stop_checker = StopChecker(args, self.model_config, tokenizer)
+        self.stop_checker = StopChecker(args, self.model_config, self.context_len, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None

@@ -14,11 +14,11 @@ def load_tokenizer(args: ServerArgs):
 
 
 class StopChecker:
-    def __init__(self, args: ServerArgs, model_config: ModelConfig, tokenizer=None):
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, context_len: int, tokenizer=None):
         self.tokenizer = tokenizer
         self._args = args
         self.eos_ids = set(model_config.eos_token_ids)
-        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.context_len = context_len
 
     def _tok(self):
         if self.tokenizer is None:

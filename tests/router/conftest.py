@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,14 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from cluster_util import free_port
 
 from pdserve_router.stub import StubHost
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

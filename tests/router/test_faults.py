@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .conftest import free_port
+from cluster_util import free_port
 
 
 def test_killed_decode_leaves_rotation_and_comes_back(stubs, start_router):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,16 +13,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from cluster_util import free_port
+
 API_KEY = "test-key"
 CONTEXT_LENGTH = 256
 MAX_BATCH_ITEMS = 8
 STARTUP_TIMEOUT = 300.0  # generous: a loaded 2-core machine imports torch slowly
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
