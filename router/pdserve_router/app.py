@@ -49,6 +49,7 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
         self.dispatcher = Dispatcher(self.config, self.registry, self.session, self.metrics)
         self.health = HealthChecker(self.registry, self.session, self.auth)
+        await self.health.check_all()  # one round before the port opens, so /health is right from the start
         self.health.start()
         log.info("pdserve-router (%s mode) serving on http://%s:%d with %s", self.config.mode, self.config.host,
                  self.config.port, ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or

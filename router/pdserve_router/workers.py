@@ -147,8 +147,8 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            await self.check_all()
             await asyncio.sleep(self.registry.config.health_check_interval_s)
+            await self.check_all()
 
     async def check_all(self) -> None:
         workers = list(self.registry.workers.values())
