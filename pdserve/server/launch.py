@@ -15,6 +15,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -66,6 +67,13 @@ def launch_server(args: ServerArgs) -> int:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
+def _reap(child: BaseProcess, timeout: float = 2.0) -> None:
+    """Collect the exit status: the sentinel closes when the child's files do, a moment before it can be reaped."""
+    deadline = time.monotonic() + timeout
+    while child.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -78,7 +86,7 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
     def on_child_exit(child: BaseProcess) -> None:
         nonlocal exit_code
         loop.remove_reader(child.sentinel)
-        child.join(0)
+        _reap(child)
         logger.error("the %s process (pid %s) exited with code %s; shutting down the server",
                      child.name, child.pid, child.exitcode)
         exit_code = EXIT_CHILD_DIED
