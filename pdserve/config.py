@@ -64,6 +64,7 @@ class ServerArgs:
     disaggregation_waiting_timeout: float = 60.0
     disaggregation_heartbeat_interval: float = 2.0
     disaggregation_heartbeat_failures: int = 3
+    disaggregation_layerwise_min_tokens: int = 512
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
 
@@ -110,6 +111,8 @@ class ServerArgs:
             raise ConfigError(
                 f"--disaggregation-bootstrap-port and --port are both {self.port}; give them different ports"
             )
+        if self.disaggregation_layerwise_min_tokens < 0:
+            raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 0..65535")
 
@@ -191,6 +194,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_waiting_timeout": ("disaggregation", "Seconds the decode side waits for the KV to arrive."),
     "disaggregation_heartbeat_interval": ("disaggregation", "Seconds between decode heartbeats to each prefill bootstrap server."),
     "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
+    "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
 }
 
 _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}

@@ -10,6 +10,7 @@ Control messages (msgpack dicts over ZMQ, keyed by `bootstrap_room`):
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -27,7 +28,6 @@ from pdserve.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
-IDLE_WAIT_S = 0.002  # an idle PD scheduler waits this long for a control message before polling its queue again
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
 
 
@@ -76,10 +76,17 @@ def peer_description(args: ServerArgs, cfg: ModelConfig, pool: KVPool, backend: 
 
 
 class ControlChannel:
-    """Receives control messages on a background thread into a queue; sends fire-and-forget to peers."""
+    """Receives control messages on a background thread into a queue; sends fire-and-forget to peers.
+
+    Every message posted to the inbox also makes `wakeup_fd` readable, so the scheduler process can sleep on
+    its request socket and this fd together instead of polling.
+    """
 
     def __init__(self, host: str, name: str):
         self.inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
+        self.wakeup_fd, self._wakeup_write_fd = os.pipe()
+        os.set_blocking(self.wakeup_fd, False)
+        os.set_blocking(self._wakeup_write_fd, False)
         self.server = ControlServer(host, 0, self._on_message, name)
         self.endpoint = self.server.endpoint
         self._clients: dict[str, ControlClient] = {}
@@ -87,7 +94,18 @@ class ControlChannel:
     def _on_message(self, header: dict, frames, reply) -> None:
         if not isinstance(header.get("type"), str) or not isinstance(header.get("room"), int):
             raise ValueError(f"control message without type/room: {sorted(header)}")
-        self.inbox.put(header)
+        self.post(header)
+
+    def post(self, msg: dict) -> None:
+        """Queue a message for the scheduler thread (from any thread) and wake it."""
+        self.inbox.put(msg)
+        self.wake()
+
+    def wake(self) -> None:
+        try:
+            os.write(self._wakeup_write_fd, b"\0")
+        except BlockingIOError:  # the pipe is full of unread wake-ups: the scheduler is awake anyway
+            pass
 
     def send(self, endpoint: str, msg: dict) -> None:
         client = self._clients.get(endpoint)
@@ -95,19 +113,23 @@ class ControlChannel:
             client = self._clients[endpoint] = ControlClient(endpoint, timeout_s=5.0)
         client.send(msg)
 
-    def dispatch(self, handlers: dict, wait_s: float) -> None:
-        """Run the handler of every queued message (waiting up to wait_s for the first one)."""
-        for msg in self.drain(wait_s):
+    def dispatch(self, handlers: dict) -> None:
+        """Run the handler of every queued message."""
+        for msg in self.drain():
             handler = handlers.get(msg["type"])
             if handler is None:
                 logger.warning("ignoring unknown control message %r", msg["type"])
                 continue
             handler(msg)
 
-    def drain(self, wait_s: float = 0.0) -> list[dict]:
+    def drain(self) -> list[dict]:
+        try:
+            while os.read(self.wakeup_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
         msgs = []
         try:
-            msgs.append(self.inbox.get(timeout=wait_s) if wait_s > 0 else self.inbox.get_nowait())
             while True:
                 msgs.append(self.inbox.get_nowait())
         except queue.Empty:
@@ -117,6 +139,8 @@ class ControlChannel:
         for client in self._clients.values():
             client.close()
         self.server.close()
+        os.close(self.wakeup_fd)
+        os.close(self._wakeup_write_fd)
 
 
 class KVManager:

@@ -12,16 +12,19 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, IDLE_WAIT_S, Handoff, KVManager, KVPoll, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, now
 from pdserve.disagg.prefill import validate_pd_request
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+_NOT_READY: Future = Future()  # stands in for a route lookup not started yet
 
 
 class DecodeScheduler(Scheduler):
@@ -33,7 +36,8 @@ class DecodeScheduler(Scheduler):
         self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
         self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
         self.dead_peers: set[str] = set()
-        self.heartbeat = Heartbeat(args, self.kv.channel.inbox)
+        self.heartbeat = Heartbeat(args, self.kv.channel.post)
+        self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
         self.handlers = {"kv_done": self._on_kv_done, "failed": self._on_peer_failed, "peer_dead": self._on_peer_dead}
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -55,6 +59,7 @@ class DecodeScheduler(Scheduler):
         if addr not in self.routes:
             timeout = self.args.disaggregation_bootstrap_timeout
             self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout)
+            self.routes[addr].add_done_callback(lambda _: self.kv.channel.wake())
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
@@ -69,9 +74,18 @@ class DecodeScheduler(Scheduler):
     def has_work(self) -> bool:
         return super().has_work() or bool(self.handoffs) or bool(self.quarantine)
 
+    def can_step(self) -> bool:
+        """Handoffs waiting for a message or a route need no steps: the channel's wake-up fd ends the wait."""
+        return super().can_step() or self._can_preallocate()
+
+    def _can_preallocate(self) -> bool:
+        if self._free_when_blocked == self.allocator.num_free:
+            return False
+        return any(h.poll == KVPoll.BOOTSTRAPPING and self.routes.get(bootstrap_addr(h.req), _NOT_READY).done()
+                   for h in self.handoffs.values())
+
     def step(self):
-        idle = not (self.waiting or self.running or self.chunked)
-        self.kv.channel.dispatch(self.handlers, IDLE_WAIT_S if idle and (self.handoffs or self.quarantine) else 0.0)
+        self.kv.channel.dispatch(self.handlers)
         self._expire()
         self._preallocate()
         if self._changed:  # first tokens just committed: report them before the next decode step
@@ -89,6 +103,7 @@ class DecodeScheduler(Scheduler):
     # ---- handshake and pre-allocation ---------------------------------------------------------------------
 
     def _preallocate(self) -> None:
+        self._free_when_blocked = None
         reserved = sum(self._decode_reserve(r) for r in self.running)
         for h in [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]:
             route = self.routes.get(bootstrap_addr(h.req))
@@ -104,6 +119,7 @@ class DecodeScheduler(Scheduler):
             need = math.ceil(len(h.req.input_ids) / self.page_size)
             reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
             if need + reserve + reserved > self.allocator.num_free:
+                self._free_when_blocked = self.allocator.num_free
                 break  # FIFO: later requests wait behind this one
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
@@ -208,6 +224,9 @@ class DecodeScheduler(Scheduler):
         pages, _ = self.quarantine.pop(room)
         self.allocator.free(pages)
 
+    def wakeup_fds(self) -> list[int]:
+        return [self.kv.channel.wakeup_fd]
+
     def kv_pool_is_fully_free(self) -> bool:
         return not self.quarantine and super().kv_pool_is_fully_free()
 
@@ -239,12 +258,12 @@ def bootstrap_addr(req: Req) -> str:
 
 
 class Heartbeat:
-    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the inbox."""
+    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the control inbox."""
 
-    def __init__(self, args: ServerArgs, inbox):
+    def __init__(self, args: ServerArgs, post: Callable[[dict], None]):
         self.interval = args.disaggregation_heartbeat_interval
         self.max_failures = args.disaggregation_heartbeat_failures
-        self.inbox = inbox
+        self.post = post
         self.failures: dict[str, int] = {}
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -267,7 +286,7 @@ class Heartbeat:
                     if dead:
                         del self.failures[addr]
                 if dead:
-                    self.inbox.put({"type": "peer_dead", "room": -1, "addr": addr})
+                    self.post({"type": "peer_dead", "room": -1, "addr": addr})
 
     def close(self) -> None:
         self.stop.set()

@@ -12,16 +12,18 @@ import logging
 import math
 import queue
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, IDLE_WAIT_S, Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.scheduler.request import FinishReason, Req
-from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.scheduler import ExtendItem, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +35,27 @@ class WriteJob:
     peer_session: str
     spans: tuple[list[int], list[int], list[int]]
     final: bool
-    computed: torch.cuda.Event | None  # recorded after the forward that filled the pages (None on CPU)
+    computed: torch.cuda.Event | None  # recorded after the kernels that filled the pages (None on CPU)
+    count: int = 1  # jobs merged into this one
+
+    def ready(self) -> bool:
+        return self.computed is None or self.computed.query()
+
+    def absorb(self, later: WriteJob) -> None:
+        for mine, theirs in zip(self.spans, later.spans):
+            mine.extend(theirs)
+        self.final, self.computed, self.count = later.final, later.computed, self.count + later.count
 
 
 class TransferWorker:
-    """Runs KV writes in order on one thread; reports each result into the control inbox."""
+    """Runs KV writes in order on one thread; reports each result to the scheduler through `post`.
 
-    def __init__(self, engine, inbox: queue.SimpleQueue):
+    Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
+    pushes become fewer, larger writes whenever the link is slower than the forward."""
+
+    def __init__(self, engine, post: Callable[[dict], None]):
         self.engine = engine
-        self.inbox = inbox
+        self.post = post
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self.cancelled: set[int] = set()
         self.thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
@@ -51,16 +65,38 @@ class TransferWorker:
         self.jobs.put(job)
 
     def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            result = {"type": "write_done", "room": job.room, "final": job.final}
-            if job.room not in self.cancelled:
-                try:
-                    if job.computed is not None:
-                        job.computed.synchronize()  # a transfer engine copies on its own streams
-                    self.engine.write(job.peer_session, *job.spans)
-                except Exception as exc:  # any engine failure fails this room only
-                    result = {"type": "write_failed", "room": job.room, "error": f"{type(exc).__name__}: {exc}"}
-            self.inbox.put(result)
+        pending: deque[WriteJob | None] = deque()
+        while True:
+            if not pending:
+                pending.append(self.jobs.get())
+            job = pending.popleft()
+            if job is None:
+                return
+            if job.computed is not None:
+                job.computed.synchronize()  # a transfer engine copies on its own streams
+            self._absorb_ready(job, pending)
+            self.post(self._write(job))
+
+    def _absorb_ready(self, job: WriteJob, pending: deque) -> None:
+        try:
+            while True:
+                pending.append(self.jobs.get_nowait())
+        except queue.Empty:
+            pass
+        while not job.final and pending and pending[0] is not None and pending[0].room == job.room \
+                and pending[0].peer_session == job.peer_session and pending[0].ready():
+            job.absorb(pending.popleft())
+
+    def _write(self, job: WriteJob) -> dict:
+        if job.room in self.cancelled:
+            return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
+        try:
+            if job.spans[2]:
+                self.engine.write(job.peer_session, *job.spans)
+        except Exception as exc:  # any engine failure fails this room only
+            return {"type": "write_failed", "room": job.room, "count": job.count,
+                    "error": f"{type(exc).__name__}: {exc}"}
+        return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -71,7 +107,7 @@ class PrefillScheduler(Scheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
         self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
-        self.worker = TransferWorker(self.kv.engine, self.kv.channel.inbox)
+        self.worker = TransferWorker(self.kv.engine, self.kv.channel.post)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
             rank=0, control_endpoint=self.kv.channel.endpoint, transfer_session=self.kv.engine.session_id(),
@@ -103,10 +139,12 @@ class PrefillScheduler(Scheduler):
         return super().has_work() or bool(self.handoffs)
 
     def step(self):
-        idle = not (self.waiting or self.running or self.chunked)
-        self.kv.channel.dispatch(self.handlers, IDLE_WAIT_S if idle and self.handoffs else 0.0)
+        self.kv.channel.dispatch(self.handlers)
         self._expire()
         return super().step()
+
+    def wakeup_fds(self) -> list[int]:
+        return [self.kv.channel.wakeup_fd]
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
@@ -121,10 +159,37 @@ class PrefillScheduler(Scheduler):
 
     # ---- KV push ------------------------------------------------------------------------------------------
 
+    def layer_hook(self, items: list[ExtendItem]) -> Callable[[int], None] | None:
+        """Large chunks push each layer's KV as soon as the layer has stored it, overlapping the forward."""
+        min_tokens = self.args.disaggregation_layerwise_min_tokens
+        plans = []
+        for item in items:
+            h = self._handoff_of(item.req)
+            if min_tokens and h is not None and h.poll != KVPoll.FAILED and item.end - item.start >= min_tokens:
+                runs = self._runs_to_send(h, self._pages_complete_after(item))
+                if runs:
+                    plans.append((h, runs))
+        if not plans:
+            return None
+
+        def push_layer(layer: int) -> None:
+            computed = self._record_event()
+            for h, runs in plans:
+                spans = kv_write_requests(self.kv.region, h.peer_region, runs, range(layer, layer + 1))
+                self._submit(h, spans, final=False, computed=computed)
+
+        return push_layer
+
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
         h = self._handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
             self._push(h, end // self.page_size, final=False)
+
+    def _pages_complete_after(self, item: ExtendItem) -> int:
+        """Pages of the request whose every position is filled once this chunk's forward has run."""
+        if item.completes_prefill:
+            return math.ceil(len(item.req.input_ids) / self.page_size)
+        return item.end // self.page_size
 
     def on_prefill_done(self, req: Req) -> None:
         h = self._handoff_of(req)
@@ -137,19 +202,28 @@ class PrefillScheduler(Scheduler):
         h.advance(KVPoll.TRANSFERRING)
 
     def _push(self, h: Handoff, upto_page: int, final: bool) -> None:
+        """All layers of the pages not sent yet, up to `upto_page`; `final` also releases the first token."""
         if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
             return
-        src = h.req.pages[h.pages_sent : upto_page]
-        dst = h.dst_pages[h.pages_sent : upto_page]
-        runs = coalesce_page_runs(src, dst)
+        runs = self._runs_to_send(h, upto_page)
         spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
-        h.pages_sent = max(h.pages_sent, upto_page)
+        self._submit(h, spans, final, self._record_event())
+
+    def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
+        """Coalesced page runs from the first unsent page up to `upto_page`, now counted as sent."""
+        start, h.pages_sent = h.pages_sent, max(h.pages_sent, upto_page)
+        return coalesce_page_runs(h.req.pages[start:upto_page], h.dst_pages[start:upto_page])
+
+    def _submit(self, h: Handoff, spans, final: bool, computed: torch.cuda.Event | None) -> None:
         h.writes_in_flight += 1
-        computed = None
-        if self.device.type == "cuda":
-            computed = torch.cuda.Event()
-            computed.record()
         self.worker.submit(WriteJob(h.room, h.peer_session, spans, final, computed))
+
+    def _record_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     # ---- control messages ---------------------------------------------------------------------------------
 
@@ -188,7 +262,7 @@ class PrefillScheduler(Scheduler):
         h = self.handoffs.get(msg["room"])
         if h is None:
             return
-        h.writes_in_flight -= 1
+        h.writes_in_flight -= msg["count"]
         if msg.get("final") and h.poll == KVPoll.TRANSFERRING:
             self.kv.channel.send(h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid,
                                                   "aux": _aux_record(h)})
@@ -199,7 +273,7 @@ class PrefillScheduler(Scheduler):
     def _on_write_failed(self, msg: dict) -> None:
         h = self.handoffs.get(msg["room"])
         if h is not None:
-            h.writes_in_flight -= 1
+            h.writes_in_flight -= msg["count"]
             self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
 
     def _expire(self) -> None:

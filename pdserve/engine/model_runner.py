@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -83,12 +84,12 @@ class ModelRunner:
         return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ps, num_pages, self.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [len(batch.logits_indices), vocab]."""
-        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+    def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """float32 logits [len(batch.logits_indices), vocab]; `on_layer_done(i)` follows layer i (eager only)."""
+        if on_layer_done is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)
-        return self.model(ForwardContext(batch, self.backend, self.pool))
+        return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

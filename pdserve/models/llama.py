@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class ForwardContext:
     batch: ForwardBatch
     backend: AttentionBackend
     pool: KVPool
+    on_layer_done: Callable[[int], None] | None = None  # called with each layer's index once its KV is stored
 
 
 class Attention(nn.Module):
@@ -100,8 +102,10 @@ class LlamaForCausalLM(nn.Module):
         """Returns float32 logits of the rows in ctx.batch.logits_indices."""
         batch = ctx.batch
         hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(batch.positions, hidden, residual, ctx)
+            if ctx.on_layer_done is not None:
+                ctx.on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden[batch.logits_indices]).float()
 

@@ -10,6 +10,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,7 +152,16 @@ class Scheduler(OverlapMixin):
         return self._collect_outputs()
 
     def has_work(self) -> bool:
+        """Any request not finished yet (the PD roles add those waiting for a message from their peer)."""
+        return self.can_step()
+
+    def can_step(self) -> bool:
+        """The next step makes progress without waiting for a request, a wake-up fd or a deadline."""
         return bool(self.waiting or self.running or self.chunked or self._changed or self.inflight)
+
+    def wakeup_fds(self) -> list[int]:
+        """File descriptors that become readable when work arrives other than through add_request."""
+        return []
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.inflight:
@@ -290,7 +300,7 @@ class Scheduler(OverlapMixin):
             page_rows=[i.req.pages for i in items], logits_indices=logit_rows,
             page_size=self.page_size, device=self.device,
         )
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch, self.layer_hook(items))
         self.work.extend_steps += 1
         self.work.extend_tokens += len(input_ids)
         self.work.extend_attention_pairs += sum((i.end - i.start) * (i.start + i.end + 1) // 2 for i in items)
@@ -410,6 +420,10 @@ class Scheduler(OverlapMixin):
             req.input_top_logprobs.append(
                 list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
             )
+
+    def layer_hook(self, items: list[ExtendItem]) -> Callable[[int], None] | None:
+        """Hook: a callback run after each layer of this extend forward (the prefill role streams KV)."""
+        return None
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
         """Hook: KV of positions [start, end) is now in req.pages (the prefill role ships it)."""

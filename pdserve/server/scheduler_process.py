@@ -51,6 +51,8 @@ class SchedulerProcess:
         self.to_tokenizer = push_socket(self.ctx, ipc_addr(args, "tokenizer"))
         self.poller = zmq.Poller()
         self.poller.register(self.receiver, zmq.POLLIN)
+        for fd in scheduler.wakeup_fds():
+            self.poller.register(fd, zmq.POLLIN)
         self.handlers: dict[type, Callable[[Any], None]] = {
             TokenizedGenerateReq: self.handle_generate,
             AbortReq: self.handle_abort,
@@ -70,15 +72,20 @@ class SchedulerProcess:
             self.send_outputs(self.run_step())
 
     def recv_requests(self) -> list[Any]:
-        """Everything queued now; waits up to IDLE_POLL_MS only when the engine has nothing to do."""
-        timeout = 0 if self.sched.has_work() else IDLE_POLL_MS
+        """Everything queued now. With nothing to do it first sleeps until a request or a wake-up (a PD
+        control message) arrives, or IDLE_POLL_MS pass so that deadlines are checked."""
+        if not self.sched.can_step():
+            self.poller.poll(IDLE_POLL_MS)
         messages = []
-        while self.poller.poll(timeout):
+        while True:
             try:
-                messages.append(decode(self.receiver.recv(zmq.NOBLOCK)))
+                raw = self.receiver.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                messages.append(decode(raw))
             except MessageError as exc:
                 logger.error("dropped a malformed message: %s", exc)
-            timeout = 0
         return messages
 
     def dispatch(self, msg: Any) -> None:
@@ -137,7 +144,8 @@ class SchedulerProcess:
         self.to_tokenizer.send(encode(GetStatsReply(msg.request_id, stats)))
 
     def run_step(self) -> list[StepOutput]:
-        return self.sched.step() if self.sched.has_work() else []
+        """One scheduler step; with nothing queued it only handles control messages and deadlines."""
+        return self.sched.step()
 
     def send_outputs(self, outputs: list[StepOutput]) -> None:
         if outputs:

@@ -81,6 +81,37 @@ def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
 
 
+def test_layerwise_push_matches_colocated(model):
+    """Chunks of 8+ tokens ship each layer's KV during the forward; shorter ones after it (page size 4)."""
+    port = next(_ports)
+    args = engine_args(model, disaggregation_layerwise_min_tokens=8)
+    prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, port=1,
+                                          **args))
+    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **args))
+    layer_spans = []  # span count of every non-empty write job: 2 (K, V) x runs x layers
+    submit = prefill.worker.submit
+    prefill.worker.submit = lambda job: (layer_spans.append(len(job.spans[2])), submit(job))
+    try:
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in (3, 40, 130)]  # 32-token steps
+        colocated = Scheduler(ServerArgs(**engine_args(model)))
+        for i, p in enumerate(prompts):
+            colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
+            for s in (prefill, decode):
+                s.add_request(pd_req(str(i), p, port, room=300 + i))
+        expected = run([colocated])
+        got = run([prefill, decode])
+        for i in range(len(prompts)):
+            assert got[(1, str(i))]["ids"] == expected[(0, str(i))]["ids"]
+        num_layers = prefill.model_config.num_layers
+        # a job of 2 spans is one page run of one layer (a whole-chunk push has 2 x num_layers per run)
+        assert num_layers > 1 and layer_spans.count(2) >= 2 * num_layers
+        assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_request_without_bootstrap_fields_is_refused(pair):
     prefill, decode, _ = pair
     for s in (prefill, decode):

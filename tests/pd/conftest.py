@@ -21,6 +21,9 @@ from cluster_util import (PDCluster, Proc, decode_server, free_port, prefill_ser
 from pdserve.tools.make_model import make_model  # noqa: E402
 
 CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
+# tcp pair: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it; the mooncake
+# pair keeps the default threshold (512), so every chunk there is pushed after its forward.
+LAYERWISE_ARGS = {"tcp": ["--disaggregation-layerwise-min-tokens", "16"], "mooncake": []}
 
 
 def mooncake_available() -> bool:
@@ -52,7 +55,8 @@ def session_servers(tiny_model) -> Iterator[dict]:
     pairs = {}
     for backend in backends:
         bootstrap = free_port()
-        pairs[backend] = (prefill_server(tiny_model, backend, bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE)),
+        pairs[backend] = (prefill_server(tiny_model, backend, bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE),
+                                         *LAYERWISE_ARGS[backend]),
                           bootstrap, decode_server(tiny_model, backend))
     servers = [colocated, *(p for p, _, _ in pairs.values()), *(d for _, _, d in pairs.values())]
     start_all(servers)

@@ -152,8 +152,11 @@ class KVRegion:
         return self.base + self.layout.region_offset(kv, layer) + page * self.layout.page_bytes
 
 
-def kv_write_requests(src: KVRegion, dst: KVRegion, runs: list[PageRun]) -> tuple[list[int], list[int], list[int]]:
-    """Byte spans for every run in every layer's K and V, in one batch. Page 0 is never transferred."""
+def kv_write_requests(
+    src: KVRegion, dst: KVRegion, runs: list[PageRun], layers: range | None = None
+) -> tuple[list[int], list[int], list[int]]:
+    """Byte spans for every run in each layer's K and V (all layers by default), in one batch.
+    Page 0 is never transferred."""
     if (src.layout.num_layers, src.layout.page_bytes) != (dst.layout.num_layers, dst.layout.page_bytes):
         raise TransferError(
             f"KV layouts differ: {src.layout.num_layers} layers x {src.layout.page_bytes} B/page locally, "
@@ -166,7 +169,7 @@ def kv_write_requests(src: KVRegion, dst: KVRegion, runs: list[PageRun]) -> tupl
     lengths: list[int] = []
     page_bytes = src.layout.page_bytes
     for kv in (0, 1):
-        for layer in range(src.layout.num_layers):
+        for layer in layers if layers is not None else range(src.layout.num_layers):
             src_layer = src.page_ptr(kv, layer, 0)
             dst_layer = dst.page_ptr(kv, layer, 0)
             for s, d, n in runs:
