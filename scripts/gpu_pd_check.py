@@ -49,6 +49,9 @@ def main() -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--backends", nargs="+", default=["mooncake", "nccl"])
     parser.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--chunk-push-too", action="store_true",
+                        help="also run each backend with --disaggregation-layerwise-min-tokens 0 (KV pushed after "
+                             "each chunk's forward instead of layer by layer during it)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rng = random.Random(0)
@@ -61,9 +64,12 @@ def main() -> None:
         colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, 100000) for _ in range(n)])
                          for _ in range(5)] for n in args.ttft_lens}
         report["colocated_ttft_ms"] = {n: statistics.median(v) for n, v in colo_ttft.items()}
-        for backend in args.backends:
+        variants = [(b, b, []) for b in args.backends]
+        if args.chunk_push_too:
+            variants += [(f"{b}+chunk-push", b, ["--disaggregation-layerwise-min-tokens", "0"]) for b in args.backends]
+        for name, backend, prefill_flags in variants:
             bport = free_port()
-            p = prefill_server(args.model_path, backend, bport, *GPU_FLAGS, "--base-gpu-id", "0")
+            p = prefill_server(args.model_path, backend, bport, *GPU_FLAGS, "--base-gpu-id", "0", *prefill_flags)
             d = decode_server(args.model_path, backend, *GPU_FLAGS, "--base-gpu-id", "1")
             procs = start_all([p, d])
             r = start_all([router([(p, bport)], [d])])[0]
@@ -74,7 +80,7 @@ def main() -> None:
                 pd_ttft = {n: statistics.median(ttft_ms(r.url, [rng.randrange(100, 100000) for _ in range(n)])
                                                 for _ in range(5)) for n in args.ttft_lens}
                 info = json.loads(urllib.request.urlopen(f"{p.url}/get_server_info", timeout=10).read())
-                report["backends"][backend] = {
+                report["backends"][name] = {
                     "identical": [g == e for g, e in zip(got, expected)],
                     "batch_identical": [g == e for g, e in zip(batch_ids, expected)],
                     "pd_ttft_ms": pd_ttft,
@@ -82,11 +88,11 @@ def main() -> None:
                     "prefill_server_info": info,
                 }
             except Exception as exc:  # keep going with the next backend; the report says what failed
-                report["backends"][backend] = {"error": repr(exc), "prefill_log": p.log()[-3000:],
+                report["backends"][name] = {"error": repr(exc), "prefill_log": p.log()[-3000:],
                                                "decode_log": d.log()[-3000:]}
             finally:
                 stop_all([r, *procs])
-            print(backend, json.dumps({k: v for k, v in report["backends"][backend].items()
+            print(name, json.dumps({k: v for k, v in report["backends"][name].items()
                                        if k != "prefill_server_info"}, indent=1)[:3000], flush=True)
     finally:
         stop_all([colocated])

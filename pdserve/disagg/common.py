@@ -20,7 +20,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
-from pdserve.disagg.transfer.channel import ControlClient, ControlServer
+from pdserve.disagg.transfer.channel import ControlServer, PeerClients
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import Req
@@ -89,7 +89,7 @@ class ControlChannel:
         os.set_blocking(self._wakeup_write_fd, False)
         self.server = ControlServer(host, 0, self._on_message, name)
         self.endpoint = self.server.endpoint
-        self._clients: dict[str, ControlClient] = {}
+        self.peers = PeerClients(timeout_s=5.0)  # used from the scheduler thread only
 
     def _on_message(self, header: dict, frames, reply) -> None:
         if not isinstance(header.get("type"), str) or not isinstance(header.get("room"), int):
@@ -108,10 +108,7 @@ class ControlChannel:
             pass
 
     def send(self, endpoint: str, msg: dict) -> None:
-        client = self._clients.get(endpoint)
-        if client is None:
-            client = self._clients[endpoint] = ControlClient(endpoint, timeout_s=5.0)
-        client.send(msg)
+        self.peers.get(endpoint).send(msg)
 
     def dispatch(self, handlers: dict) -> None:
         """Run the handler of every queued message."""
@@ -136,8 +133,7 @@ class ControlChannel:
             return msgs
 
     def close(self) -> None:
-        for client in self._clients.values():
-            client.close()
+        self.peers.close()
         self.server.close()
         os.close(self.wakeup_fd)
         os.close(self._wakeup_write_fd)

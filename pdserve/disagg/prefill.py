@@ -22,6 +22,7 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
 from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
+from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.scheduler import ExtendItem, Scheduler
 
@@ -36,6 +37,7 @@ class WriteJob:
     spans: tuple[list[int], list[int], list[int]]
     final: bool
     computed: torch.cuda.Event | None  # recorded after the kernels that filled the pages (None on CPU)
+    notify: tuple[str, dict] | None = None  # (peer control endpoint, message) to send once the write landed
     count: int = 1  # jobs merged into this one
 
     def ready(self) -> bool:
@@ -44,11 +46,13 @@ class WriteJob:
     def absorb(self, later: WriteJob) -> None:
         for mine, theirs in zip(self.spans, later.spans):
             mine.extend(theirs)
-        self.final, self.computed, self.count = later.final, later.computed, self.count + later.count
+        self.final, self.computed, self.notify = later.final, later.computed, later.notify
+        self.count += later.count
 
 
 class TransferWorker:
-    """Runs KV writes in order on one thread; reports each result to the scheduler through `post`.
+    """Runs KV writes in order on one thread; reports each result to the scheduler through `post`. The final
+    write's `kv_done` goes to the decode server from here, not after a round trip through a busy scheduler.
 
     Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
     pushes become fewer, larger writes whenever the link is slower than the forward."""
@@ -58,6 +62,7 @@ class TransferWorker:
         self.post = post
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self.cancelled: set[int] = set()
+        self.peers = PeerClients(timeout_s=5.0)  # used from the writer thread only
         self.thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self.thread.start()
 
@@ -93,6 +98,9 @@ class TransferWorker:
         try:
             if job.spans[2]:
                 self.engine.write(job.peer_session, *job.spans)
+            if job.notify is not None:
+                endpoint, msg = job.notify
+                self.peers.get(endpoint).send(msg)
         except Exception as exc:  # any engine failure fails this room only
             return {"type": "write_failed", "room": job.room, "count": job.count,
                     "error": f"{type(exc).__name__}: {exc}"}
@@ -101,6 +109,7 @@ class TransferWorker:
     def close(self) -> None:
         self.jobs.put(None)
         self.thread.join(timeout=10)
+        self.peers.close()
 
 
 class PrefillScheduler(Scheduler):
@@ -207,16 +216,19 @@ class PrefillScheduler(Scheduler):
             return
         runs = self._runs_to_send(h, upto_page)
         spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
-        self._submit(h, spans, final, self._record_event())
+        notify = None
+        if final:
+            notify = (h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid, "aux": _aux_record(h)})
+        self._submit(h, spans, final, self._record_event(), notify)
 
     def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
         """Coalesced page runs from the first unsent page up to `upto_page`, now counted as sent."""
         start, h.pages_sent = h.pages_sent, max(h.pages_sent, upto_page)
         return coalesce_page_runs(h.req.pages[start:upto_page], h.dst_pages[start:upto_page])
 
-    def _submit(self, h: Handoff, spans, final: bool, computed: torch.cuda.Event | None) -> None:
+    def _submit(self, h: Handoff, spans, final: bool, computed: torch.cuda.Event | None, notify=None) -> None:
         h.writes_in_flight += 1
-        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final, computed))
+        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
@@ -263,9 +275,7 @@ class PrefillScheduler(Scheduler):
         if h is None:
             return
         h.writes_in_flight -= msg["count"]
-        if msg.get("final") and h.poll == KVPoll.TRANSFERRING:
-            self.kv.channel.send(h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid,
-                                                  "aux": _aux_record(h)})
+        if msg.get("final") and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
             h.advance(KVPoll.SUCCESS)
             self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
