@@ -11,4 +11,4 @@ step 45 offline_sync python3 -m pdserve.bench.offline --model-path $M/qwen3-0.6b
 step 45 one_batch_06b python3 -m pdserve.bench.one_batch --model-path $M/qwen3-0.6b --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/b06"
 step 60 one_batch_8b python3 -m pdserve.bench.one_batch --model-path $M/llama-3.1-8b --batch-sizes 1 --input-lens 1024 8192 --output-lens 32 --out "$OUT/b8"
 TAILN=40 step 80 gpu_tests python3 -m pytest -q -p no:cacheprovider tests/gpu -m gpu
-TAILN=12 step 100 pd_nccl_8b python3 scripts/gpu_pd_check.py --model-path $M/llama-3.1-8b --backends nccl mooncake --out "$OUT" --ttft-lens 4096
+TAILN=12 step 100 pd_nccl_8b python3 scripts/pd_check.py --model-path $M/llama-3.1-8b --backends nccl mooncake --out "$OUT" --ttft-lens 4096

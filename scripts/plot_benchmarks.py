@@ -88,7 +88,7 @@ def plot_kv_transfer(results: Path, out: Path) -> None:
 
 
 def pd_blocks(log: str) -> dict[str, dict]:
-    """The per-backend JSON blocks gpu_pd_check.py prints ("mooncake {...}")."""
+    """The per-backend JSON blocks pd_check.py prints ("mooncake {...}")."""
     blocks, name, lines = {}, None, []
     for line in log.splitlines():
         if name is None and line.endswith(" {"):

@@ -1,7 +1,11 @@
-"""PD on two GPUs: greedy output through prefill (GPU 0) -> decode (GPU 1) equals a colocated server, per
-transfer backend; and the TTFT that PD adds over colocated at concurrency 1.
+"""PD end to end: greedy output through the router and prefill -> decode equals a colocated server, per
+transfer backend; and the TTFT that PD adds over colocated at concurrency 1 (median of --reps).
 
-python scripts/gpu_pd_check.py --model-path DIR --backends mooncake nccl --out DIR
+GPU (prefill on GPU 0, decode on GPU 1):
+    python scripts/pd_check.py --model-path DIR --backends mooncake nccl --out DIR
+CPU (the fixed cost of the extra hops, control messages and scheduler wake-ups, with a tiny model):
+    python scripts/pd_check.py --device cpu --model-path DIR --backends tcp mooncake --identity-lens 5 60 300 \
+        --ttft-lens 16 256 --reps 30 --out DIR
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cluster_util import free_port, prefill_server, decode_server, router, server, start_all, stop_all  # noqa: E402
 
 GPU_FLAGS = ["--device", "cuda", "--max-total-tokens", "131072", "--context-length", "20000", "--cuda-graph-max-bs", "16"]
+
+
+def role_flags(device: str, gpu: int) -> list[str]:
+    return [*GPU_FLAGS, "--base-gpu-id", str(gpu)] if device == "cuda" else []  # cluster_util defaults to CPU
 
 
 def generate(url: str, body: dict) -> dict:
@@ -47,7 +55,10 @@ def ttft_ms(url: str, ids: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", required=True)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--backends", nargs="+", default=["mooncake", "nccl"])
+    parser.add_argument("--identity-lens", type=int, nargs="+", default=[5, 300, 2000, 9000])
+    parser.add_argument("--reps", type=int, default=5, help="TTFT samples per prompt length (the median is kept)")
     parser.add_argument("--ttft-lens", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--chunk-push-too", action="store_true",
                         help="also run each backend with --disaggregation-layerwise-min-tokens 0 (KV pushed after "
@@ -55,30 +66,31 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 100000) for _ in range(n)] for n in (5, 300, 2000, 9000)]
+    vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
+    prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in args.identity_lens]
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    colocated = start_all([server("colocated", args.model_path, *GPU_FLAGS, "--base-gpu-id", "0")])[0]
+    colocated = start_all([server("colocated", args.model_path, *role_flags(args.device, 0))])[0]
     report = {"model": args.model_path, "backends": {}}
     try:
         expected = [generate(colocated.url, {"input_ids": p, "sampling_params": greedy})["output_ids"] for p in prompts]
-        colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, 100000) for _ in range(n)])
-                         for _ in range(5)] for n in args.ttft_lens}
+        colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, vocab) for _ in range(n)])
+                         for _ in range(args.reps)] for n in args.ttft_lens}
         report["colocated_ttft_ms"] = {n: statistics.median(v) for n, v in colo_ttft.items()}
         variants = [(b, b, []) for b in args.backends]
         if args.chunk_push_too:
             variants += [(f"{b}+chunk-push", b, ["--disaggregation-layerwise-min-tokens", "0"]) for b in args.backends]
         for name, backend, prefill_flags in variants:
             bport = free_port()
-            p = prefill_server(args.model_path, backend, bport, *GPU_FLAGS, "--base-gpu-id", "0", *prefill_flags)
-            d = decode_server(args.model_path, backend, *GPU_FLAGS, "--base-gpu-id", "1")
+            p = prefill_server(args.model_path, backend, bport, *role_flags(args.device, 0), *prefill_flags)
+            d = decode_server(args.model_path, backend, *role_flags(args.device, 1))
             procs = start_all([p, d])
             r = start_all([router([(p, bport)], [d])])[0]
             try:
                 got = [generate(r.url, {"input_ids": q, "sampling_params": greedy})["output_ids"] for q in prompts]
                 batch = generate(r.url, {"input_ids": prompts, "sampling_params": greedy})
                 batch_ids = [item["output_ids"] for item in batch]
-                pd_ttft = {n: statistics.median(ttft_ms(r.url, [rng.randrange(100, 100000) for _ in range(n)])
-                                                for _ in range(5)) for n in args.ttft_lens}
+                pd_ttft = {n: statistics.median(ttft_ms(r.url, [rng.randrange(100, vocab) for _ in range(n)])
+                                                for _ in range(args.reps)) for n in args.ttft_lens}
                 info = json.loads(urllib.request.urlopen(f"{p.url}/get_server_info", timeout=10).read())
                 report["backends"][name] = {
                     "identical": [g == e for g, e in zip(got, expected)],
@@ -97,7 +109,7 @@ def main() -> None:
     finally:
         stop_all([colocated])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "pd_gpu.json").write_text(json.dumps(report, indent=2, default=str))
+    (args.out / f"pd_{args.device}.json").write_text(json.dumps(report, indent=2, default=str))
     print("colocated TTFT ms", report["colocated_ttft_ms"])
 
 
