@@ -28,6 +28,8 @@ from pdserve.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
+PEER_FAILED = 502  # HTTP status of a request whose handoff failed at or with the peer (the router may retry it)
+PEER_TIMEOUT = 504  # ... or timed out waiting for the peer
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
 
 

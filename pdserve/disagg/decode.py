@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, now
 from pdserve.disagg.prefill import validate_pd_request
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.scheduler import Scheduler
@@ -96,7 +96,7 @@ class DecodeScheduler(Scheduler):
         req = self.reqs.get(rid)
         h = self.handoffs.get(req.bootstrap_room) if req is not None else None
         if h is not None and h.req is req:
-            self._fail(h, message, tell_prefill=True)
+            self._fail(h, message, tell_prefill=True, status=None)
         else:
             super().abort_request(rid, message)
 
@@ -202,13 +202,15 @@ class DecodeScheduler(Scheduler):
         for h in list(self.handoffs.values()):
             if t > h.deadline:
                 what = "handshake" if h.poll == KVPoll.BOOTSTRAPPING else "KV transfer"
-                self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}", tell_prefill=True)
+                self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}", tell_prefill=True,
+                           status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.quarantine.items()):
             if t > deadline:
                 self._release_quarantine(room)
 
-    def _fail(self, h: Handoff, error: str, tell_prefill: bool) -> None:
-        """End the request. If the prefill may still write into its pages, they wait in quarantine."""
+    def _fail(self, h: Handoff, error: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
+        """End the request (answered with HTTP `status`; None for a client's abort). If the prefill may still
+        write into its pages, they wait in quarantine."""
         self.handoffs.pop(h.room, None)
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
@@ -218,7 +220,7 @@ class DecodeScheduler(Scheduler):
             grace = now() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace)
             h.req.pages = []
-        self._finish(h.req, FinishReason("abort", message=error))
+        self._finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
         pages, _ = self.quarantine.pop(room)

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.request import FinishReason, Req
@@ -159,7 +159,7 @@ class PrefillScheduler(Scheduler):
         req = self.reqs.get(rid)
         h = self._handoff_of(req) if req is not None else None
         if h is not None:
-            self._fail(h, message)
+            self._fail(h, message, status=None)
         else:
             super().abort_request(rid, message)
 
@@ -291,13 +291,14 @@ class PrefillScheduler(Scheduler):
         for h in list(self.handoffs.values()):
             if h.poll == KVPoll.BOOTSTRAPPING and t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
-                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s")
+                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.early_requests.items()):
             if t > deadline:
                 del self.early_requests[room]
 
-    def _fail(self, h: Handoff, error: str) -> None:
-        """End the request with an error; pages stay held until no write for the room is in flight."""
+    def _fail(self, h: Handoff, error: str, status: int | None = PEER_FAILED) -> None:
+        """End the request (answered with HTTP `status`; None for a client's abort); pages stay held until no
+        write for the room is in flight."""
         if h.poll == KVPoll.FAILED:
             return
         h.advance(KVPoll.FAILED, error)
@@ -309,7 +310,7 @@ class PrefillScheduler(Scheduler):
         if req is self.chunked:
             self.chunked = None
         if not req.finished:
-            self._finish(req, FinishReason("abort", message=error))
+            self._finish(req, FinishReason("abort", message=error, status_code=status))
         self._release_if_drained(h)
 
     def _release_pages(self, req: Req) -> None:

@@ -20,6 +20,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # for aborts: why
+    status_code: int | None = None  # for aborts that are the server's failure, not the client's: the HTTP status
 
     def to_dict(self) -> dict:
         out: dict = {"type": self.type}
@@ -27,6 +28,8 @@ class FinishReason:
             out["matched"] = self.matched
         if self.message is not None:
             out["message"] = self.message
+        if self.status_code is not None:
+            out["status_code"] = self.status_code
         return out
 
 

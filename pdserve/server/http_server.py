@@ -64,10 +64,13 @@ def _dumps(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
+def error_body(status: int, message: str, code: str | int | None = None) -> dict:
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": error_type, "code": code if code is not None else status}}
-    return json_response(body, status=status)
+    return {"error": {"message": message, "type": error_type, "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
+    return json_response(error_body(status, message, code), status=status)
 
 
 @web.middleware
@@ -242,8 +245,8 @@ async def stream_sse(
         await response.write_eof()
     except ConnectionResetError:
         logger.info("client went away mid-stream; its request was aborted")
-    except RequestRejected as exc:  # refused after the stream started: report in-band
-        await send_sse(response, {"error": {"message": exc.message, "type": "invalid_request_error", "code": 400}})
+    except RequestRejected as exc:  # refused or failed after the stream started: report in-band
+        await send_sse(response, error_body(exc.status, exc.message, exc.code))
         await send_sse(response, "[DONE]")
     return response
 

@@ -209,6 +209,9 @@ class TokenizerManager:
                     finished = True
                     raise RequestRejected(item.message)
                 finished = item.finish_reason is not None
+                if finished and item.finish_reason.get("status_code"):  # the server failed it (e.g. a PD handoff)
+                    failure = item.finish_reason
+                    raise RequestRejected(failure.get("message") or "the request failed", failure["status_code"])
                 yield self._chunk(state, item)
         finally:
             if not finished:

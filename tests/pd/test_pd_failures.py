@@ -62,23 +62,26 @@ def test_incompatible_decode_is_refused(tcp_cluster, extra_decodes, failure_rout
     reply = failure_router.post("/generate", {"text": PROMPT, "sampling_params": {"max_new_tokens": 8}},
                                 timeout=FAIL_WITHIN_S)
     assert time.monotonic() - started < FAIL_WITHIN_S
-    finish = reply.json()["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and expected in finish["message"], finish
+    assert reply.status == 502, reply.body  # the decode's 502, passed on after the router's one attempt
+    message = reply.json()["error"]["message"]
+    assert expected in message, message
     if decode_name == "llama":
-        assert "decode has 'LlamaForCausalLM" in finish["message"]
+        assert "decode has 'LlamaForCausalLM" in message
     assert expected in decode.log()
     wait_kv_free([decode, tcp_cluster.prefill])  # the prefill frees the unclaimed room at its bootstrap timeout
 
 
-def test_unclaimed_room_times_out_on_prefill(tcp_cluster):
-    """A request the router sent to the prefill but that no decode server ever claims."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_unclaimed_room_times_out_on_prefill(tcp_cluster, stream):
+    """A request the router sent to the prefill but that no decode server ever claims: a 504 before any byte,
+    streamed or not, so a router can retry it on another pair."""
     started = time.monotonic()
     reply = tcp_cluster.prefill.post("/generate", {
-        "text": PROMPT, "sampling_params": {"max_new_tokens": 8}, "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": tcp_cluster.bootstrap_port, "bootstrap_room": 4242}, timeout=FAIL_WITHIN_S)
+        "text": PROMPT, "sampling_params": {"max_new_tokens": 8}, "bootstrap_host": "127.0.0.1", "stream": stream,
+        "bootstrap_port": tcp_cluster.bootstrap_port, "bootstrap_room": 4242 + stream}, timeout=FAIL_WITHIN_S)
     assert time.monotonic() - started < FAIL_WITHIN_S
-    finish = reply.json()["meta_info"]["finish_reason"]
-    assert finish["type"] == "abort" and "no decode server claimed bootstrap_room 4242" in finish["message"]
+    assert reply.status == 504, reply.body
+    assert f"no decode server claimed bootstrap_room {4242 + stream}" in reply.json()["error"]["message"]
     wait_kv_free([tcp_cluster.prefill])
 
 
