@@ -29,7 +29,6 @@ from pdserve.scheduler.scheduler import ExtendItem, Scheduler
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass(slots=True)
 class WriteJob:
     room: int
