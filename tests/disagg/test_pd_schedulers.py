@@ -31,12 +31,17 @@ def engine_args(model, **kw) -> dict:
                 disaggregation_transfer_backend="tcp", **TIMEOUTS) | kw
 
 
-@pytest.fixture(scope="module")
-def pair(model):
+def make_pair(model, **kw) -> tuple[PrefillScheduler, DecodeScheduler, int]:
     port = next(_ports)
     prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
-                                          port=1, **engine_args(model)))
-    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model)))
+                                          port=1, **engine_args(model, **kw)))
+    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model, **kw)))
+    return prefill, decode, port
+
+
+@pytest.fixture(scope="module")
+def pair(model):
+    prefill, decode, port = make_pair(model)
     yield prefill, decode, port
     prefill.close()
     decode.close()
@@ -64,15 +69,15 @@ def pd_req(rid, ids, port, room, n=8):
                bootstrap_port=port, bootstrap_room=room)
 
 
-def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
+def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, first_room: int) -> None:
     prefill, decode, port = pair
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in (3, 31, 70, 130)]  # 70 and 130 are chunked
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in lengths]
     colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
     for i, p in enumerate(prompts):
         colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
         for s in (prefill, decode):
-            s.add_request(pd_req(str(i), p, port, room=100 + i))
+            s.add_request(pd_req(str(i), p, port, room=first_room + i))
     expected = run([colocated])
     got = run([prefill, decode])
     for i in range(len(prompts)):
@@ -81,32 +86,21 @@ def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
 
 
+def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
+    check_pd_equals_colocated(model, pair, (3, 31, 70, 130), seed=0, first_room=100)  # 70 and 130 are chunked
+
+
 def test_layerwise_push_matches_colocated(model):
     """Chunks of 8+ tokens ship each layer's KV during the forward; shorter ones after it (page size 4)."""
-    port = next(_ports)
-    args = engine_args(model, disaggregation_layerwise_min_tokens=8)
-    prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, port=1,
-                                          **args))
-    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **args))
-    layer_spans = []  # span count of every non-empty write job: 2 (K, V) x runs x layers
+    prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8)
+    span_counts = []  # per write job: 2 (K, V) x page runs x layers; 0 for the final first-token marker
     submit = prefill.worker.submit
-    prefill.worker.submit = lambda job: (layer_spans.append(len(job.spans[2])), submit(job))
+    prefill.worker.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
     try:
-        rng = random.Random(1)
-        prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in (3, 40, 130)]  # 32-token steps
-        colocated = Scheduler(ServerArgs(**engine_args(model)))
-        for i, p in enumerate(prompts):
-            colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
-            for s in (prefill, decode):
-                s.add_request(pd_req(str(i), p, port, room=300 + i))
-        expected = run([colocated])
-        got = run([prefill, decode])
-        for i in range(len(prompts)):
-            assert got[(1, str(i))]["ids"] == expected[(0, str(i))]["ids"]
+        check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300)
         num_layers = prefill.model_config.num_layers
         # a job of 2 spans is one page run of one layer (a whole-chunk push has 2 x num_layers per run)
-        assert num_layers > 1 and layer_spans.count(2) >= 2 * num_layers
-        assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+        assert num_layers > 1 and span_counts.count(2) >= 2 * num_layers
     finally:
         prefill.close()
         decode.close()
