@@ -101,6 +101,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def flat_page_table(page_rows: list[list[int]], width: int) -> list[int]:
+    """Rows of page ids, each padded with page 0 to `width`, flattened row after row."""
+    return [page for row in page_rows for page in (row + [0] * (width - len(row)))]
+
+
 def build_forward_batch(
     mode: ForwardMode,
     input_ids: list[int],
@@ -120,7 +125,7 @@ def build_forward_batch(
         starts.append(acc)
         acc += e
     width = max((len(r) for r in page_rows), default=1) or 1
-    table = [page for row in page_rows for page in (row + [0] * (width - len(row)))]
+    table = flat_page_table(page_rows, width)
     t, b = len(input_ids), len(seq_lens)
     longs = to_device([*input_ids, *positions, *out_cache_loc, *logits_indices], torch.int64, device)
     ints = to_device([*seq_lens, *prefix_lens, *extend_lens, *starts, *table], torch.int32, device)

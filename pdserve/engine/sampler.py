@@ -25,6 +25,30 @@ class SamplingRow:
 
 
 @dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters on the device, built once per batch composition (one host-to-device copy)."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_ks: torch.Tensor  # [B] int64, 0 for no limit
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    all_greedy: bool
+    any_filter: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingTensors:
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        top_ks = [float(max(p.top_k, 0)) for p in params]  # exact in float32 (vocab sizes < 2^24)
+        packed = to_device([*temps, *top_ks, *(p.top_p for p in params), *(p.min_p for p in params)],
+                           torch.float32, device).view(4, len(params))
+        return cls(
+            temperatures=packed[0], top_ks=packed[1].long(), top_ps=packed[2], min_ps=packed[3],
+            all_greedy=all(p.is_greedy for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+        )
+
+
+@dataclass(slots=True)
 class SampleResult:
     token_ids: list[int]
     logprobs: list[float] | None
@@ -60,34 +84,32 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None
+               ) -> SampleResult:
         """logits: float32 [B, V], one row per request."""
-        token_list = self.sample_tokens(logits, rows).tolist()
+        token_list = self.sample_tokens(logits, rows, tensors).tolist()
         return SampleResult(token_list, *self._logprobs(logits, token_list, rows))
 
-    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Next tokens as a device tensor [B]; no host sync."""
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None
+                      ) -> torch.Tensor:
+        """Next tokens as a device tensor [B]; no host sync. `tensors`: the rows' parameters already on the
+        device (else they are uploaded now)."""
         if any(r.params.has_penalties or r.suppressed_ids for r in rows):
             logits = logits.clone()
             apply_penalties(logits, rows)
-        greedy = [r.params.is_greedy for r in rows]
-        if all(greedy):
+        if tensors.all_greedy if tensors is not None else all(r.params.is_greedy for r in rows):
             return logits.argmax(dim=-1)
-        return self._sample_random(logits, rows, greedy)
+        return self._sample_random(logits, rows, tensors or SamplingTensors.of([r.params for r in rows], logits.device))
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
-        dev = logits.device
-        temps = to_device([0.0 if g else r.params.temperature for r, g in zip(rows, greedy)], torch.float32, dev)
-        top_ks = to_device([max(r.params.top_k, 0) for r in rows], torch.int64, dev)
-        top_ps = to_device([r.params.top_p for r in rows], torch.float32, dev)
-        min_ps = to_device([r.params.min_p for r in rows], torch.float32, dev)
-        any_filter = any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows)
-        tokens = sample(logits, temps, top_ks, top_ps, min_ps, generator=self.generator, any_filter=any_filter)
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], t: SamplingTensors) -> torch.Tensor:
+        tokens = sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, generator=self.generator,
+                        any_filter=t.any_filter)
         for i, row in enumerate(rows):
-            if row.params.seed is not None and not greedy[i]:
-                g = _seeded_generator(row.params.seed, len(row.output_ids), dev)
+            if row.params.seed is not None and not row.params.is_greedy:
+                g = _seeded_generator(row.params.seed, len(row.output_ids), logits.device)
                 one = slice(i, i + 1)
-                tokens[i] = sample(logits[one], temps[one], top_ks[one], top_ps[one], min_ps[one], generator=g)[0]
+                tokens[i] = sample(logits[one], t.temperatures[one], t.top_ks[one], t.top_ps[one], t.min_ps[one],
+                                   generator=g)[0]
         return tokens
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Overlap scheduling: launch decode step N+1 while step N's sampled tokens are still on the device, then read N back.
 
 The CPU work of reading a step back (appending tokens, stop checks, outputs) and of preparing the next one then
-runs while the GPU computes. Only greedy requests without host-side sampling state take part; the others decode
+runs while the GPU computes. Greedy and sampled requests take part when the batch's device sampling tensors alone
+sample them; a batch with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes
 synchronously. Pages of a request that ends while a launched batch still writes its KV are freed once that batch
 has been read back.
 """
@@ -14,7 +15,6 @@ from functools import partial
 import torch
 
 from pdserve.engine.model_runner import to_device
-from pdserve.engine.sampler import SamplingRow
 from pdserve.scheduler.request import Req
 
 
@@ -42,35 +42,31 @@ class OverlapMixin:
         """Launch a decode batch whose inputs may still be on the device; then read back the previous batch.
         Returns False (nothing launched) when a request needs host-side sampling state or KV runs short."""
         reqs = list(self.running)
-        if not all(self._overlappable(r) for r in reqs):
+        state = self._input_batch_of(reqs)
+        if not state.device_sampling_only():
             return False
         prev = self.inflight
         ahead = prev.req_ids if prev is not None else set()
         lens = [r.seq_len + (id(r) in ahead) for r in reqs]
         if not all(self._ensure_pages(r, n) for r, n in zip(reqs, lens)):
             return False
-        fix_ids = None
-        if prev is not None and ahead:
-            prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
-            rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in ahead]
-            dst = to_device([i for i, _ in rows], torch.int64, self.device)
-            src = to_device([j for _, j in rows], torch.int64, self.device)
-            fix_ids = partial(_copy_rows, dst=dst, tokens=prev.tokens, src=src)
-
         input_ids = [0 if id(r) in ahead else r.output_ids[-1] for r in reqs]
+        fix_ids = self._fix_ids(prev, reqs) if ahead else None
         logits = self._decode_forward(reqs, lens, input_ids, fix_ids)
-        rows = [SamplingRow(r.sampling_params, r.input_ids, r.output_ids, [], None) for r in reqs]
-        tokens = self.sampler.sample_tokens(logits, rows)
+        tokens = self.sampler.sample_tokens(logits, state.plain_rows, state.sampling)
         self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids={id(r) for r in reqs})
         if prev is not None:
             self._read_back(prev)
         return True
 
-    def _overlappable(self, req: Req) -> bool:
-        """Greedy requests with no host-side sampling state. Sampled batches stay synchronous: on an H200 they
-        ran slower overlapped (docs/benchmarks.md), so they wait until the sampler's uploads are reworked."""
-        p = req.sampling_params
-        return p.is_greedy and not (p.has_penalties or req.return_logprob or len(req.output_ids) < p.min_tokens)
+    def _fix_ids(self, prev: InflightDecode, reqs: list[Req]):
+        """A callback that writes the previous batch's tokens into this batch's input ids, on the device."""
+        if prev.reqs == reqs:  # the same batch again: row i continues row i
+            return lambda input_ids: input_ids.copy_(prev.tokens)
+        prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
+        rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in prev.req_ids]
+        idx = to_device([i for i, _ in rows] + [j for _, j in rows], torch.int64, self.device).view(2, -1)
+        return partial(_copy_rows, dst=idx[0], tokens=prev.tokens, src=idx[1])
 
     def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         if tokens.device.type != "cuda":

@@ -18,10 +18,11 @@ import torch
 from pdserve.attention.base import ForwardMode
 from pdserve.config import ServerArgs
 from pdserve.engine.model_runner import ModelRunner, build_forward_batch
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.models.model_config import ModelConfig
+from pdserve.scheduler.input_batch import InputBatch
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
 from pdserve.scheduler.stop import StopChecker
@@ -68,6 +69,7 @@ class Scheduler(OverlapMixin):
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
         self.running: list[Req] = []
+        self.input_batch: InputBatch | None = None  # device state of the last decode batch
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
@@ -329,17 +331,21 @@ class Scheduler(OverlapMixin):
         if not reqs:
             return
         logits = self._decode_forward(reqs, [r.seq_len for r in reqs], [r.output_ids[-1] for r in reqs])
-        self._sample_and_append(reqs, logits)
+        self._sample_and_append(reqs, logits, self.input_batch.sampling)
         self.running = [r for r in self.running if not r.finished]
+
+    def _input_batch_of(self, reqs: list[Req]) -> InputBatch:
+        """The persistent decode batch for these requests, rebuilt when its composition changed."""
+        if self.input_batch is None or not self.input_batch.matches(reqs):
+            max_pages = math.ceil(self.context_len / self.page_size)
+            self.input_batch = InputBatch(reqs, self.page_size, max_pages, self.device)
+        return self.input_batch
 
     def _decode_forward(self, reqs: list[Req], lens: list[int], input_ids: list[int], fix_ids=None) -> torch.Tensor:
         """One decode pass where request i has lens[i] tokens and feeds input_ids[i] at position lens[i] - 1."""
         positions = [n - 1 for n in lens]
-        batch = build_forward_batch(
-            ForwardMode.DECODE, input_ids, positions, [self._slot(r, p) for r, p in zip(reqs, positions)],
-            prefix_lens=positions, extend_lens=[1] * len(reqs), page_rows=[r.pages for r in reqs],
-            logits_indices=list(range(len(reqs))), page_size=self.page_size, device=self.device,
-        )
+        slots = [self._slot(r, p) for r, p in zip(reqs, positions)]
+        batch = self._input_batch_of(reqs).forward_batch(input_ids, positions, slots)
         if fix_ids is not None:
             fix_ids(batch.input_ids)
         self.work.decode_steps += 1
@@ -352,8 +358,8 @@ class Scheduler(OverlapMixin):
     def _make_room_for_decode(self) -> None:
         """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""
         for req in list(self.running):
-            if req not in self.running:
-                continue
+            if req.status is not ReqStatus.RUNNING:
+                continue  # retracted earlier in this loop
             while not self._ensure_pages(req, req.seq_len):
                 victim = self.running[-1]
                 self._retract(victim)
@@ -371,7 +377,8 @@ class Scheduler(OverlapMixin):
 
     # ---- sampling and finishing -------------------------------------------------------------------------------
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
+        """`tensors`: the requests' sampling parameters already on the device, when the caller has them."""
         rows = [
             SamplingRow(
                 params=r.sampling_params, prompt_ids=r.input_ids, output_ids=r.output_ids,
@@ -380,7 +387,7 @@ class Scheduler(OverlapMixin):
             )
             for r in reqs
         ]
-        result = self.sampler.sample(logits, rows)
+        result = self.sampler.sample(logits, rows, tensors)
         for i, req in enumerate(reqs):
             if req.sampling_params.max_tokens == 0:
                 self._finish(req, FinishReason("length", message=None))
