@@ -34,6 +34,8 @@ class SamplingTensors:
     min_ps: torch.Tensor  # [B] float32
     all_greedy: bool
     any_filter: bool
+    any_penalties: bool
+    seeded_rows: list[int]  # rows sampled with their own seeded generator
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingTensors:
@@ -45,6 +47,8 @@ class SamplingTensors:
             temperatures=packed[0], top_ks=packed[1].long(), top_ps=packed[2], min_ps=packed[3],
             all_greedy=all(p.is_greedy for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+            any_penalties=any(p.has_penalties for p in params),
+            seeded_rows=[i for i, p in enumerate(params) if p.seed is not None and not p.is_greedy],
         )
 
 
@@ -94,7 +98,8 @@ class Sampler:
                       ) -> torch.Tensor:
         """Next tokens as a device tensor [B]; no host sync. `tensors`: the rows' parameters already on the
         device (else they are uploaded now)."""
-        if any(r.params.has_penalties or r.suppressed_ids for r in rows):
+        penalties = tensors.any_penalties if tensors is not None else any(r.params.has_penalties for r in rows)
+        if penalties or any(r.suppressed_ids for r in rows):
             logits = logits.clone()
             apply_penalties(logits, rows)
         if tensors.all_greedy if tensors is not None else all(r.params.is_greedy for r in rows):
@@ -104,12 +109,11 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], t: SamplingTensors) -> torch.Tensor:
         tokens = sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, generator=self.generator,
                         any_filter=t.any_filter)
-        for i, row in enumerate(rows):
-            if row.params.seed is not None and not row.params.is_greedy:
-                g = _seeded_generator(row.params.seed, len(row.output_ids), logits.device)
-                one = slice(i, i + 1)
-                tokens[i] = sample(logits[one], t.temperatures[one], t.top_ks[one], t.top_ps[one], t.min_ps[one],
-                                   generator=g)[0]
+        for i in t.seeded_rows:
+            g = _seeded_generator(rows[i].params.seed, len(rows[i].output_ids), logits.device)
+            one = slice(i, i + 1)
+            tokens[i] = sample(logits[one], t.temperatures[one], t.top_ks[one], t.top_ps[one], t.min_ps[one],
+                               generator=g)[0]
         return tokens
 
     @staticmethod

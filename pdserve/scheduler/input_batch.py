@@ -8,6 +8,8 @@ sampling-parameter upload.
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from pdserve.attention.base import ForwardBatch, ForwardMode
@@ -19,6 +21,7 @@ from pdserve.scheduler.request import Req
 class InputBatch:
     def __init__(self, reqs: list[Req], page_size: int, max_pages: int, device: torch.device):
         self.reqs = list(reqs)
+        self.req_ids = frozenset(id(r) for r in reqs)
         self.page_size = page_size
         self.max_pages = max_pages
         self.device = device
@@ -46,14 +49,17 @@ class InputBatch:
                                        if len(r.output_ids) < r.sampling_params.min_tokens]
         return not (self._host_sampling or self._before_min_tokens)
 
-    def forward_batch(self, input_ids: list[int], positions: list[int], out_cache_loc: list[int]) -> ForwardBatch:
-        """The decode ForwardBatch where row i feeds input_ids[i] at positions[i], its KV going to out_cache_loc[i].
-        The pages appended since the last step travel in the same upload and are written into the page table."""
+    def forward_batch(self, input_ids: list[int], positions: list[int]) -> ForwardBatch:
+        """The decode ForwardBatch where row i feeds input_ids[i] at positions[i] (its KV slot follows from the
+        row's pages). The pages appended since the last step travel in the same upload and are written into the
+        page table."""
+        ps = self.page_size
+        slots = [pages[p // ps] * ps + p % ps for pages, p in zip(self._pages, positions)]
         rows, cols, pages = self._new_pages()
         n, k = len(positions), len(rows)
         seq_lens = [p + 1 for p in positions]
-        longs = to_device([*input_ids, *positions, *out_cache_loc, *rows, *cols, *pages], torch.int64, self.device)
-        ints = to_device([*seq_lens, *positions], torch.int32, self.device)
+        longs = self._upload(array("q", [*input_ids, *positions, *slots, *rows, *cols, *pages]), torch.int64)
+        ints = self._upload(array("i", [*seq_lens, *positions]), torch.int32)
         if k:
             patch = longs[3 * n :].view(3, k)
             self.page_table[patch[0], patch[1]] = patch[2].int()
@@ -64,15 +70,24 @@ class InputBatch:
             seq_lens_cpu=seq_lens, prefix_lens_cpu=positions, extend_lens_cpu=[1] * n, page_size=self.page_size,
         )
 
+    def _upload(self, values: array, dtype: torch.dtype) -> torch.Tensor:
+        """`to_device` for this step's integers: a tensor over an array's buffer skips torch.tensor's conversion of
+        each Python int, the larger part of building a decode batch's inputs."""
+        host = torch.frombuffer(values, dtype=dtype)
+        return host if self.device.type != "cuda" else host.pin_memory().to(self.device, non_blocking=True)
+
     def _new_pages(self) -> tuple[list[int], list[int], list[int]]:
         """(row, column, page) of each page appended to the requests since the last step; widens the table to fit."""
+        num_pages = list(map(len, self._pages))
+        if num_pages == self._num_pages:
+            return [], [], []
         rows, cols, pages = [], [], []
-        for i, (row, known) in enumerate(zip(self._pages, self._num_pages)):
-            if len(row) > known:
-                rows += [i] * (len(row) - known)
-                cols += range(known, len(row))
+        for i, (row, known, now) in enumerate(zip(self._pages, self._num_pages, num_pages)):
+            if now > known:
+                rows += [i] * (now - known)
+                cols += range(known, now)
                 pages += row[known:]
-                self._num_pages[i] = len(row)
+        self._num_pages = num_pages
         if cols and max(cols) >= self.page_table.shape[1]:
             self._widen(max(cols) + 1)
         return rows, cols, pages

@@ -26,7 +26,7 @@ class InflightDecode:
     tokens: torch.Tensor  # sampled tokens, on the device
     host_tokens: torch.Tensor  # their host copy, valid once `done` has completed
     done: torch.cuda.Event | None
-    req_ids: set[int] = field(default_factory=set)
+    req_ids: frozenset[int]  # id() of each request in `reqs`
     deferred_pages: list[int] = field(default_factory=list)  # freed once this batch has been read back
 
 
@@ -45,24 +45,35 @@ class OverlapMixin:
         state = self._input_batch_of(reqs)
         if not state.device_sampling_only():
             return False
-        prev = self.inflight
-        ahead = prev.req_ids if prev is not None else set()
-        lens = [r.seq_len + (id(r) in ahead) for r in reqs]
-        if not all(self._ensure_pages(r, n) for r, n in zip(reqs, lens)):
+        positions = [r.num_cached_tokens for r in reqs]  # rows still in flight included: their KV is on its way
+        if not self._ensure_decode_pages(reqs, positions):
             return False
-        input_ids = [0 if id(r) in ahead else r.output_ids[-1] for r in reqs]
-        fix_ids = self._fix_ids(prev, reqs) if ahead else None
-        logits = self._decode_forward(reqs, lens, input_ids, fix_ids)
+        prev = self.inflight
+        input_ids, fix_ids = self._decode_inputs(prev, reqs)
+        logits = self._decode_forward(state, positions, input_ids, fix_ids)
         tokens = self.sampler.sample_tokens(logits, state.plain_rows, state.sampling)
-        self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids={id(r) for r in reqs})
+        self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids=state.req_ids)
         if prev is not None:
             self._read_back(prev)
         return True
 
-    def _fix_ids(self, prev: InflightDecode, reqs: list[Req]):
-        """A callback that writes the previous batch's tokens into this batch's input ids, on the device."""
+    def _ensure_decode_pages(self, reqs: list[Req], positions: list[int]) -> bool:
+        """A KV slot at every request's position; only requests whose last page is full get a new one."""
+        ps = self.page_size
+        return all(self._ensure_pages(r, p + 1) for r, p in zip(reqs, positions) if p >= len(r.pages) * ps)
+
+    def _decode_inputs(self, prev: InflightDecode | None, reqs: list[Req]):
+        """The input ids known on the host (0 where the previous batch's token is still on the device) and a
+        callback that writes the previous batch's tokens into the device input ids (None without one)."""
+        if prev is None:
+            return [r.output_ids[-1] for r in reqs], None
         if prev.reqs == reqs:  # the same batch again: row i continues row i
-            return lambda input_ids: input_ids.copy_(prev.tokens)
+            return [0] * len(reqs), lambda input_ids: input_ids.copy_(prev.tokens)
+        ahead = prev.req_ids
+        return [0 if id(r) in ahead else r.output_ids[-1] for r in reqs], self._fix_rows(prev, reqs)
+
+    def _fix_rows(self, prev: InflightDecode, reqs: list[Req]):
+        """A callback that writes the previous batch's tokens into the rows of this batch that continue them."""
         prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
         rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in prev.req_ids]
         idx = to_device([i for i, _ in rows] + [j for _, j in rows], torch.int64, self.device).view(2, -1)
@@ -89,13 +100,14 @@ class OverlapMixin:
     def _read_back(self, batch: InflightDecode) -> None:
         if batch.done is not None:
             batch.done.synchronize()
+        changed, check_stop = self._changed, self._check_stop
         for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
-            if req.finished:
+            if req.finish_reason is not None:
                 continue  # ended while the batch ran (stop, abort): its extra token is dropped
             req.output_ids.append(token)
-            self._changed[req.rid] = req
-            reason = self._check_stop(req)
+            changed[req.rid] = req
+            reason = check_stop(req)
             if reason is not None:
                 self._finish(req, reason)
-        self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if r.finish_reason is None]
         self.allocator.free(batch.deferred_pages)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.scheduler.stop import StopCriteria
 
 
 class ReqStatus(Enum):
@@ -61,6 +65,7 @@ class Req:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     num_reported: int = 0  # output tokens already returned in a StepOutput
+    stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
 
     @property
     def all_ids(self) -> list[int]:

@@ -330,8 +330,9 @@ class Scheduler(OverlapMixin):
         reqs = list(self.running)
         if not reqs:
             return
-        logits = self._decode_forward(reqs, [r.seq_len for r in reqs], [r.output_ids[-1] for r in reqs])
-        self._sample_and_append(reqs, logits, self.input_batch.sampling)
+        state = self._input_batch_of(reqs)
+        logits = self._decode_forward(state, [r.num_cached_tokens for r in reqs], [r.output_ids[-1] for r in reqs])
+        self._sample_and_append(reqs, logits, state.sampling)
         self.running = [r for r in self.running if not r.finished]
 
     def _input_batch_of(self, reqs: list[Req]) -> InputBatch:
@@ -341,16 +342,17 @@ class Scheduler(OverlapMixin):
             self.input_batch = InputBatch(reqs, self.page_size, max_pages, self.device)
         return self.input_batch
 
-    def _decode_forward(self, reqs: list[Req], lens: list[int], input_ids: list[int], fix_ids=None) -> torch.Tensor:
-        """One decode pass where request i has lens[i] tokens and feeds input_ids[i] at position lens[i] - 1."""
-        positions = [n - 1 for n in lens]
-        slots = [self._slot(r, p) for r, p in zip(reqs, positions)]
-        batch = self._input_batch_of(reqs).forward_batch(input_ids, positions, slots)
+    def _decode_forward(self, state: InputBatch, positions: list[int], input_ids: list[int], fix_ids=None
+                        ) -> torch.Tensor:
+        """One decode pass over state.reqs where request i feeds input_ids[i] at positions[i]: its
+        num_cached_tokens, the position after its computed KV."""
+        reqs = state.reqs
+        batch = state.forward_batch(input_ids, positions)
         if fix_ids is not None:
             fix_ids(batch.input_ids)
         self.work.decode_steps += 1
         self.work.decode_tokens += len(reqs)
-        self.work.decode_kv_tokens_read += sum(lens)
+        self.work.decode_kv_tokens_read += sum(positions) + len(reqs)
         for r in reqs:
             r.num_cached_tokens += 1
         return self.runner.forward(batch)
@@ -465,27 +467,24 @@ class Scheduler(OverlapMixin):
         outputs = []
         for req in self._changed.values():
             outputs.append(self._make_output(req))
-            if req.finished:
+            if req.finish_reason is not None:
                 self.reqs.pop(req.rid, None)
         self._changed.clear()
         return outputs
 
     def _make_output(self, req: Req) -> StepOutput:
-        new = slice(req.num_reported, len(req.output_ids))
-        first_report = req.num_reported == 0
+        start = req.num_reported
         req.num_reported = len(req.output_ids)
-        out = StepOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[new],
-            finish_reason=req.finish_reason.to_dict() if req.finish_reason else None,
-            prompt_tokens=len(req.input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=req.num_prefix_hit,
-            new_logprobs=req.output_logprobs[new],
-            new_top_logprobs=req.output_top_logprobs[new],
+        reason = req.finish_reason
+        out = StepOutput(  # by position: built for every request at every step, where keywords cost more
+            req.rid, req.output_ids[start:], None if reason is None else reason.to_dict(), len(req.input_ids),
+            req.num_reported, req.num_prefix_hit,
         )
-        if first_report and req.return_logprob and req.logprob_start_len >= 0:
-            start = min(req.logprob_start_len, len(req.input_ids))
-            out.input_logprobs = req.input_logprobs[start:]
-            out.input_top_logprobs = req.input_top_logprobs[start:]
+        if req.return_logprob:
+            out.new_logprobs = req.output_logprobs[start:]
+            out.new_top_logprobs = req.output_top_logprobs[start:]
+            if start == 0 and req.logprob_start_len >= 0:
+                prompt_start = min(req.logprob_start_len, len(req.input_ids))
+                out.input_logprobs = req.input_logprobs[prompt_start:]
+                out.input_top_logprobs = req.input_top_logprobs[prompt_start:]
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pdserve.config import ServerArgs
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import FinishReason, Req
@@ -11,6 +13,17 @@ def load_tokenizer(args: ServerArgs):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+
+
+@dataclass(slots=True, frozen=True)
+class StopCriteria:
+    """One request's stop conditions, resolved once (at its first check): a token then costs a length compare
+    and a set lookup, and stop strings are matched only for the requests that have them."""
+
+    stop_ids: frozenset[int]  # the stop token ids, EOS included unless ignore_eos
+    min_tokens: int  # no stop token or string counts before this many output tokens
+    max_output_len: int  # output length that ends the request: max_tokens, or the room left in the context
+    stop_strings: tuple[str, ...]
 
 
 class StopChecker:
@@ -25,36 +38,40 @@ class StopChecker:
             self.tokenizer = load_tokenizer(self._args)
         return self.tokenizer
 
+    def criteria(self, req: Req) -> StopCriteria:
+        """The request's StopCriteria, built on first use (its sampling parameters are final by then)."""
+        if req.stop_criteria is None:
+            p = req.sampling_params
+            stop_ids = set(p.stop_token_ids) if p.ignore_eos else self.eos_ids.union(p.stop_token_ids)
+            max_output_len = min(p.max_tokens, self.context_len - len(req.input_ids))
+            req.stop_criteria = StopCriteria(frozenset(stop_ids), p.min_tokens, max_output_len, tuple(p.stop))
+        return req.stop_criteria
+
     def suppressed_ids(self, req: Req) -> list[int]:
-        p = req.sampling_params
-        if len(req.output_ids) >= p.min_tokens:
+        c = req.stop_criteria or self.criteria(req)
+        if len(req.output_ids) >= c.min_tokens:
             return []
-        ids = set(p.stop_token_ids)
-        if not p.ignore_eos:
-            ids |= self.eos_ids
-        return sorted(ids)
+        return sorted(c.stop_ids)
 
     def check(self, req: Req) -> FinishReason | None:
-        p = req.sampling_params
-        token = req.output_ids[-1]
-        if len(req.output_ids) >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_ids:
+        c = req.stop_criteria or self.criteria(req)
+        n = len(req.output_ids)
+        if n >= c.min_tokens:
+            token = req.output_ids[-1]
+            if token in c.stop_ids:
                 return FinishReason("stop", matched=token)
-            if token in p.stop_token_ids:
-                return FinishReason("stop", matched=token)
-            if p.stop:
-                matched = self._stop_string(req)
+            if c.stop_strings:
+                matched = self._stop_string(req.output_ids, c.stop_strings)
                 if matched is not None:
                     return FinishReason("stop", matched=matched)
-        if len(req.output_ids) >= p.max_tokens or req.seq_len >= self.context_len:
+        if n >= c.max_output_len:
             return FinishReason("length")
         return None
 
-    def _stop_string(self, req: Req) -> str | None:
+    def _stop_string(self, output_ids: list[int], stops: tuple[str, ...]) -> str | None:
         """A stop string ending inside the newest token (decoded from a tail long enough to contain it)."""
-        stops = req.sampling_params.stop
         longest = max(len(s) for s in stops)
-        tail_tokens = req.output_ids[-(longest + 8) :]
+        tail_tokens = output_ids[-(longest + 8) :]
         tail = self._tok().decode(tail_tokens, skip_special_tokens=False)
         prev = self._tok().decode(tail_tokens[:-1], skip_special_tokens=False)
         for stop in stops:

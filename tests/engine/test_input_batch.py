@@ -29,11 +29,11 @@ def test_page_table_is_patched_and_widened_in_place_of_a_rebuild():
     assert table(batch) == [[5, 0], [7, 8]]
     a.pages.append(9)
     b.pages += [10, 11]  # past the table's width: it widens
-    fb = batch.forward_batch([1, 2], [6, 13], [36, 45])
+    fb = batch.forward_batch([1, 2], [6, 13])
     assert batch.matches([a, b])
     assert [row[:3] for row in table(batch)] == [[5, 9, 0], [7, 8, 10]] and table(batch)[1][3] == 11
     assert fb.page_table is batch.page_table and fb.seq_lens.tolist() == [7, 14] and fb.prefix_lens_cpu == [6, 13]
-    assert fb.out_cache_loc.tolist() == [36, 45] and fb.extend_lens_cpu == [1, 1]
+    assert fb.out_cache_loc.tolist() == [9 * 4 + 2, 11 * 4 + 1] and fb.extend_lens_cpu == [1, 1]
 
 
 def test_composition_or_replaced_pages_do_not_match():
