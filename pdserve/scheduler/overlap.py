@@ -60,7 +60,8 @@ class OverlapMixin:
     def _ensure_decode_pages(self, reqs: list[Req], positions: list[int]) -> bool:
         """A KV slot at every request's position; only requests whose last page is full get a new one."""
         ps = self.page_size
-        return all(self._ensure_pages(r, p + 1) for r, p in zip(reqs, positions) if p >= len(r.pages) * ps)
+        full = [(r, p) for r, p in zip(reqs, positions) if p >= len(r.pages) * ps]
+        return all(self._ensure_pages(r, p + 1) for r, p in full)
 
     def _decode_inputs(self, prev: InflightDecode | None, reqs: list[Req]):
         """The input ids known on the host (0 where the previous batch's token is still on the device) and a

@@ -359,10 +359,11 @@ class Scheduler(OverlapMixin):
 
     def _make_room_for_decode(self) -> None:
         """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""
+        ps = self.page_size
         for req in list(self.running):
-            if req.status is not ReqStatus.RUNNING:
-                continue  # retracted earlier in this loop
-            while not self._ensure_pages(req, req.seq_len):
+            if req.status is not ReqStatus.RUNNING or req.num_cached_tokens < len(req.pages) * ps:
+                continue  # retracted earlier in this loop, or its last page has room for the next token
+            while not self._ensure_pages(req, req.num_cached_tokens + 1):
                 victim = self.running[-1]
                 self._retract(victim)
                 if victim is req:
@@ -381,12 +382,10 @@ class Scheduler(OverlapMixin):
 
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor, tensors: SamplingTensors | None = None) -> None:
         """`tensors`: the requests' sampling parameters already on the device, when the caller has them."""
-        rows = [
-            SamplingRow(
-                params=r.sampling_params, prompt_ids=r.input_ids, output_ids=r.output_ids,
-                suppressed_ids=self.stop_checker.suppressed_ids(r),
-                num_logprobs=r.top_logprobs_num if r.return_logprob else None,
-            )
+        suppressed_ids = self.stop_checker.suppressed_ids
+        rows = [  # fields by position: params, prompt_ids, output_ids, suppressed_ids, num_logprobs
+            SamplingRow(r.sampling_params, r.input_ids, r.output_ids, suppressed_ids(r),
+                        r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
         result = self.sampler.sample(logits, rows, tensors)
