@@ -54,7 +54,7 @@ class InputBatch:
         row's pages). The pages appended since the last step travel in the same upload and are written into the
         page table."""
         ps = self.page_size
-        slots = [pages[p // ps] * ps + p % ps for pages, p in zip(self._pages, positions)]
+        slots = [row[p // ps] * ps + p % ps for row, p in zip(self._pages, positions)]
         rows, cols, pages = self._new_pages()
         n, k = len(positions), len(rows)
         seq_lens = [p + 1 for p in positions]
