@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Callable
 
 import torch
@@ -92,10 +93,14 @@ class ModelRunner:
         return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list | array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without waiting for the GPU: staged through pinned memory on CUDA
-    (a copy from pageable memory would block until the stream's earlier work is done)."""
-    host = torch.tensor(values, dtype=dtype)
+    (a copy from pageable memory would block until the stream's earlier work is done). An `array` of the same
+    element type is read through its buffer, skipping the conversion of each Python int."""
+    if isinstance(values, array) and values:
+        host = torch.frombuffer(values, dtype=dtype)
+    else:
+        host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)

@@ -58,8 +58,8 @@ class InputBatch:
         rows, cols, pages = self._new_pages()
         n, k = len(positions), len(rows)
         seq_lens = [p + 1 for p in positions]
-        longs = self._upload(array("q", [*input_ids, *positions, *slots, *rows, *cols, *pages]), torch.int64)
-        ints = self._upload(array("i", [*seq_lens, *positions]), torch.int32)
+        longs = to_device(array("q", [*input_ids, *positions, *slots, *rows, *cols, *pages]), torch.int64, self.device)
+        ints = to_device(array("i", [*seq_lens, *positions]), torch.int32, self.device)
         if k:
             patch = longs[3 * n :].view(3, k)
             self.page_table[patch[0], patch[1]] = patch[2].int()
@@ -69,12 +69,6 @@ class InputBatch:
             extend_start_loc=self.extend_start_loc, page_table=self.page_table, logits_indices=self.logits_indices,
             seq_lens_cpu=seq_lens, prefix_lens_cpu=positions, extend_lens_cpu=[1] * n, page_size=self.page_size,
         )
-
-    def _upload(self, values: array, dtype: torch.dtype) -> torch.Tensor:
-        """`to_device` for this step's integers: a tensor over an array's buffer skips torch.tensor's conversion of
-        each Python int, the larger part of building a decode batch's inputs."""
-        host = torch.frombuffer(values, dtype=dtype)
-        return host if self.device.type != "cuda" else host.pin_memory().to(self.device, non_blocking=True)
 
     def _new_pages(self) -> tuple[list[int], list[int], list[int]]:
         """(row, column, page) of each page appended to the requests since the last step; widens the table to fit."""
