@@ -15,7 +15,8 @@ from .cli import DEFAULT_BOOTSTRAP_PORT
 from .config import ConfigError, RouterConfig
 from .dispatch import CONNECTION_ERRORS, Dispatcher
 from .metrics import RouterMetrics
-from .payload import BadRequest, error_response
+from .payload import BadRequest, error_response, spliceable
+from .upstream import UpstreamPool
 from .workers import HealthChecker, NoHealthyWorker, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve_router")
@@ -36,8 +37,10 @@ class Router:
             self.registry.add(url, "regular")
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthChecker | None = None
+        self.event_loop = "asyncio"
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -46,18 +49,21 @@ class Router:
     async def start(self, app: web.Application) -> None:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
-        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        self.dispatcher = Dispatcher(self.config, self.registry, self.session, self.metrics)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)  # health checks, admin, aborts
+        self.upstream = UpstreamPool(self.config.connect_timeout_s)  # generation requests
+        self.dispatcher = Dispatcher(self.config, self.registry, self.session, self.metrics, self.upstream)
+        self.event_loop = loop_name(asyncio.get_running_loop())
         self.health = HealthChecker(self.registry, self.session, self.auth)
         await self.health.check_all()  # one round before the port opens, so /health is right from the start
         self.health.start()
-        log.info("pdserve-router (%s mode) serving on http://%s:%d with %s", self.config.mode, self.config.host,
-                 self.config.port, ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or
-                 "no instances yet")
+        log.info("pdserve-router (%s mode, %s event loop) serving on http://%s:%d with %s", self.config.mode,
+                 self.event_loop, self.config.host, self.config.port,
+                 ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or "no instances yet")
 
     async def stop(self, app: web.Application) -> None:
         await self.health.stop()
         await self.dispatcher.close()
+        await self.upstream.close()
         await self.session.close()
 
     # generation
@@ -65,15 +71,20 @@ class Router:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         self.metrics.requests.inc(route=path)
+        raw = await request.read()
+        charset = request.charset
         try:
-            body = await request.json(loads=json.loads)
-        except ValueError as exc:
+            if charset is None or charset.lower() in ("utf-8", "utf8"):
+                body = json.loads(raw)  # bytes: UTF-8 (or a UTF-16/32 body, which spliceable() then rejects)
+            else:
+                body, raw = json.loads(raw.decode(charset)), None
+        except (ValueError, LookupError) as exc:  # UnicodeDecodeError is a ValueError; LookupError: unknown charset
             self.metrics.errors.inc(kind="bad_request")
             return error_response(400, f"malformed JSON body: {exc}", request.headers.get("X-Request-Id"))
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the JSON body must be an object")
-            return await self.dispatcher.handle(request, path, body)
+            return await self.dispatcher.handle(request, path, body, raw if raw and spliceable(raw) else None)
         except BadRequest as exc:
             self.metrics.errors.inc(kind="bad_request")
             return error_response(400, str(exc), request.headers.get("X-Request-Id"))
@@ -153,6 +164,7 @@ class Router:
 
     async def list_workers(self, request: web.Request) -> web.Response:
         return web.json_response({"mode": self.config.mode, "policies": self.policy_names(),
+                                  "event_loop": self.event_loop,
                                   "workers": [w.describe() for w in self.registry.workers.values()]})
 
     async def add_worker(self, request: web.Request) -> web.Response:
@@ -184,6 +196,7 @@ class Router:
             worker = self.registry.remove(url)
         except (KeyError, ConfigError):
             return error_response(404, f"no worker {url}")
+        self.upstream.forget(worker.url)
         return web.json_response(worker.describe())
 
 
@@ -202,7 +215,8 @@ async def auth_middleware(request: web.Request, handler):
 
 def create_app(config: RouterConfig) -> web.Application:
     router = Router(config)
-    app = web.Application(middlewares=[auth_middleware], client_max_size=MAX_BODY_BYTES)
+    middlewares = [auth_middleware] if config.api_key else []  # no middleware frames per request without a key
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = router
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
@@ -221,6 +235,25 @@ def create_app(config: RouterConfig) -> web.Application:
     return app
 
 
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    return "uvloop" if type(loop).__module__.partition(".")[0] == "uvloop" else "asyncio"
+
+
+def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
+    """`--event-loop`: uvloop (the `fast` extra) when importable and not turned off, else asyncio's own loop."""
+    if choice in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if choice == "uvloop":
+                raise ConfigError("--event-loop uvloop: uvloop is not installed "
+                                  "(pip install 'pdserve-router[fast]')") from None
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 def run(config: RouterConfig) -> None:
+    loop = new_event_loop(config.event_loop)
     web.run_app(create_app(config), host=config.host, port=config.port, access_log=None, print=None,
-                handler_cancellation=True)
+                handler_cancellation=True, loop=loop)

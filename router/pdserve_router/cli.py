@@ -6,7 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
-from .config import POLICIES, ConfigError, RouterConfig
+from .config import EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -16,6 +16,8 @@ _HELP: dict[str, str] = {
     "api_key": "Sent to every instance as 'Authorization: Bearer KEY' and required from clients on all routes "
                "but /health.",
     "log_level": "debug, info, warning or error.",
+    "event_loop": "auto: uvloop when it is installed (pip install 'pdserve-router[fast]'), else asyncio; uvloop: "
+                  "require it; asyncio: the standard loop even when uvloop is installed.",
     "policy": "Regular-mode policy.",
     "prefill_policy": "PD-mode policy for prefill instances.",
     "decode_policy": "PD-mode policy for decode instances.",
@@ -41,7 +43,7 @@ _HELP: dict[str, str] = {
     "cb_success_threshold": "Successes in half-open state that close it again.",
     "cb_open_duration_s": "Seconds an open breaker waits before letting a probe request through.",
 }
-_CHOICES = {"policy": POLICIES, "prefill_policy": POLICIES, "decode_policy": POLICIES}
+_CHOICES = {"policy": POLICIES, "prefill_policy": POLICIES, "decode_policy": POLICIES, "event_loop": EVENT_LOOPS}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
@@ -96,4 +98,7 @@ def main(argv: list[str] | None = None) -> None:
 
     config = parse_config(argv)
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run(config)
+    try:
+        run(config)
+    except ConfigError as exc:
+        build_arg_parser().error(str(exc))

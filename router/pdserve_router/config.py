@@ -8,6 +8,7 @@ from typing import Literal
 Mode = Literal["pd", "regular"]
 Role = Literal["prefill", "decode", "regular"]
 POLICIES = ("random", "round_robin", "least_load", "cache_aware")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 
 class ConfigError(ValueError):
@@ -25,6 +26,7 @@ class RouterConfig:
     port: int = 8000
     api_key: str | None = None
     log_level: str = "info"
+    event_loop: str = "auto"
     # policies
     policy: str = "round_robin"
     prefill_policy: str = "cache_aware"
@@ -63,6 +65,10 @@ class RouterConfig:
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}")
+        if self.api_key is not None and any(c in self.api_key for c in "\r\n"):
+            raise ConfigError("--api-key must be one line")
         if self.max_retries < 0 or self.request_timeout_s <= 0 or self.health_check_interval_s <= 0:
             raise ConfigError("--max-retries must be >= 0 and the timeouts/intervals > 0")
         if min(self.health_failure_threshold, self.health_success_threshold, self.cb_failure_threshold,

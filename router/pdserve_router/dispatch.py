@@ -1,9 +1,13 @@
 """Request dispatch: pick a (prefill, decode) pair or one regular worker, send, relay, retry, abort the other half.
 
 One attempt sends the request to the *main* upstream (decode, or the regular worker) whose answer the client gets,
-and in PD mode concurrently to the *side* upstream (prefill), whose answer is drained in the background and only
+and in PD mode right after it to the *side* upstream (prefill), whose answer is collected in the background and only
 awaited when input logprobs must be merged. Until the first byte goes to the client, a connection failure or a
 5xx from either half aborts the other half and retries with a new pair and a new room.
+
+Both halves go over `upstream.UpstreamPool` (keep-alive connections, the request written in the handler's own
+step, the response parsed in the protocol); the handler waits on one future for the main half's first bytes, which
+the side half's failure interrupts, so a warm request creates no task besides aiohttp's handler task.
 """
 
 from __future__ import annotations
@@ -12,9 +16,7 @@ import asyncio
 import json
 import logging
 import random
-import sys
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -22,19 +24,43 @@ from aiohttp import web
 
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
-from .payload import (FirstEventMerger, attempt_rid, batch_size, body_rids, error_body, error_response,
-                      inject_bootstrap, merge_json_response, prefill_items_by_index, routing_key)
+from .payload import (BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids, bootstrap_fields,
+                      encode_body, error_body, error_response, merge_json_response, prefill_items_by_index,
+                      routing_key)
 from .policies import make_policy
+from .upstream import Exchange, UpstreamPool, timeout
 from .workers import NoHealthyWorker, Worker, WorkerRegistry
-
-if sys.version_info >= (3, 11):
-    from asyncio import timeout
-else:
-    from async_timeout import timeout
 
 log = logging.getLogger("pdserve_router")
 CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CLIENT_HIGH_WATER = 64 * 1024  # client send-buffer bytes above which the relay falls back to awaited writes
+
+
+class SSEResponse(web.StreamResponse):
+    """A stream response whose head goes out with the first body bytes (one write, one packet, one wake-up of the
+    client) instead of on its own at prepare(). The attribute is aiohttp's (3.9+); where it is unknown, the head
+    simply goes out at prepare() as before."""
+
+    _send_headers_immediately = False
+
+
+def relay_sink(ctx: RequestContext):
+    """Writes relayed stream bytes straight to the client's transport, framed as HTTP/1.1 chunks, from the upstream
+    protocol's callback (no task wake-up per event). Refuses, so that the awaited `response.write()` path with its
+    flow control takes over, while the client's send buffer is above the high-water mark or the client is gone.
+    Only for a prepared chunked response whose head is already out (the first write flushed it)."""
+    transport, response = ctx.request.transport, ctx.response
+    if transport is None or response is None or not response.chunked or response.compression:
+        return None
+
+    def write(data: bytes) -> bool:
+        if transport.is_closing() or transport.get_write_buffer_size() > CLIENT_HIGH_WATER:
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    return write
 
 
 class UpstreamError(Exception):
@@ -65,6 +91,7 @@ class RequestContext:
     request: web.Request
     path: str
     body: dict
+    raw: bytes | None  # the client's body bytes when they can be forwarded with fields appended (payload.spliceable)
     request_id: str
     started: float
     stream: bool
@@ -84,25 +111,31 @@ class Attempt:
     body_rid: str | list[str] | None
     main_done: bool = False
     first_received: bool = False
-    side_task: asyncio.Task | None = None
+    main_ex: Exchange | None = None
+    side_ex: Exchange | None = None
     aborted: set[str] = field(default_factory=set)
 
 
 class Dispatcher:
     def __init__(self, config: RouterConfig, registry: WorkerRegistry, session: aiohttp.ClientSession,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, upstream: UpstreamPool):
         self.config, self.registry, self.session, self.metrics = config, registry, session, metrics
+        self.upstream = upstream
         self.main_role: Role = "decode" if config.mode == "pd" else "regular"
         roles: tuple[Role, ...] = ("prefill", "decode") if config.mode == "pd" else ("regular",)
         self.policies = {role: make_policy(config.policy_for(role), config) for role in roles}
         self.needs_key = any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
         self.background: set[asyncio.Task] = set()
 
-    async def handle(self, request: web.Request, path: str, body: dict) -> web.StreamResponse:
-        ctx = RequestContext(request, path, body, request.headers.get("X-Request-Id") or uuid.uuid4().hex,
-                             time.perf_counter(), bool(body.get("stream")), batch_size(path, body),
-                             path == "/generate" and bool(body.get("return_logprob")))
+    async def handle(self, request: web.Request, path: str, body: dict, raw: bytes | None = None) -> web.StreamResponse:
+        started = time.perf_counter()
+        request_id = request.headers.get("X-Request-Id") or f"{random.getrandbits(128):032x}"
+        if "\r" in request_id or "\n" in request_id:
+            raise BadRequest("X-Request-Id must be one line")
+        ctx = RequestContext(request, path, body, raw, request_id, started, bool(body.get("stream")),
+                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
         try:
             async with timeout(self.config.request_timeout_s):
                 return await self.with_retries(ctx)
@@ -162,103 +195,95 @@ class Dispatcher:
 
     async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
         ctx = attempt.ctx
-        body = inject_bootstrap(ctx.body, ctx.path, attempt.side, ctx.batch) if attempt.side else dict(ctx.body)
+        extra = bootstrap_fields(ctx.path, attempt.side, ctx.batch) if attempt.side else {}
         if attempt.body_rid is not None:
-            body["rid"] = attempt.body_rid
-        data = json.dumps(body).encode()
-        headers = {"Content-Type": "application/json", "X-Request-Id": attempt.rid, **self.auth}
-        attempt.main.in_flight += 1
-        main_task = asyncio.ensure_future(self.open_main(attempt, data, headers))  # decode goes out first
-        if attempt.side:
-            attempt.side_task = self.start_side(attempt, data, headers)
-        log.debug("rid=%s attempt %d -> %s%s", attempt.rid, attempt.number, attempt.main.url,
-                  f" + {attempt.side.url}" if attempt.side else "")
+            extra["rid"] = attempt.body_rid
+        data = encode_body(ctx.raw, ctx.body, extra)
+        fields = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ",
+                           attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line))
+        main = attempt.main
+        main.in_flight += 1
+        attempt.main_ex = exchange = self.upstream.send(main.url, ctx.path, fields, data, whole=not ctx.stream)
+        if attempt.side:  # decode goes out first
+            self.start_side(attempt, data, fields)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rid=%s attempt %d -> %s%s", attempt.rid, attempt.number, main.url,
+                      f" + {attempt.side.url}" if attempt.side else "")
         dispatched = time.perf_counter()
-        resp: aiohttp.ClientResponse | None = None
         try:
-            resp, first = await self.race_side(attempt, main_task)
+            await self.open_main(attempt, exchange)
             attempt.first_received = True
-            return await self.respond(attempt, resp, first, dispatched - ctx.started)
+            return await self.respond(attempt, exchange, dispatched - ctx.started)
         except BaseException as exc:
             self.abort_pair(attempt, exc)
             raise
         finally:
-            attempt.main.in_flight -= 1
-            if resp is not None:
-                resp.release()
+            main.in_flight -= 1
+            exchange.close()
 
-    def start_side(self, attempt: Attempt, data: bytes, headers: dict) -> asyncio.Task:
+    def start_side(self, attempt: Attempt, data: bytes, fields: bytes) -> None:
         side = attempt.side
         side.in_flight += 1
-        task = asyncio.create_task(self.fetch_side(side, attempt.ctx.path, data, headers))
+        attempt.side_ex = exchange = self.upstream.send(side.url, attempt.ctx.path, fields, data, whole=True)
 
-        def settle(done: asyncio.Task) -> None:
+        def settle(head: asyncio.Future) -> None:
             side.in_flight -= 1
-            if done.cancelled():
+            if head.cancelled():
                 return
-            exc = done.exception()
-            self.registry.record(side, not (isinstance(exc, UpstreamError) and exc.retryable))
-            if exc is not None and attempt.first_received and not attempt.main_done:
-                log.warning("rid=%s prefill failed after streaming began (%s); aborting decode", attempt.rid, exc)
+            error = self.side_error(attempt)
+            self.registry.record(side, not (error is not None and error.retryable))
+            if error is None:
+                return
+            if not attempt.first_received:
+                attempt.main_ex.interrupt(error)  # fail fast: the main half's head raises the side's error
+            elif not attempt.main_done:
+                log.warning("rid=%s prefill failed after streaming began (%s); aborting decode", attempt.rid, error)
                 self.metrics.errors.inc(kind="stream")
                 self.send_abort(attempt.main, attempt)
 
-        task.add_done_callback(settle)
-        return task
+        exchange.head.add_done_callback(settle)
 
-    async def fetch_side(self, worker: Worker, path: str, data: bytes, headers: dict) -> bytes:
-        try:
-            async with self.session.post(worker.url + path, data=data, headers=headers) as resp:
-                body = await resp.read()
-        except CONNECTION_ERRORS as exc:
-            raise UpstreamError(worker, None, detail=str(exc) or type(exc).__name__) from exc
-        if resp.status >= 400:
-            raise UpstreamError(worker, resp.status, body)
-        return body
+    def side_error(self, attempt: Attempt) -> UpstreamError | None:
+        """The side half's failure (connection, or a status of 400 and up) once its exchange has settled."""
+        exchange, side = attempt.side_ex, attempt.side
+        exc = exchange.head.exception()
+        if exc is not None:
+            return exc if isinstance(exc, UpstreamError) else UpstreamError(side, None,
+                                                                           detail=str(exc) or type(exc).__name__)
+        if exchange.status >= 400:
+            return UpstreamError(side, exchange.status, exchange.body())
+        return None
 
-    async def open_main(self, attempt: Attempt, data: bytes, headers: dict) -> tuple[aiohttp.ClientResponse, bytes]:
-        """Headers plus the first chunk (streaming) or the whole body; failures raise UpstreamError."""
+    async def open_main(self, attempt: Attempt, exchange: Exchange) -> None:
+        """Waits for the head plus the first chunk (streaming) or the whole body; failures raise UpstreamError."""
         worker = attempt.main
         try:
-            resp = await self.session.post(worker.url + attempt.ctx.path, data=data, headers=headers)
-            try:
-                if resp.status >= 400 or not attempt.ctx.stream:
-                    body = await resp.read()
-                    attempt.main_done = True
-                else:
-                    body = await resp.content.readany()
-            except BaseException:
-                resp.release()
-                raise
+            await exchange.head
+        except UpstreamError:
+            raise  # the side half failed first
         except CONNECTION_ERRORS as exc:
             self.registry.record(worker, False)
             raise UpstreamError(worker, None, detail=str(exc) or type(exc).__name__) from exc
-        self.registry.record(worker, resp.status < 500)
-        if resp.status >= 400:
-            resp.release()
-            raise UpstreamError(worker, resp.status, body)
-        return resp, body
+        status = exchange.status
+        if status >= 400 or not attempt.ctx.stream:
+            attempt.main_done = True
+        self.registry.record(worker, status < 500)
+        if status >= 400:
+            raise UpstreamError(worker, status, exchange.take())
 
-    async def race_side(self, attempt: Attempt, main_task: asyncio.Future):
-        """Awaits `main_task`, but fails fast with the side's error if the prefill half fails first."""
-        side_task = attempt.side_task
-        try:
-            if side_task is not None and not side_task.done():
-                await asyncio.wait((main_task, side_task), return_when=asyncio.FIRST_COMPLETED)
-            if side_task is not None and side_task.done() and not main_task.done():
-                side_task.result()  # raises the side's UpstreamError; a success falls through
-            return await main_task
-        finally:
-            if not main_task.done():
-                main_task.cancel()
-                await asyncio.gather(main_task, return_exceptions=True)
-
-    async def respond(self, attempt: Attempt, resp: aiohttp.ClientResponse, first: bytes,
-                      pre_dispatch: float) -> web.StreamResponse:
+    async def respond(self, attempt: Attempt, exchange: Exchange, pre_dispatch: float) -> web.StreamResponse:
         ctx = attempt.ctx
+        first = exchange.take()
         prefill_items = None
-        if ctx.return_logprob and attempt.side_task is not None:
-            prefill_body = await attempt.side_task
+        if ctx.return_logprob and attempt.side_ex is not None:
+            try:
+                await attempt.side_ex.head
+            except CONNECTION_ERRORS:
+                pass  # side_error() turns it into an UpstreamError
+            error = self.side_error(attempt)
+            if error is not None:
+                raise error
+            prefill_body = attempt.side_ex.body()
             try:
                 if ctx.stream:
                     prefill_items = prefill_items_by_index(prefill_body, stream=True)
@@ -269,23 +294,27 @@ class Dispatcher:
         received = time.perf_counter()
         headers = {"X-Request-Id": ctx.request_id}
         if not ctx.stream:
-            response = web.Response(status=resp.status, body=first, headers=headers,
-                                    content_type=resp.content_type or "application/json")
+            response = web.Response(status=exchange.status, body=first, headers=headers,
+                                    content_type=exchange.content_type or "application/json")
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
             return response
-        response = web.StreamResponse(status=resp.status, headers={**SSE_HEADERS, **headers})
+        response = SSEResponse(status=exchange.status, headers={**SSE_HEADERS, **headers})
+        if ctx.request.version >= (1, 1):
+            response.enable_chunked_encoding()  # what aiohttp would pick anyway; relay_sink() relies on it
         await response.prepare(ctx.request)
         ctx.response = response
         merger = FirstEventMerger(prefill_items) if prefill_items else None
         if await self.write_client(attempt, merger.feed(first) if merger else first):
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
-            await self.relay(attempt, resp, merger)
+            await self.relay(attempt, exchange, merger)
         return response
 
-    async def relay(self, attempt: Attempt, resp: aiohttp.ClientResponse, merger: FirstEventMerger | None) -> None:
+    async def relay(self, attempt: Attempt, exchange: Exchange, merger: FirstEventMerger | None) -> None:
+        sink = None if merger else relay_sink(attempt.ctx)
         while True:
+            exchange.sink = sink  # (again after a fallback below)
             try:
-                chunk = await resp.content.readany()
+                chunk = await exchange.readany()  # with a sink: the end, a failure, or bytes the sink could not take
             except CONNECTION_ERRORS as exc:
                 self.registry.record(attempt.main, False)
                 self.metrics.errors.inc(kind="stream")
@@ -325,9 +354,9 @@ class Dispatcher:
         failed = cause.worker if isinstance(cause, UpstreamError) else None
         if not attempt.main_done and failed is not attempt.main:
             self.send_abort(attempt.main, attempt)
-        side_task = attempt.side_task
-        if side_task is not None and not side_task.done():
-            side_task.cancel()
+        side_ex = attempt.side_ex
+        if side_ex is not None and not side_ex.head.done():
+            side_ex.close()
             if failed is not attempt.side:
                 self.send_abort(attempt.side, attempt)
 

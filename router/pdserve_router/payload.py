@@ -76,19 +76,40 @@ def new_room() -> int:
     return random.getrandbits(63)
 
 
-def inject_bootstrap(body: dict, path: str, prefill: Worker, batch: int | None) -> dict:
-    """A copy of `body` carrying the rendezvous fields; /generate batches get one entry per item in each field."""
-    out = dict(body)
+def bootstrap_fields(path: str, prefill: Worker, batch: int | None) -> dict:
+    """The rendezvous fields for one attempt; /generate batches get one entry per item in each field."""
     if batch is None:
-        out.update(bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
-                   bootstrap_room=new_room())
-    elif path == "/generate":
-        out.update(bootstrap_host=[prefill.bootstrap_host] * batch, bootstrap_port=[prefill.bootstrap_port] * batch,
-                   bootstrap_room=[new_room() for _ in range(batch)])
-    else:
-        out.update(bootstrap_host=prefill.bootstrap_host, bootstrap_port=prefill.bootstrap_port,
-                   bootstrap_room=[new_room() for _ in range(batch)])
-    return out
+        return {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
+                "bootstrap_room": new_room()}
+    if path == "/generate":
+        return {"bootstrap_host": [prefill.bootstrap_host] * batch, "bootstrap_port": [prefill.bootstrap_port] * batch,
+                "bootstrap_room": [new_room() for _ in range(batch)]}
+    return {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": [new_room() for _ in range(batch)]}
+
+
+def inject_bootstrap(body: dict, path: str, prefill: Worker, batch: int | None) -> dict:
+    """A copy of `body` carrying the rendezvous fields."""
+    return {**body, **bootstrap_fields(path, prefill, batch)}
+
+
+def spliceable(raw: bytes) -> bool:
+    """Whether `raw` (a body that parsed as a JSON object) is UTF-8 text `{...}` that fields can be appended to
+    without decoding and re-encoding it (a BOM, UTF-16/32 or leading/trailing junk would not be)."""
+    return raw[:1] == b"{" and raw[-1:] == b"}" or raw.strip()[:1] == b"{" and raw.rstrip()[-1:] == b"}"
+
+
+def encode_body(raw: bytes | None, body: dict, extra: dict) -> bytes:
+    """The request body to send: the client's bytes `raw` (None when they cannot be reused, see `spliceable`)
+    with `extra`'s fields appended when none of them is already in `body`, else `body` updated and re-encoded."""
+    if raw is not None:
+        if not extra:
+            return raw
+        if not any(key in body for key in extra):
+            fields = json.dumps(extra).encode()
+            head = raw.rstrip()[:-1]
+            return b"".join((head, b", " if body else b"", fields[1:]))
+    return json.dumps({**body, **extra}).encode()
 
 
 def attempt_rid(base: str, attempt: int) -> str:

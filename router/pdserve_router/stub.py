@@ -54,6 +54,7 @@ class StubServer:
     response_delay_s: float = 0.0
     wait_timeout_s: float = 10.0
     couple: bool = True
+    event_pad: int = 0  # bytes of filler in each streamed event (large streams for flow-control tests)
     fail_status: int | None = None
     healthy: bool = True
     held: bool = False  # generate requests wait until release() while held
@@ -221,7 +222,10 @@ class StubServer:
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = ([[-0.5, t, None] for t in range(3)] if self.role == "prefill" else [])
             meta["output_token_logprobs"] = [[-0.1, 7, None]] * completion_tokens
-        return {"text": text, "index": index, "served_by": self.name, "meta_info": meta}
+        item = {"text": text, "index": index, "served_by": self.name, "meta_info": meta}
+        if self.event_pad and body.get("stream"):
+            item["pad"] = "x" * self.event_pad
+        return item
 
 
 class StubHost:

@@ -134,3 +134,32 @@ def test_api_key_is_required_and_forwarded(stubs, start_router):
     assert reply.status == 200
     assert d1.requests[-1]["headers"]["authorization"] == p1.requests[-1]["headers"]["authorization"] == "Bearer sekrit"
 
+
+
+def test_event_loop_flag(stubs, start_router):
+    w1 = stubs.add("regular")
+    try:
+        import uvloop  # noqa: F401
+        default = "uvloop"
+    except ImportError:
+        default = "asyncio"
+    assert start_router("--worker", w1.url).get("/workers").json()["event_loop"] == default
+    router = start_router("--worker", w1.url, "--event-loop", "asyncio")
+    assert router.get("/workers").json()["event_loop"] == "asyncio"
+    reply = router.post("/generate", {"text": "hi", "stream": True})
+    assert reply.status == 200 and len(reply.events()) == 4
+
+
+def test_client_fields_and_charsets_reach_the_instances(stubs, start_router):
+    p1, d1 = stubs.add("prefill"), stubs.add("decode")
+    router = pd_router(start_router, [p1], [d1])
+    reply = router.post("/generate", {"text": "héllo", "rid": "mine", "bootstrap_room": 5, "stream": True})
+    assert reply.status == 200 and len(reply.events()) == 4
+    body = d1.requests[-1]["body"]
+    assert body["rid"] == "mine" and body["text"] == "héllo" and body["bootstrap_room"] != 5
+    assert p1.requests[-1]["body"] == body
+    latin1 = '{"text": "caf\xe9"}'.encode("latin-1")
+    reply = router.post("/generate", latin1, headers={"Content-Type": "application/json; charset=latin-1"})
+    assert reply.status == 200 and d1.requests[-1]["body"]["text"] == "café"
+    assert router.post("/generate", "{\"text\": \"x\"}".encode("utf-16")).status == 200
+    assert d1.requests[-1]["body"]["text"] == "x"

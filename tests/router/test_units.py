@@ -79,3 +79,56 @@ def test_first_event_merger_handles_split_chunks():
     events = [json.loads(e[6:]) for e in out.decode().split("\n\n") if e.startswith("data: {")]
     assert events[0]["meta_info"]["input_token_logprobs"] == [[-1.0, 5, None]]
     assert events[1]["meta_info"] == {} and out.endswith(b"data: [DONE]\n\n")
+
+
+def test_encode_body_appends_fields_to_the_client_bytes():
+    from pdserve_router.payload import encode_body, spliceable
+
+    raw = b'{"text": "h\\u00e9", "n": 1.50, "sampling_params": {"max_new_tokens": 4}}\n'
+    body = json.loads(raw)
+    assert spliceable(raw)
+    out = encode_body(raw, body, {"bootstrap_room": 7, "rid": "a"})
+    assert out.startswith(raw.rstrip()[:-1]) and json.loads(out) == {**body, "bootstrap_room": 7, "rid": "a"}
+    assert encode_body(raw, body, {}) is raw  # nothing to add: forwarded as sent
+    assert json.loads(encode_body(b"{}", {}, {"rid": "a"})) == {"rid": "a"}
+    # a field the client set itself is replaced, not duplicated: the body is re-encoded
+    out = encode_body(b'{"rid": "mine", "x": 1}', {"rid": "mine", "x": 1}, {"rid": "mine.r1"})
+    assert out.count(b'"rid"') == 1 and json.loads(out) == {"rid": "mine.r1", "x": 1}
+    assert json.loads(encode_body(None, {"x": 1}, {"rid": "a"})) == {"x": 1, "rid": "a"}
+    for other in ('{"a": 1}'.encode("utf-16"), '{"a": 1}'.encode("utf-16-le"), b"\xef\xbb\xbf{}"):
+        assert not spliceable(other)
+
+
+def test_event_loop_choice(monkeypatch):
+    import asyncio
+
+    from pdserve_router.app import loop_name, new_event_loop
+    from pdserve_router.config import ConfigError
+
+    loop = new_event_loop("asyncio")
+    assert loop_name(loop) == "asyncio" and isinstance(loop, asyncio.BaseEventLoop)
+    loop.close()
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        have_uvloop = False
+    else:
+        have_uvloop = True
+    loop = new_event_loop("auto")
+    assert loop_name(loop) == ("uvloop" if have_uvloop else "asyncio")
+    loop.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    loop = new_event_loop("auto")
+    assert loop_name(loop) == "asyncio"
+    loop.close()
+    with pytest.raises(ConfigError, match="pdserve-router\\[fast\\]"):
+        new_event_loop("uvloop")
+    with pytest.raises(SystemExit):
+        parse_config(["--event-loop", "tokio"])
+
+
+def test_required_uvloop_that_is_missing_exits_with_a_clear_message():
+    code = ("import sys; sys.modules['uvloop'] = None\n"
+            "from pdserve_router.cli import main; main(['--decode', 'http://127.0.0.1:1', '--event-loop', 'uvloop'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "uvloop is not installed" in result.stderr
