@@ -35,6 +35,9 @@ log = logging.getLogger("pdserve_router")
 CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 CLIENT_HIGH_WATER = 64 * 1024  # client send-buffer bytes above which the relay falls back to awaited writes
+# A pdserve PD server answers 502 (its peer failed or refused) or 504 (its peer timed out) when a KV handoff fails:
+# the instance that answered is alive; the other half of the pair is the suspect.
+PEER_FAILURE_STATUSES = (502, 504)
 
 
 class SSEResponse(web.StreamResponse):
@@ -70,7 +73,19 @@ class UpstreamError(Exception):
         self.worker, self.status, self.body = worker, status, body
         what = f"HTTP {status}" if status is not None else "connection failed"
         what += f" ({detail})" if detail else ""
+        message = upstream_error_message(body)
+        what += f": {message}" if message else ""
         super().__init__(f"{worker.role} {worker.url}: {what}")
+
+    @property
+    def reports_peer_failure(self) -> bool:
+        return self.status in PEER_FAILURE_STATUSES
+
+    def suspect(self, attempt: Attempt) -> Worker:
+        """The instance to leave out of the retry: the one that failed, or for a failed handoff its peer."""
+        if self.reports_peer_failure and attempt.side is not None:
+            return attempt.side if self.worker is attempt.main else attempt.main
+        return self.worker
 
     @property
     def retryable(self) -> bool:
@@ -84,6 +99,18 @@ class UpstreamError(Exception):
         """A non-retryable upstream error is passed through as the upstream sent it."""
         return web.Response(status=self.status or 502, body=self.body, content_type="application/json",
                             headers={"X-Request-Id": request_id})
+
+
+def upstream_error_message(body: bytes, limit: int = 500) -> str:
+    """The `message` of an OpenAI-style error body (pdserve's and the router's own), else ''."""
+    if not body or not body.lstrip().startswith(b"{"):
+        return ""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else error
+    return message[:limit] if isinstance(message, str) else ""
 
 
 @dataclass(slots=True)
@@ -172,7 +199,7 @@ class Dispatcher:
                 if not exc.retryable:
                     return exc.client_response(ctx.request_id)
                 last_error = exc
-                ctx.excluded.add(exc.worker.url)
+                ctx.excluded.add(exc.suspect(attempt).url)
             if number < self.config.max_retries:
                 self.metrics.retries.inc()
                 log.warning("rid=%s attempt %d failed (%s); retrying with a new pair", ctx.request_id, number,
@@ -231,7 +258,7 @@ class Dispatcher:
             if head.cancelled():
                 return
             error = self.side_error(attempt)
-            self.registry.record(side, not (error is not None and error.retryable))
+            self.registry.record(side, error is None or not error.retryable or error.reports_peer_failure)
             if error is None:
                 return
             if not attempt.first_received:
@@ -267,7 +294,7 @@ class Dispatcher:
         status = exchange.status
         if status >= 400 or not attempt.ctx.stream:
             attempt.main_done = True
-        self.registry.record(worker, status < 500)
+        self.registry.record(worker, status < 500 or status in PEER_FAILURE_STATUSES)
         if status >= 400:
             raise UpstreamError(worker, status, exchange.take())
 

@@ -43,6 +43,30 @@ def test_prefill_500_is_retried_on_a_new_pair_and_its_decode_half_aborted(stubs,
     assert router.metric('pdserve_router_aborts_total{role="decode"}') == 2
 
 
+def test_failed_handoff_blames_the_other_half(stubs, start_router):
+    """A decode's 502 (pdserve's answer when the prefill side of a handoff failed) leaves that decode healthy and
+    in rotation; the retry avoids the prefill of the failed pair. Out of attempts, the client gets the upstream's
+    own message."""
+    p1, p2 = stubs.add("prefill"), stubs.add("prefill")
+    peer_failed, good = stubs.add("decode", fail_status=502), stubs.add("decode")
+    router = start_router("--prefill", p1.url, p2.url, "--decode", peer_failed.url, good.url,
+                          "--decode-policy", "round_robin", "--cb-failure-threshold", "1", "--cb-open-duration-s", "60")
+    for i in range(4):
+        reply = router.post("/generate", {"text": "hi"}, headers={"X-Request-Id": f"h{i}"})
+        assert reply.status == 200 and reply.json()["served_by"] == good.name, reply.body
+    rids = {p.name: {r["body"]["rid"] for r in p.requests} for p in (p1, p2)}
+    retried = [i for i in range(4) if any(f"h{i}.r1" in got for got in rids.values())]
+    assert len(retried) >= 2  # round robin sends every other first attempt to the failing decode
+    for i in retried:
+        assert [f"h{i}" in got for got in rids.values()] != [f"h{i}.r1" in got for got in rids.values()]
+    assert router.workers()[peer_failed.url]["circuit"] == "closed"
+
+    lone = start_router("--prefill", p1.url, "--decode", peer_failed.url, "--max-retries", "0")
+    reply = lone.post("/generate", {"text": "hi"})
+    assert reply.status == 502
+    assert f"stub {peer_failed.name} fails on purpose" in reply.json()["error"]["message"]
+
+
 def test_decode_500_aborts_the_running_prefill_half(stubs, start_router):
     p1, p2 = stubs.add("prefill", delay_s=0.5), stubs.add("prefill", delay_s=0.5)
     bad, good = stubs.add("decode", fail_status=500), stubs.add("decode")
