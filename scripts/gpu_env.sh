@@ -10,3 +10,15 @@ for lib in /tmp/debroot/{usr/,}lib/x86_64-linux-gnu/lib*.so.*; do
   ldconfig -p 2>/dev/null | grep -q "/${lib##*/}\$" && rm -f "$lib"
 done
 export LD_LIBRARY_PATH="/tmp/debroot/usr/lib/x86_64-linux-gnu:/tmp/debroot/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+# step LIMIT NAME CMD...: runs CMD under a time limit into $OUT/NAME.log and prints its exit code and last lines
+# (TAILN of them, default 6) without the progress-bar noise.
+M=/tmp/models
+step() {
+  local limit=$1 name=$2
+  shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "rc=$?"
+  grep -v "Capturing\|Generating\|weights:\|Loading\|tokenizer you are\|warn_once" "$OUT/$name.log" | tail -n "${TAILN:-6}"
+}

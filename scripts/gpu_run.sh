@@ -3,8 +3,6 @@
 # Logs and JSON land in $OUT. Each step has its own time limit so one slow step cannot eat the others.
 set -u
 source scripts/gpu_env.sh || exit 1
-M=/tmp/models
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 12 "$OUT/$name.log"; }
 nvidia-smi -L
 python3 -c "import torch, mooncake.engine as m; print(torch.__version__, torch.cuda.device_count(), 'mooncake cuda', m.SUPPORT_CUDA, 'nvlink_intra', getattr(m, 'SUPPORT_INTRA_NVLINK', None))"
 step 120 make_model python3 -m pdserve.tools.make_model --preset qwen3-0.6b --out $M/qwen3-0.6b

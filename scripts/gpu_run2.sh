@@ -2,8 +2,6 @@
 # Second lent-GPU session (nvidia-h200-x2, carry .whl .deb): llama-3.1-8b figures, KV handoff, re-run of offline.
 set -u
 source scripts/gpu_env.sh || exit 1
-M=/tmp/models
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n "${TAILN:-14}" "$OUT/$name.log"; }
 step 100 make_8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b --out $M/llama-3.1-8b
 step 40 make_06b python3 -m pdserve.tools.make_model --preset qwen3-0.6b --out $M/qwen3-0.6b
 CUDA_LAUNCH_BLOCKING=1 TAILN=40 step 60 graph_test python3 -m pytest -q -x -p no:cacheprovider tests/gpu -m gpu -k cuda_graph

@@ -2,8 +2,6 @@
 # Third lent-GPU session (nvidia-h200-x2, carry .whl .deb): figures after overlap scheduling and the chunk-push fix.
 set -u
 source scripts/gpu_env.sh || exit 1
-M=/tmp/models
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "Capturing\|Generating\|weights:\|Loading\|tokenizer you are" "$OUT/$name.log" | tail -n "${TAILN:-6}"; }
 step 40 make_06b python3 -m pdserve.tools.make_model --preset qwen3-0.6b --out $M/qwen3-0.6b
 step 60 make_8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b --out $M/llama-3.1-8b
 step 45 offline_overlap python3 -m pdserve.bench.offline --model-path $M/qwen3-0.6b --out "$OUT/overlap"

@@ -2,8 +2,6 @@
 # Fourth lent-GPU session (nvidia-h200-x2, carry .whl .deb): overlap scheduling with pinned host staging.
 set -u
 source scripts/gpu_env.sh || exit 1
-M=/tmp/models
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "Capturing\|Generating\|weights:\|Loading\|tokenizer you are\|warn_once" "$OUT/$name.log" | tail -n 4; }
 step 30 make_06b python3 -m pdserve.tools.make_model --preset qwen3-0.6b --out $M/qwen3-0.6b
 step 40 offline_overlap python3 -m pdserve.bench.offline --model-path $M/qwen3-0.6b --out "$OUT"
 step 40 one_batch_06b python3 -m pdserve.bench.one_batch --model-path $M/qwen3-0.6b --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/b06"

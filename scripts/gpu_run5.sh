@@ -3,8 +3,7 @@
 # kv_done sent by the KV writer; greedy identity PD vs colocated on both backends.
 set -u
 source scripts/gpu_env.sh || exit 1
-M=/tmp/models
-step() { local limit=$1 name=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; grep -v "Capturing\|Generating\|weights:\|Loading\|tokenizer you are\|warn_once" "$OUT/$name.log" | tail -n "${TAILN:-40}"; }
+TAILN=40
 step 40 make_06b python3 -m pdserve.tools.make_model --preset qwen3-0.6b --out $M/qwen3-0.6b
 step 60 make_8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b --out $M/llama-3.1-8b
 step 150 pd_06b python3 scripts/pd_check.py --model-path $M/qwen3-0.6b --backends mooncake nccl --ttft-lens 1024 4096 --out "$OUT/pd06"
