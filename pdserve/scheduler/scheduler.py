@@ -276,9 +276,6 @@ class Scheduler(OverlapMixin):
 
     # ---- forward passes ---------------------------------------------------------------------------------------
 
-    def _slot(self, req: Req, pos: int) -> int:
-        return req.pages[pos // self.page_size] * self.page_size + pos % self.page_size
-
     def _run_extend(self, items: list[ExtendItem]) -> None:
         input_ids, positions, slots, logit_rows = [], [], [], []
         row_of: list[tuple[int, int]] = []  # per item: (first logits row, count)
@@ -287,14 +284,12 @@ class Scheduler(OverlapMixin):
             offset = len(input_ids)
             input_ids += fill[item.start : item.end]
             positions += range(item.start, item.end)
-            slots += [self._slot(item.req, p) for p in range(item.start, item.end)]
+            slots += token_slots(item.req.pages, item.start, item.end, self.page_size)
+            first = len(logit_rows)
             if self._wants_input_logprobs(item.req):
-                first = len(logit_rows)
                 logit_rows += range(offset, offset + item.end - item.start)
-            else:
-                first = len(logit_rows)
-                if item.completes_prefill:
-                    logit_rows.append(len(input_ids) - 1)
+            elif item.completes_prefill:
+                logit_rows.append(len(input_ids) - 1)
             row_of.append((first, len(logit_rows) - first))
         batch = build_forward_batch(
             ForwardMode.EXTEND, input_ids, positions, slots,
@@ -487,3 +482,13 @@ class Scheduler(OverlapMixin):
                 out.input_logprobs = req.input_logprobs[prompt_start:]
                 out.input_top_logprobs = req.input_top_logprobs[prompt_start:]
         return out
+
+
+def token_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """KV slots of positions [start, end) of a request whose KV lives in `pages`, one page's range at a time."""
+    slots: list[int] = []
+    for i in range(start // page_size, (end - 1) // page_size + 1) if end > start else ():
+        first = i * page_size
+        base = pages[i] * page_size - first
+        slots += range(base + max(start, first), base + min(end, first + page_size))
+    return slots

@@ -10,6 +10,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.scheduler.request import Req
+from pdserve.scheduler.scheduler import token_slots
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,14 @@ def test_overlap_schedule_matches_synchronous_decode(qwen3_tiny, llm):
     assert [o.token_ids for o in llm.generate(ps, sp, use_tqdm=False)] == \
            [o.token_ids for o in sync.generate(ps, sp, use_tqdm=False)]
     assert llm.scheduler.kv_pool_is_fully_free() and sync.scheduler.kv_pool_is_fully_free()
+
+
+def test_token_slots_match_per_position_lookup():
+    rng = random.Random(0)
+    for _ in range(2000):
+        page_size = rng.choice([1, 2, 4, 16, 64])
+        pages = rng.sample(range(1, 5000), 300)
+        start = rng.randrange(0, 300 * page_size)
+        end = rng.randrange(start, min(300 * page_size, start + 700) + 1)
+        expected = [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+        assert token_slots(pages, start, end, page_size) == expected
