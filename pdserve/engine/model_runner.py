@@ -132,8 +132,8 @@ def build_forward_batch(
     width = max((len(r) for r in page_rows), default=1) or 1
     table = flat_page_table(page_rows, width)
     t, b = len(input_ids), len(seq_lens)
-    longs = to_device([*input_ids, *positions, *out_cache_loc, *logits_indices], torch.int64, device)
-    ints = to_device([*seq_lens, *prefix_lens, *extend_lens, *starts, *table], torch.int32, device)
+    longs = to_device(array("q", [*input_ids, *positions, *out_cache_loc, *logits_indices]), torch.int64, device)
+    ints = to_device(array("i", [*seq_lens, *prefix_lens, *extend_lens, *starts, *table]), torch.int32, device)
     return ForwardBatch(
         mode=mode,
         input_ids=longs[:t],
