@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -89,6 +90,8 @@ class ControlChannel:
         self.wakeup_fd, self._wakeup_write_fd = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
         os.set_blocking(self._wakeup_write_fd, False)
+        self._wakeup_lock = threading.Lock()  # a late wake-up (a route lookup ending) never writes to a closed fd
+        self._closed = False
         self.server = ControlServer(host, 0, self._on_message, name)
         self.endpoint = self.server.endpoint
         self.peers = PeerClients(timeout_s=5.0)  # used from the scheduler thread only
@@ -104,10 +107,13 @@ class ControlChannel:
         self.wake()
 
     def wake(self) -> None:
-        try:
-            os.write(self._wakeup_write_fd, b"\0")
-        except BlockingIOError:  # the pipe is full of unread wake-ups: the scheduler is awake anyway
-            pass
+        with self._wakeup_lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._wakeup_write_fd, b"\0")
+            except BlockingIOError:  # the pipe is full of unread wake-ups: the scheduler is awake anyway
+                pass
 
     def send(self, endpoint: str, msg: dict) -> None:
         self.peers.get(endpoint).send(msg)
@@ -137,8 +143,10 @@ class ControlChannel:
     def close(self) -> None:
         self.peers.close()
         self.server.close()
-        os.close(self.wakeup_fd)
-        os.close(self._wakeup_write_fd)
+        with self._wakeup_lock:
+            self._closed = True
+            os.close(self.wakeup_fd)
+            os.close(self._wakeup_write_fd)
 
 
 class KVManager:
