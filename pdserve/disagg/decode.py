@@ -24,8 +24,6 @@ from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-_NOT_READY: Future = Future()  # stands in for a route lookup not started yet
-
 
 class DecodeScheduler(Scheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
@@ -81,8 +79,11 @@ class DecodeScheduler(Scheduler):
     def _can_preallocate(self) -> bool:
         if self._free_when_blocked == self.allocator.num_free:
             return False
-        return any(h.poll == KVPoll.BOOTSTRAPPING and self.routes.get(bootstrap_addr(h.req), _NOT_READY).done()
-                   for h in self.handoffs.values())
+        return any(h.poll == KVPoll.BOOTSTRAPPING and self._route_ready(h) for h in self.handoffs.values())
+
+    def _route_ready(self, h: Handoff) -> bool:
+        route = self.routes.get(bootstrap_addr(h.req))
+        return route is not None and route.done()
 
     def step(self):
         self.kv.channel.dispatch(self.handlers)
@@ -106,9 +107,9 @@ class DecodeScheduler(Scheduler):
         self._free_when_blocked = None
         reserved = sum(self._decode_reserve(r) for r in self.running)
         for h in [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]:
-            route = self.routes.get(bootstrap_addr(h.req))
-            if route is None or not route.done():
+            if not self._route_ready(h):
                 continue
+            route = self.routes[bootstrap_addr(h.req)]
             try:
                 info = self._check_route(route)
             except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
