@@ -40,6 +40,7 @@ def free_port() -> int:
 class Reply:
     status: int
     body: bytes
+    headers: dict = field(default_factory=dict)
 
     def json(self):
         return json.loads(self.body)
@@ -50,14 +51,17 @@ class Reply:
         return [json.loads(c[6:]) for c in chunks if c != "data: [DONE]"]
 
 
-def http(method: str, url: str, body: dict | None = None, timeout: float = 60.0) -> Reply:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+def http(method: str, url: str, body: dict | bytes | None = None, headers: dict | None = None,
+         timeout: float = 60.0) -> Reply:
+    """One request; a JSON body is encoded, bytes go as they are; an error status is a Reply, not an exception."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return Reply(resp.status, resp.read())
+            return Reply(resp.status, resp.read(), dict(resp.headers))
     except urllib.error.HTTPError as exc:
-        return Reply(exc.code, exc.read())
+        return Reply(exc.code, exc.read(), dict(exc.headers))
 
 
 @dataclass

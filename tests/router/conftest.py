@@ -2,45 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-from cluster_util import free_port
+from cluster_util import Reply, free_port, http
 
 from pdserve_router.stub import StubHost
-
-
-@dataclass
-class Reply:
-    status: int
-    body: bytes
-    headers: dict
-
-    def json(self):
-        return json.loads(self.body)
-
-    def events(self) -> list:
-        return [json.loads(line[6:]) for line in self.body.decode().split("\n\n")
-                if line.startswith("data: ") and line != "data: [DONE]"]
-
-
-def http(method: str, url: str, body=None, headers: dict | None = None, timeout: float = 10.0) -> Reply:
-    data = body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            return Reply(resp.status, resp.read(), dict(resp.headers))
-    except urllib.error.HTTPError as err:
-        return Reply(err.code, err.read(), dict(err.headers))
 
 
 class RouterProcess:

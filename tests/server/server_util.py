@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
-from cluster_util import free_port
+import cluster_util
+from cluster_util import free_port, http
 
 API_KEY = "test-key"
 CONTEXT_LENGTH = 256
@@ -21,19 +19,12 @@ MAX_BATCH_ITEMS = 8
 STARTUP_TIMEOUT = 300.0  # generous: a loaded 2-core machine imports torch slowly
 
 
-@dataclass
-class Reply:
-    status: int
-    body: bytes
-
-    def json(self):
-        return json.loads(self.body)
-
+class Reply(cluster_util.Reply):
     def events(self) -> list:
         """Parsed `data:` payloads of an SSE body; asserts it ends with `data: [DONE]`."""
         lines = [chunk for chunk in self.body.decode().split("\n\n") if chunk]
         assert lines and lines[-1] == "data: [DONE]", self.body[-200:]
-        return [json.loads(chunk.removeprefix("data: ")) for chunk in lines[:-1]]
+        return super().events()
 
 
 @dataclass
@@ -81,13 +72,8 @@ class ServerProcess:
 
     def request(self, method: str, path: str, body: dict | bytes | None = None, auth: bool = True,
                 timeout: float = 60.0) -> Reply:
-        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self.headers(auth))
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as response:
-                return Reply(response.status, response.read())
-        except urllib.error.HTTPError as exc:
-            return Reply(exc.code, exc.read())
+        reply = http(method, self.url + path, body, headers=self.headers(auth), timeout=timeout)
+        return Reply(reply.status, reply.body, reply.headers)
 
     def post(self, path: str, body: dict | bytes, **kwargs) -> Reply:
         return self.request("POST", path, body, **kwargs)
