@@ -62,15 +62,7 @@ class LLM:
 
     def _make_req(self, prompt: str | list[int], params: SamplingParams) -> Req:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        want_logprobs = params.logprobs is not None or params.prompt_logprobs is not None
-        return Req(
-            rid=f"offline-{next(self._ids)}",
-            input_ids=ids,
-            sampling_params=SamplingParams.from_dict(params.to_dict()),
-            return_logprob=want_logprobs,
-            top_logprobs_num=max(params.logprobs or 0, params.prompt_logprobs or 0),
-            logprob_start_len=0 if params.prompt_logprobs is not None else -1,
-        )
+        return Req.of(f"offline-{next(self._ids)}", ids, SamplingParams.from_dict(params.to_dict()))
 
     def _make_output(self, req: Req) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)

@@ -32,6 +32,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # n-best logprobs per prompt token
     logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+    @property
+    def first_prompt_logprob(self) -> int:
+        """The first prompt position whose logprob is returned; -1 for none."""
+        if self.logprob_start_len >= 0:
+            return self.logprob_start_len
+        return 0 if self.prompt_logprobs is not None else -1
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -67,6 +67,12 @@ class Req:
     num_reported: int = 0  # output tokens already returned in a StepOutput
     stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
 
+    @classmethod
+    def of(cls, rid: str, input_ids: list[int], params: SamplingParams, **kw) -> Req:
+        """A request whose logprob settings follow from its sampling parameters."""
+        return cls(rid, input_ids, params, return_logprob=params.wants_logprobs,
+                   top_logprobs_num=params.top_logprobs_num, logprob_start_len=params.first_prompt_logprob, **kw)
+
     @property
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids

@@ -149,9 +149,6 @@ def with_logprobs(request: GenerateRequest, return_logprob: bool, top_n: int, st
     params.logprobs = top_n if return_logprob else None
     params.prompt_logprobs = top_n if return_logprob and start_len >= 0 else None
     params.logprob_start_len = start_len if return_logprob else -1
-    request.return_logprob = return_logprob
-    request.top_logprobs_num = top_n if return_logprob else 0
-    request.logprob_start_len = start_len if return_logprob else -1
     return request
 
 

@@ -73,10 +73,7 @@ def _from_map(data: dict) -> Any:
 class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
-    sampling_params: dict  # SamplingParams.to_dict()
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    sampling_params: dict  # SamplingParams.to_dict(); the logprob settings are in it
     stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None

@@ -106,7 +106,7 @@ class SchedulerProcess:
             rid=msg.rid,
             skip_special_tokens=req.sampling_params.skip_special_tokens,
             stop=list(req.sampling_params.stop),
-            return_logprob=msg.return_logprob,
+            return_logprob=req.return_logprob,
         )
         self.to_detokenizer.send(encode(settings))
 
@@ -119,18 +119,8 @@ class SchedulerProcess:
             params = SamplingParams.from_dict(msg.sampling_params)
         except TypeError as exc:
             raise SamplingParamsError(f"bad sampling parameters: {exc}") from exc
-        return Req(
-            rid=msg.rid,
-            input_ids=list(msg.input_ids),
-            sampling_params=params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            stream=msg.stream,
-            bootstrap_host=msg.bootstrap_host,
-            bootstrap_port=msg.bootstrap_port,
-            bootstrap_room=msg.bootstrap_room,
-        )
+        return Req.of(msg.rid, list(msg.input_ids), params, stream=msg.stream, bootstrap_host=msg.bootstrap_host,
+                      bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room)
 
     def handle_abort(self, msg: AbortReq) -> None:
         self.sched.abort_request(msg.rid)

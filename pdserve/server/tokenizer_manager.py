@@ -59,13 +59,18 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
     stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+
+    @property
+    def return_logprob(self) -> bool:
+        return self.sampling_params.wants_logprobs
+
+    @property
+    def logprob_start_len(self) -> int:
+        return self.sampling_params.first_prompt_logprob
 
 
 @dataclass(slots=True)
@@ -319,9 +324,6 @@ def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
         rid=request.rid,
         input_ids=request.input_ids,
         sampling_params=request.sampling_params.to_dict(),
-        return_logprob=request.return_logprob,
-        top_logprobs_num=request.top_logprobs_num,
-        logprob_start_len=request.logprob_start_len,
         stream=request.stream,
         bootstrap_host=request.bootstrap_host,
         bootstrap_port=request.bootstrap_port,
