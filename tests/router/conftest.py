@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from cluster_util import Reply, free_port, http
 
-from pdserve_router.stub import StubHost
+from tools.stub import StubHost
 
 
 class RouterProcess:

@@ -12,7 +12,7 @@ from aiohttp import web
 from pdserve_router import dispatch
 from pdserve_router.app import create_app
 from pdserve_router.cli import parse_config
-from pdserve_router.stub import Fabric, StubServer
+from tools.stub import Fabric, StubServer
 
 
 def dechunk(data: bytes) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,14 +15,16 @@ from pdserve_router.payload import FirstEventMerger, inject_bootstrap
 from pdserve_router.policies import CacheAwarePolicy
 from pdserve_router.workers import CircuitBreaker, Worker
 
+ROUTER_DIR = Path(__file__).resolve().parents[2] / "router"  # `tools` (stub, bench) is importable from there
+
 
 def test_import_does_not_pull_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
-            "import pdserve_router, pdserve_router.app, pdserve_router.bench, pdserve_router.stub\n"
+            "import pdserve_router, pdserve_router.app, tools.bench, tools.stub\n"
             "from pdserve_router.app import create_app; from pdserve_router.cli import parse_config\n"
             "create_app(parse_config(['--decode', 'http://127.0.0.1:1']))\n"
             "assert sys.modules['torch'] is None\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROUTER_DIR)
     assert result.returncode == 0, result.stderr
 
 

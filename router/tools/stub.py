@@ -4,7 +4,7 @@ They speak the pdserve HTTP contract without a model: a decode stub waits until 
 `bootstrap_room` has "sent the KV" (a shared in-process Fabric) or until its request is aborted, then streams
 `tokens` SSE events. Faults are knobs on StubServer: `fail_status`, `healthy`, `delay_s`, `response_delay_s`.
 
-`python -m pdserve_router.stub --prefill-ports 31000 --decode-ports 31001` serves them in one process.
+`python -m tools.stub --prefill-ports 31000 --decode-ports 31001` serves them in one process.
 """
 
 from __future__ import annotations

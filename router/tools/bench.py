@@ -8,9 +8,9 @@ extra hop without queueing.
 Phase "throughput": `--throughput-clients` closed-loop clients send 1-token streams as fast as they can for
 `--duration-s`; the router's sustained request rate and its CPU use are reported.
 
-    python -m pdserve_router.bench --plot docs/img/router-overhead.png
+    cd router && python -m tools.bench --plot ../docs/img/router-overhead.png
     # a host with 16+ idle cores: router alone on core 0, stubs and 4 client processes on cores 2-9
-    python -m pdserve_router.bench --router-cpu 0 --stub-cpu 2-9 --client-procs 4 --per-stream 20
+    cd router && python -m tools.bench --router-cpu 0 --stub-cpu 2-9 --client-procs 4 --per-stream 20
 
 The last lines printed are a Markdown table with the rows of docs/benchmarks.md; `--json` writes everything.
 """
@@ -30,8 +30,11 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
+
+ROUTER_DIR = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -362,12 +365,14 @@ def main(argv: list[str] | None = None) -> None:
     if stub_cpu is not None and hasattr(os, "sched_setaffinity") and shutil.which("taskset"):
         os.sched_setaffinity(0, parse_cpus(stub_cpu))
     prefill_port, decode_port, router_port = free_port(), free_port(), free_port()
-    stub_cmd = [sys.executable, "-m", "pdserve_router.stub", "--prefill-ports", str(prefill_port), "--decode-ports",
+    stub_cmd = [sys.executable, "-m", "tools.stub", "--prefill-ports", str(prefill_port), "--decode-ports",
                 str(decode_port), "--no-couple", "--token-interval-s", str(args.token_interval_s)]
     router_cmd = [sys.executable, "-m", "pdserve_router", "--prefill", f"http://127.0.0.1:{prefill_port}",
                   "--decode", f"http://127.0.0.1:{decode_port}", "--port", str(router_port), "--log-level", "warning",
                   *args.router_arg]
-    procs = [subprocess.Popen(pinned(stub_cmd, stub_cpu)), subprocess.Popen(pinned(router_cmd, router_cpu))]
+    # from router/, so that `-m tools.stub` and `-m pdserve_router` resolve to this checkout
+    procs = [subprocess.Popen(pinned(stub_cmd, stub_cpu), cwd=ROUTER_DIR),
+             subprocess.Popen(pinned(router_cmd, router_cpu), cwd=ROUTER_DIR)]
     try:
         results = asyncio.run(run_phases(args, f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}",
                                          f"http://127.0.0.1:{router_port}", procs[1].pid))
