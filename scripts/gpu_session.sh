@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One lent-GPU session (device tool, nvidia-h200-x2 for `pd` and `kv_transfer`; carry .whl .deb, see
+# scripts/prepare_gpu_carry.sh):   bash scripts/gpu_session.sh SUITE...
+# Logs and JSON land in $OUT; each step has its own time limit so one slow step cannot eat the others.
+#
+# Suites, named for what they measure (`all` runs them in this order):
+#   tests        the GPU tests (`-m gpu`), then the CUDA graph tests again with CUDA_LAUNCH_BLOCKING=1
+#   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step
+#   offline      the offline throughput workload, overlapped and synchronous (qwen3-0.6b)
+#   kernels      Triton attention and fused-op kernels against the measured ceilings
+#   kv_transfer  raw KV writes GPU0 -> GPU1 (mooncake, nccl)
+#   pd           PD through the router on two GPUs: greedy identity with colocated and added TTFT
+#   router       the router overhead bench on the lent host's idle cores
+set -u
+SUITES=(tests engine offline kernels kv_transfer pd router)
+[ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
+source scripts/gpu_env.sh || exit 1
+nvidia-smi -L
+python3 -c "import torch, mooncake.engine as m; print(torch.__version__, torch.cuda.device_count(), 'mooncake cuda', m.SUPPORT_CUDA, 'nvlink_intra', getattr(m, 'SUPPORT_INTRA_NVLINK', None))"
+
+# model PRESET: builds the random-weight preset under $M once per session and prints its folder
+model() {
+  [ -d "$M/$1" ] || step 120 "make_$1" python3 -m pdserve.tools.make_model --preset "$1" --out "$M/$1" >&2
+  echo "$M/$1"
+}
+
+suite_tests() {
+  TAILN=40 step 170 gpu_tests python3 -m pytest -q -p no:cacheprovider tests -m gpu
+  CUDA_LAUNCH_BLOCKING=1 TAILN=40 step 60 graph_tests python3 -m pytest -q -p no:cacheprovider tests -m gpu -k cuda_graph
+}
+
+suite_engine() {
+  local small big
+  small=$(model qwen3-0.6b) big=$(model llama-3.1-8b)
+  step 60 one_batch_06b python3 -m pdserve.bench.one_batch --model-path "$small" --batch-sizes 1 64 --input-lens 1024 \
+    --output-lens 64 --out "$OUT/one_batch_06b"
+  step 80 one_batch_8b python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 1 --input-lens 1024 8192 \
+    --output-lens 32 --out "$OUT/one_batch_8b"
+  for temperature in 0.6 0; do
+    step 60 "decode_host_t$temperature" python3 -m pdserve.bench.decode_host --model-path "$small" --batch-size 64 \
+      --input-len 1024 --steps 64 --temperature "$temperature" --repeats 3 --out "$OUT/decode_host_t$temperature.json"
+  done
+}
+
+suite_offline() {
+  local small
+  small=$(model qwen3-0.6b)
+  step 60 offline_overlap python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_overlap"
+  step 60 offline_sync python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_sync" \
+    --disable-overlap-schedule
+}
+
+suite_kernels() {
+  step 170 kernels python3 -m pdserve.bench.kernels --out "$OUT/kernels"
+}
+
+suite_kv_transfer() {
+  step 70 kv_transfer python3 -m pdserve.bench.kv_transfer --backends mooncake,nccl --sizes-mib 256 \
+    --tokens 1024,4096,16384 --page-sizes 16 --patterns contiguous --iters 5 --timeout 30
+}
+
+suite_pd() {
+  local small big
+  small=$(model qwen3-0.6b) big=$(model llama-3.1-8b)
+  TAILN=40 step 150 pd_06b python3 scripts/pd_check.py --model-path "$small" --backends mooncake nccl \
+    --ttft-lens 1024 4096 --out "$OUT/pd_06b"
+  TAILN=40 step 330 pd_8b python3 scripts/pd_check.py --model-path "$big" --backends mooncake nccl --chunk-push-too \
+    --ttft-lens 1024 4096 16384 --out "$OUT/pd_8b"
+}
+
+suite_router() {
+  (cd router && TAILN=12 step 150 router_bench python3 -m tools.bench --router-cpu 0 --stub-cpu 2-9 --client-procs 4 \
+    --per-stream 20 --json "$OUT/router.json")
+}
+
+[ "$*" = all ] && set -- "${SUITES[@]}"
+for suite in "$@"; do
+  case " ${SUITES[*]} " in
+    *" $suite "*) echo "##### $suite"; "suite_$suite" ;;
+    *) echo "unknown suite $suite (${SUITES[*]} all)" >&2; exit 2 ;;
+  esac
+done
