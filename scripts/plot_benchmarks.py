@@ -1,6 +1,6 @@
-"""Draw docs/img/*.png from the GPU results kept in docs/results/<date>/ (JSON and logs the benchmarks wrote).
+"""Draw docs/img/*.png from the GPU results kept in benchmarks/results/<date>/ (JSON and logs the benchmarks wrote).
 
-python scripts/plot_benchmarks.py [--results docs/results/2026-11-21] [--out docs/img]
+python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21] [--out docs/img]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def plot_pd_ttft(results: Path, out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--results", type=Path, default=Path("docs/results/2026-11-21"))
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
