@@ -16,29 +16,20 @@ import argparse
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
-HEALTH_POLL_SECONDS = 0.5
-HEALTH_REQUEST_TIMEOUT_SECONDS = 2.0
-TERMINATE_TIMEOUT_SECONDS = 30.0  # a server itself waits up to 15 s for its scheduler and detokenizer
-KILL_TIMEOUT_SECONDS = 5.0
-LOG_TAIL_LINES = 30
+from pdserve.launcher import (ClusterError, Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags,
+                              router_argv, server_argv, stop_all, wait_healthy)
+
+WATCH_POLL_SECONDS = 0.5
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXAMPLE_PROMPT = "The capital of France is"
 BACKENDS = ("auto", "mooncake", "nccl", "tcp", "fake")
-
-
-class ClusterError(RuntimeError):
-    """Start-up could not finish, or a child died; the message says which child and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,24 +39,6 @@ class ChildSpec:
     url: str  # where /health answers
     gpu: int | None = None
     bootstrap_port: int | None = None
-
-
-@dataclass(slots=True)
-class Child:
-    spec: ChildSpec
-    proc: subprocess.Popen
-    log_path: str
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -133,10 +106,7 @@ class PortPicker:
 
     def pick(self) -> int:
         while True:
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-            with socket.socket(family) as sock:
-                sock.bind((self.host, 0))
-                port = sock.getsockname()[1]
+            port = free_port(self.host)
             if port not in self.taken:
                 self.taken.add(port)
                 return port
@@ -149,10 +119,6 @@ def reachable_host(bind_host: str) -> str:
     if bind_host == "::":
         return "::1"
     return bind_host
-
-
-def http_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def resolve_device(device: str, num_servers: int) -> str:
@@ -172,126 +138,62 @@ def resolve_device(device: str, num_servers: int) -> str:
     return "cuda"
 
 
-def server_argv(model_path: str, host: str, port: int, device: str, gpu: int | None, extra: list[str]) -> list[str]:
-    argv = [sys.executable, "-m", "pdserve.launch_server", "--model-path", model_path, "--host", host,
-            "--port", str(port), "--device", device]
-    if gpu is not None:
-        argv += ["--base-gpu-id", str(gpu)]
-    return argv + extra
-
-
 def plan_cluster(ns: argparse.Namespace, model_path: str, device: str, engine_args: list[str],
                  ports: PortPicker) -> tuple[list[ChildSpec], ChildSpec]:
     """The servers to start, then the router that goes in front of them."""
     host, reach = ns.host, reachable_host(ns.host)
     gpu = (lambda index: index) if device == "cuda" else (lambda index: None)
-    servers: list[ChildSpec] = []
+
+    def spec(name: str, index: int, *role_flags: str, bootstrap: int | None = None) -> ChildSpec:
+        port = ports.pick()
+        argv = server_argv(model_path, port, *engine_args, *role_flags, host=host, device=device, gpu=gpu(index))
+        return ChildSpec(name, tuple(argv), http_url(reach, port), gpu(index), bootstrap)
+
     if ns.colocated:
-        for i in range(ns.num_workers):
-            port = ports.pick()
-            argv = server_argv(model_path, host, port, device, gpu(i), engine_args)
-            servers.append(ChildSpec(f"worker {i}", tuple(argv), http_url(reach, port), gpu(i)))
+        servers = [spec(f"worker {i}", i) for i in range(ns.num_workers)]
         router_flags = ["--worker", *(s.url for s in servers)]
     else:
-        pd = ["--disaggregation-transfer-backend", ns.transfer_backend]
-        for i in range(ns.num_prefill):
-            port, bootstrap = ports.pick(), ports.pick()
-            argv = server_argv(model_path, host, port, device, gpu(i), engine_args) + pd + [
-                "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap)]
-            servers.append(ChildSpec(f"prefill {i}", tuple(argv), http_url(reach, port), gpu(i), bootstrap))
-        for j in range(ns.num_decode):
-            port = ports.pick()
-            index = ns.num_prefill + j
-            argv = server_argv(model_path, host, port, device, gpu(index), engine_args) + pd + [
-                "--disaggregation-mode", "decode"]
-            servers.append(ChildSpec(f"decode {j}", tuple(argv), http_url(reach, port), gpu(index)))
-        prefills = [s for s in servers if s.bootstrap_port is not None]
-        router_flags = ["--prefill", *(s.url for s in prefills),
-                        "--prefill-bootstrap-ports", *(str(s.bootstrap_port) for s in prefills),
-                        "--decode", *(s.url for s in servers if s.name.startswith("decode"))]
+        bootstraps = [ports.pick() for _ in range(ns.num_prefill)]
+        prefills = [spec(f"prefill {i}", i, *prefill_flags(ns.transfer_backend, b), bootstrap=b)
+                    for i, b in enumerate(bootstraps)]
+        decodes = [spec(f"decode {j}", ns.num_prefill + j, *decode_flags(ns.transfer_backend))
+                   for j in range(ns.num_decode)]
+        servers = prefills + decodes
+        router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
     router_port = ns.port or ports.pick()
-    router_argv = [sys.executable, "-m", "pdserve_router", *router_flags, "--host", host, "--port", str(router_port),
-                   *ns.router_args.split()]
-    return servers, ChildSpec("router", tuple(router_argv), http_url(reach, router_port))
+    argv = router_argv(router_port, *router_flags, *ns.router_args.split(), host=host)
+    return servers, ChildSpec("router", tuple(argv), http_url(reach, router_port))
 
 
 # ---- running --------------------------------------------------------------------------------------------------
 
 
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=HEALTH_REQUEST_TIMEOUT_SECONDS) as resp:
-            return resp.status == 200
-    except (OSError, urllib.error.URLError):
-        return False
-
-
 class Cluster:
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
-        self.children: list[Child] = []
+        self.children: list[Proc] = []
         self.stop_requested = threading.Event()
 
-    def start(self, spec: ChildSpec) -> Child:
-        log_path = os.path.join(self.log_dir, spec.name.replace(" ", "-") + ".log")
-        with open(log_path, "w") as log:
-            # own session: Ctrl-C reaches only the launcher, which stops the children in order
-            proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        child = Child(spec, proc, log_path)
-        self.children.append(child)
-        return child
+    def start(self, specs: list[ChildSpec], deadline: float) -> list[Proc]:
+        """Launch the children, then wait until each answers /health."""
+        procs = [Proc(s.name, list(s.argv), s.url, log_path=self.log_path(s.name)) for s in specs]
+        for proc in procs:
+            self.children.append(proc.launch())
+        wait_healthy(procs, deadline, self.stop_requested.is_set)
+        return procs
 
-    def check_alive(self) -> None:
-        for child in self.children:
-            code = child.proc.poll()
-            if code is not None:
-                raise ClusterError(f"{child.name} (pid {child.proc.pid}) exited with code {code}; "
-                                   f"last lines of {child.log_path}:\n{child.log_tail()}")
-
-    def wait_healthy(self, children: list[Child], deadline: float) -> None:
-        pending = list(children)
-        while pending:
-            self.check_alive()
-            if self.stop_requested.is_set():
-                raise ClusterError("interrupted during start-up")
-            pending = [c for c in pending if not healthy(c.spec.url)]
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(c.name for c in pending)
-                raise ClusterError(f"not healthy within the start-up timeout: {names} (logs in {self.log_dir})")
-            if pending:
-                self.stop_requested.wait(HEALTH_POLL_SECONDS)
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, name.replace(" ", "-") + ".log")
 
     def watch(self) -> None:
         """Until a stop is requested; raises ClusterError as soon as a child dies."""
-        while not self.stop_requested.wait(HEALTH_POLL_SECONDS):
-            self.check_alive()
+        while not self.stop_requested.wait(WATCH_POLL_SECONDS):
+            for child in self.children:
+                child.check_alive()
 
     def stop(self) -> None:
         """Router first, then the servers: SIGTERM, wait, then SIGKILL whatever is left of each child's session."""
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                child.proc.terminate()  # the server stops its own scheduler and detokenizer
-        deadline = time.monotonic() + TERMINATE_TIMEOUT_SECONDS
-        for child in reversed(self.children):
-            try:
-                child.proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                print(f"pdserve-cluster: {child.name} did not stop in {TERMINATE_TIMEOUT_SECONDS:.0f} s; killing it",
-                      file=sys.stderr, flush=True)
-            _signal_group(child.proc, signal.SIGKILL)  # also whatever a clean exit left behind
-            try:
-                child.proc.wait(KILL_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                print(f"pdserve-cluster: {child.name} (pid {child.proc.pid}) survived SIGKILL", file=sys.stderr)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    """Signal the child's whole session (start_new_session: its group id is its pid), grandchildren included."""
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
+        stop_all(reversed(self.children))
 
 
 def default_model_path() -> str:
@@ -307,17 +209,18 @@ def curl_line(router_url: str) -> str:
     return f"curl -X POST {router_url}/generate -H \"Content-Type: application/json\" -d '{body}'"
 
 
-def describe(ns: argparse.Namespace, device: str, servers: list[Child], router: Child) -> str:
+def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs: list[Proc]) -> str:
+    """The children as planned (`specs`, the router last) and where each one logs."""
     mode = (f"colocated: {ns.num_workers} worker(s)" if ns.colocated else
             f"PD: {ns.num_prefill} prefill, {ns.num_decode} decode, transfer backend {ns.transfer_backend}")
     lines = [f"pdserve cluster ready ({mode}, on {device})"]
-    for child in [*servers, router]:
-        spec = child.spec
+    for spec, proc in zip(specs, procs):
         where = f"GPU {spec.gpu}" if spec.gpu is not None else ""
         boot = f"bootstrap port {spec.bootstrap_port}" if spec.bootstrap_port is not None else ""
         extras = ", ".join(x for x in (boot, where) if x)
-        lines.append(f"  {spec.name:<10} {spec.url}{f'  ({extras})' if extras else ''}  log: {child.log_path}")
-    lines += ["", f"Router: {router.spec.url}", "Try:", f"  {curl_line(router.spec.url)}", "",
+        lines.append(f"  {spec.name:<10} {spec.url}{f'  ({extras})' if extras else ''}  log: {proc.log_path}")
+    router_url = specs[-1].url
+    lines += ["", f"Router: {router_url}", "Try:", f"  {curl_line(router_url)}", "",
               "Ctrl-C stops everything."]
     return "\n".join(lines)
 
@@ -339,11 +242,9 @@ def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
         server_specs, router_spec = plan_cluster(ns, model_path, device, engine_args, PortPicker(ns.host))
         deadline = time.monotonic() + ns.startup_timeout
         print(f"pdserve-cluster: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
-        servers = [cluster.start(spec) for spec in server_specs]
-        cluster.wait_healthy(servers, deadline)
-        router = cluster.start(router_spec)  # after the servers, so its first health check already passes
-        cluster.wait_healthy([router], deadline)
-        print(describe(ns, device, servers, router), flush=True)
+        servers = cluster.start(server_specs, deadline)
+        router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
+        print(describe(ns, device, [*server_specs, router_spec], [*servers, *router]), flush=True)
         cluster.watch()
         print("pdserve-cluster: stopping", flush=True)
         return EXIT_OK

@@ -12,22 +12,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from pdserve.launcher import (Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags, router_argv,
+                              server_argv, start_all, stop_all)
 
-from cluster_util import free_port, prefill_server, decode_server, router, server, start_all, stop_all  # noqa: E402
+STARTUP_TIMEOUT_S = 480.0
+SIZE_FLAGS = {"cuda": ["--max-total-tokens", "131072", "--context-length", "20000", "--cuda-graph-max-bs", "16"],
+              "cpu": ["--max-total-tokens", "4096", "--context-length", "512"]}
+# on the CPU one intra-op thread per process: the servers share the cores, and oversubscription slows each token
+CPU_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
-GPU_FLAGS = ["--device", "cuda", "--max-total-tokens", "131072", "--context-length", "20000", "--cuda-graph-max-bs", "16"]
+
+def server(name: str, model: str, device: str, gpu: int, *flags: str) -> Proc:
+    """A server on GPU `gpu` (or the CPU) on loopback."""
+    port = free_port()
+    argv = server_argv(model, port, *SIZE_FLAGS[device], *flags, device=device, gpu=gpu if device == "cuda" else None)
+    return Proc(name, argv, http_url("127.0.0.1", port), env=CPU_ENV if device == "cpu" else None)
 
 
-def role_flags(device: str, gpu: int) -> list[str]:
-    return [*GPU_FLAGS, "--base-gpu-id", str(gpu)] if device == "cuda" else []  # cluster_util defaults to CPU
+def router(prefill: Proc, bootstrap_port: int, decode: Proc) -> Proc:
+    port = free_port()
+    argv = router_argv(port, "--log-level", "warning", *pd_router_flags([(prefill.url, bootstrap_port)], [decode.url]))
+    return Proc("router", argv, http_url("127.0.0.1", port))
 
 
 def generate(url: str, body: dict) -> dict:
@@ -69,22 +81,22 @@ def main() -> None:
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in args.identity_lens]
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    colocated = start_all([server("colocated", args.model_path, *role_flags(args.device, 0))])[0]
+    colocated = start_all([server("colocated", args.model_path, args.device, 0)], STARTUP_TIMEOUT_S)[0]
     report = {"model": args.model_path, "backends": {}}
     try:
         expected = [generate(colocated.url, {"input_ids": p, "sampling_params": greedy})["output_ids"] for p in prompts]
         colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, vocab) for _ in range(n)])
                          for _ in range(args.reps)] for n in args.ttft_lens}
         report["colocated_ttft_ms"] = {n: statistics.median(v) for n, v in colo_ttft.items()}
-        variants = [(b, b, []) for b in args.backends]
+        variants: list[tuple[str, str, list[str]]] = [(b, b, []) for b in args.backends]
         if args.chunk_push_too:
             variants += [(f"{b}+chunk-push", b, ["--disaggregation-layerwise-min-tokens", "0"]) for b in args.backends]
-        for name, backend, prefill_flags in variants:
+        for name, backend, extra in variants:
             bport = free_port()
-            p = prefill_server(args.model_path, backend, bport, *role_flags(args.device, 0), *prefill_flags)
-            d = decode_server(args.model_path, backend, *role_flags(args.device, 1))
-            procs = start_all([p, d])
-            r = start_all([router([(p, bport)], [d])])[0]
+            p = server(f"prefill-{name}", args.model_path, args.device, 0, *prefill_flags(backend, bport), *extra)
+            d = server(f"decode-{name}", args.model_path, args.device, 1, *decode_flags(backend))
+            procs = start_all([p, d], STARTUP_TIMEOUT_S)
+            r = start_all([router(p, bport, d)], STARTUP_TIMEOUT_S)[0]
             try:
                 got = [generate(r.url, {"input_ids": q, "sampling_params": greedy})["output_ids"] for q in prompts]
                 batch = generate(r.url, {"input_ids": prompts, "sampling_params": greedy})

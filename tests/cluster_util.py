@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pdserve import launcher
+from pdserve.launcher import free_port, stop_all
+
 STARTUP_TIMEOUT = 480.0  # generous: CI boxes shared with other jobs start servers slowly
-STOP_TIMEOUT = 30.0
 CONTEXT_LENGTH = 512
 MAX_TOTAL_TOKENS = 4096
 # small PD timeouts so that failure tests end in seconds
@@ -28,12 +25,6 @@ PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "6", "--disaggregation-wait
                "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-failures", "2"]
 # one intra-op thread per process: several servers share a few cores, and oversubscription makes each token slower
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -64,37 +55,8 @@ def http(method: str, url: str, body: dict | bytes | None = None, headers: dict 
         return Reply(exc.code, exc.read(), dict(exc.headers))
 
 
-@dataclass
-class Proc:
-    """One server or router process; its output goes to a log file that failures print."""
-
-    name: str
-    argv: list[str]
-    port: int
-    proc: subprocess.Popen | None = None
-    log_path: str = ""
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def launch(self) -> "Proc":
-        fd, self.log_path = tempfile.mkstemp(prefix=f"pdserve-{self.name}-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=CHILD_ENV)
-        return self
-
-    def healthy(self) -> bool:
-        assert self.proc.poll() is None, f"{self.name} exited with {self.proc.returncode}:\n{self.log()}"
-        try:
-            return http("GET", self.url + "/health", timeout=2).status == 200
-        except OSError:
-            return False
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-6000:]
+class Proc(launcher.Proc):
+    """A launched server or router with the test's HTTP shortcuts."""
 
     def get(self, path: str, **kwargs) -> Reply:
         return http("GET", self.url + path, **kwargs)
@@ -102,85 +64,34 @@ class Proc:
     def post(self, path: str, body: dict, **kwargs) -> Reply:
         return http("POST", self.url + path, body, **kwargs)
 
-    def signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)  # the whole session: the server's scheduler and detokenizer too
-        except ProcessLookupError:
-            pass
-
-    def terminate(self) -> None:
-        """SIGTERM to the server process only, as a user would send; it stops its own children."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.terminate()
-        try:
-            self.proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            pass
-        self.signal(signal.SIGKILL)  # whatever is left of the session
-        self.proc.wait(10)
-        os.unlink(self.log_path)
-
-
-def wait_healthy(procs: Iterable[Proc], timeout: float = STARTUP_TIMEOUT) -> None:
-    pending = list(procs)
-    deadline = time.monotonic() + timeout
-    while pending:
-        pending = [p for p in pending if not p.healthy()]
-        if pending and time.monotonic() > deadline:
-            raise AssertionError(f"not healthy after {timeout} s: {pending[0].name}\n{pending[0].log()}")
-        time.sleep(0.25)
-
 
 def start_all(procs: list[Proc]) -> list[Proc]:
     """Launch every process, then wait until all answer /health; on failure stop them all."""
-    try:
-        for proc in procs:
-            proc.launch()
-        wait_healthy(procs)
-    except BaseException:
-        stop_all(procs)
-        raise
-    return procs
-
-
-def stop_all(procs: Iterable[Proc]) -> None:
-    procs = [p for p in procs if p.proc is not None]
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        proc.stop()
+    return launcher.start_all(procs, STARTUP_TIMEOUT)
 
 
 def server(name: str, model: str, *extra: str, port: int | None = None) -> Proc:
+    """A server on the CPU with a small KV pool; `extra` flags come last and win."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "pdserve.launch_server", "--model-path", model, "--port", str(port),
-            "--device", "cpu", "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--context-length", str(CONTEXT_LENGTH),
-            *extra]
-    return Proc(name, argv, port)
+    argv = launcher.server_argv(model, port, "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+                                "--context-length", str(CONTEXT_LENGTH), *extra)
+    return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
 
 
 def prefill_server(model: str, backend: str, bootstrap_port: int, *extra: str) -> Proc:
-    return server(f"prefill-{backend}", model, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                  backend, "--disaggregation-bootstrap-port", str(bootstrap_port), *PD_TIMEOUTS, *extra)
+    return server(f"prefill-{backend}", model, *launcher.prefill_flags(backend, bootstrap_port), *PD_TIMEOUTS, *extra)
 
 
 def decode_server(model: str, backend: str, *extra: str, name: str = "") -> Proc:
-    return server(name or f"decode-{backend}", model, "--disaggregation-mode", "decode",
-                  "--disaggregation-transfer-backend", backend, "--num-reserved-decode-tokens", "64",
-                  *PD_TIMEOUTS, *extra)
+    return server(name or f"decode-{backend}", model, *launcher.decode_flags(backend),
+                  "--num-reserved-decode-tokens", "64", *PD_TIMEOUTS, *extra)
 
 
 def router(prefills: list[tuple[Proc, int]], decodes: list[Proc], *extra: str, name: str = "router") -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "pdserve_router", "--port", str(port), "--log-level", "warning",
-            "--prefill", *(p.url for p, _ in prefills), "--prefill-bootstrap-ports", *(str(b) for _, b in prefills),
-            "--decode", *(d.url for d in decodes), "--health-check-interval-s", "0.5", *extra]
-    return Proc(name, argv, port)
+    pd_flags = launcher.pd_router_flags([(p.url, b) for p, b in prefills], [d.url for d in decodes])
+    argv = launcher.router_argv(port, "--log-level", "warning", *pd_flags, "--health-check-interval-s", "0.5", *extra)
+    return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
 
 
 def scheduler_stats(proc: Proc) -> dict:
