@@ -61,7 +61,7 @@ class Proc(launcher.Proc):
     def get(self, path: str, **kwargs) -> Reply:
         return http("GET", self.url + path, **kwargs)
 
-    def post(self, path: str, body: dict, **kwargs) -> Reply:
+    def post(self, path: str, body: dict | bytes | None = None, **kwargs) -> Reply:
         return http("POST", self.url + path, body, **kwargs)
 
 
@@ -70,12 +70,13 @@ def start_all(procs: list[Proc]) -> list[Proc]:
     return launcher.start_all(procs, STARTUP_TIMEOUT)
 
 
-def server(name: str, model: str, *extra: str, port: int | None = None) -> Proc:
-    """A server on the CPU with a small KV pool; `extra` flags come last and win."""
+def server(name: str, model: str, *extra: str, port: int | None = None, kind: type[Proc] = Proc, **fields) -> Proc:
+    """A server on the CPU with a small KV pool; `extra` flags come last and win. `kind` and `fields`: a subclass
+    of Proc with its own fields."""
     port = port or free_port()
     argv = launcher.server_argv(model, port, "--max-total-tokens", str(MAX_TOTAL_TOKENS),
                                 "--context-length", str(CONTEXT_LENGTH), *extra)
-    return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
+    return kind(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV, **fields)
 
 
 def prefill_server(model: str, backend: str, bootstrap_port: int, *extra: str) -> Proc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _peer import start_peer, stop_peer
+from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests
 from pdserve.disagg.transfer import make_transfer_engine
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 
 import pytest
+from cluster_util import free_port
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST
@@ -15,15 +15,13 @@ from pdserve.disagg.prefill import PrefillScheduler
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.tools.make_model import make_model
 
-_ports = itertools.count(28600)
 TIMEOUTS = dict(disaggregation_bootstrap_timeout=3.0, disaggregation_waiting_timeout=3.0)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("m") / "qwen3-tiny"))
+def model(tiny_model):
+    return tiny_model
 
 
 def engine_args(model, **kw) -> dict:
@@ -32,7 +30,7 @@ def engine_args(model, **kw) -> dict:
 
 
 def make_pair(model, **kw) -> tuple[PrefillScheduler, DecodeScheduler, int]:
-    port = next(_ports)
+    port = free_port()  # not a fixed range: other test runs on the machine may hold it
     prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
                                           port=1, **engine_args(model, **kw)))
     decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model, **kw)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _peer import start_peer, stop_peer
+from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.transfer import (
     KVRegion,
     TransferError,

@@ -67,12 +67,12 @@ def new_llm(path: str, **kw) -> LLM:
     return LLM(path, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=256, **kw)
 
 
-def test_sampled_batches_overlap_and_draw_what_synchronous_decode_draws(qwen3_tiny):
+def test_sampled_batches_overlap_and_draw_what_synchronous_decode_draws(tiny_model):
     rng = random.Random(3)
     ps = [[rng.randrange(3, 900) for _ in range(rng.randrange(5, 40))] for _ in range(5)]
     sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, ignore_eos=True)
-    sync = new_llm(qwen3_tiny, disable_overlap_schedule=True)
-    sched = new_llm(qwen3_tiny).scheduler
+    sync = new_llm(tiny_model, disable_overlap_schedule=True)
+    sched = new_llm(tiny_model).scheduler
     for i, p in enumerate(ps):
         sched.add_request(Req(rid=f"s{i}", input_ids=p, sampling_params=SamplingParams.from_dict(sp.to_dict())))
     sched.step()  # prefill
@@ -81,14 +81,14 @@ def test_sampled_batches_overlap_and_draw_what_synchronous_decode_draws(qwen3_ti
     while sched.has_work():
         sched.step()
     assert sched.kv_pool_is_fully_free()
-    fresh = new_llm(qwen3_tiny)  # same seed as `sync`: the same draws when the batches have the same shapes
+    fresh = new_llm(tiny_model)  # same seed as `sync`: the same draws when the batches have the same shapes
     assert [o.token_ids for o in fresh.generate(ps, sp, use_tqdm=False)] == \
            [o.token_ids for o in sync.generate(ps, sp, use_tqdm=False)]
     assert fresh.scheduler.kv_pool_is_fully_free() and sync.scheduler.kv_pool_is_fully_free()
 
 
-def test_seeded_requests_decode_synchronously(qwen3_tiny):
-    llm = new_llm(qwen3_tiny)
+def test_seeded_requests_decode_synchronously(tiny_model):
+    llm = new_llm(tiny_model)
     sched = llm.scheduler
     sched.add_request(Req(rid="seeded", input_ids=[5, 6, 7],
                           sampling_params=SamplingParams(temperature=0.9, seed=11, max_tokens=6, ignore_eos=True)))

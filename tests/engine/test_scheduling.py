@@ -14,8 +14,8 @@ from pdserve.scheduler.scheduler import token_slots
 
 
 @pytest.fixture(scope="module")
-def llm(qwen3_tiny):
-    return LLM(qwen3_tiny, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
+def llm(tiny_model):
+    return LLM(tiny_model, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=64)
 
 
 def prompts(n, seed=0, lo=3, hi=60):
@@ -94,10 +94,10 @@ def test_logprobs_are_consistent(llm):
     assert all(v <= 0 for v in out.prompt_logprobs[1:])
 
 
-def test_retraction_under_memory_pressure_keeps_outputs(qwen3_tiny):
+def test_retraction_under_memory_pressure_keeps_outputs(tiny_model):
     ps = prompts(6, seed=20, lo=20, hi=30)
-    roomy = LLM(qwen3_tiny, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096)
-    tight = LLM(qwen3_tiny, device="cpu", dtype="float32", page_size=4, max_total_tokens=160,
+    roomy = LLM(tiny_model, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096)
+    tight = LLM(tiny_model, device="cpu", dtype="float32", page_size=4, max_total_tokens=160,
                 schedule_conservativeness=0.1, disable_radix_cache=True)
     expected = [o.token_ids for o in roomy.generate(ps, greedy(40), use_tqdm=False)]
     got = [o.token_ids for o in tight.generate(ps, greedy(40), use_tqdm=False)]
@@ -149,12 +149,12 @@ def test_invalid_requests_raise_clear_errors(llm):
     assert llm.scheduler.kv_pool_is_fully_free()
 
 
-def test_unsupported_architecture_is_refused(tmp_path, qwen3_tiny):
+def test_unsupported_architecture_is_refused(tmp_path, tiny_model):
     import json
     import shutil
 
     bad = tmp_path / "bad"
-    shutil.copytree(qwen3_tiny, bad)
+    shutil.copytree(tiny_model, bad)
     cfg = json.loads((bad / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -162,9 +162,9 @@ def test_unsupported_architecture_is_refused(tmp_path, qwen3_tiny):
         LLM(str(bad), device="cpu")
 
 
-def test_overlap_schedule_matches_synchronous_decode(qwen3_tiny, llm):
+def test_overlap_schedule_matches_synchronous_decode(tiny_model, llm):
     ps = prompts(6, seed=50)
-    sync = LLM(qwen3_tiny, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096,
+    sync = LLM(tiny_model, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096,
                chunked_prefill_size=64, disable_overlap_schedule=True)
     sp = [greedy(12), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=1.0)] * 3
     assert llm.scheduler.overlap and not sync.scheduler.overlap

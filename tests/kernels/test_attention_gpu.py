@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kernels_paged import make_batch, reference_attention, rel_err
+from paged_attention_reference import make_batch, reference_attention, rel_err
 from pdserve.attention.base import ForwardMode
 
 pytestmark = pytest.mark.gpu

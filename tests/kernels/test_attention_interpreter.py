@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_paged import make_batch, reference_attention, rel_err
+from paged_attention_reference import make_batch, reference_attention, rel_err
 from pdserve.attention.base import ForwardMode
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels_paged import rel_err
+from paged_attention_reference import rel_err
 from pdserve import kernels
 from pdserve.kernels.ops import HAS_TRITON
 

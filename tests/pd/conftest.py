@@ -7,18 +7,10 @@ transfer backend, a prefill + decode pair behind its own router.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster_util import (PDCluster, Proc, decode_server, free_port, prefill_server, router, server,  # noqa: E402
-                          start_all, stop_all)
-
-from pdserve.tools.make_model import make_model  # noqa: E402
+from cluster_util import PDCluster, Proc, decode_server, free_port, prefill_server, router, server, start_all, stop_all
 
 CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
 # tcp pair: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it; the mooncake
@@ -38,14 +30,9 @@ BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncak
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0))
-
-
-@pytest.fixture(scope="session")
-def other_model(tmp_path_factory) -> str:
+def other_model(tiny_models) -> str:
     """A different architecture: a decode server with it must be refused by the prefill's handshake."""
-    return str(make_model("llama-tiny", tmp_path_factory.mktemp("models") / "llama-tiny", seed=0))
+    return tiny_models["llama-tiny"]
 
 
 @pytest.fixture(scope="session")

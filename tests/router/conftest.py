@@ -2,42 +2,37 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import Reply, free_port, http
+from cluster_util import Proc, Reply, free_port, http
+
+from pdserve.launcher import router_argv, start_all
 
 from tools.stub import StubHost
 
+ROUTER_STARTUP_TIMEOUT_S = 15.0
 
-class RouterProcess:
-    def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pdserve_router", "--port", str(self.port), "--health-check-interval-s", "0.1",
-               "--retry-backoff-s", "0.001", *args]
-        self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited early:\n{self.close()}")
-            try:
-                http("GET", self.url + "/workers", timeout=1)  # any answer (401 with --api-key) means it is up
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError("router did not come up")
 
-    def get(self, path: str, **kw) -> Reply:
-        return http("GET", self.url + path, **kw)
+class RouterProcess(Proc):
+    """The router under test; it is up when /workers answers (with no healthy instance /health says 503)."""
 
-    def post(self, path: str, body=None, **kw) -> Reply:
-        return http("POST", self.url + path, body, **kw)
+    def healthy(self) -> bool:
+        self.check_alive()
+        try:
+            http("GET", self.url + "/workers", timeout=1)  # any answer (401 with --api-key) means it is up
+            return True
+        except OSError:
+            return False
+
+    @classmethod
+    def start(cls, args: list[str]) -> "RouterProcess":
+        port = free_port()
+        argv = router_argv(port, "--health-check-interval-s", "0.1", "--retry-backoff-s", "0.001", *args)
+        router = cls("router", argv, f"http://127.0.0.1:{port}")
+        start_all([router], ROUTER_STARTUP_TIMEOUT_S)
+        return router
 
     def delete(self, path: str, body=None, **kw) -> Reply:
         return http("DELETE", self.url + path, body, **kw)
@@ -58,15 +53,8 @@ class RouterProcess:
 
     def close(self) -> str:
         """Stops the router and returns its log (printed, so that pytest shows it for a failed test)."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.seek(0)
-        out = self.log.read()
-        self.log.close()
+        out = self.log()
+        self.stop(timeout=10)
         print(out)
         return out
 
@@ -83,7 +71,7 @@ def start_router() -> Iterator:
     routers: list[RouterProcess] = []
 
     def start(*args: str) -> RouterProcess:
-        routers.append(RouterProcess(list(args)))
+        routers.append(RouterProcess.start(list(args)))
         return routers[-1]
 
     yield start

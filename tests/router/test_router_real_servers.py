@@ -7,20 +7,12 @@ in /metrics), and that a decode server killed with SIGKILL leaves rotation while
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster_util import (Proc, decode_server, free_port, prefill_server, router, start_all, stop_all,  # noqa: E402
-                          wait_kv_free)
-
-from pdserve.tools.make_model import make_model  # noqa: E402
+from cluster_util import Proc, decode_server, free_port, prefill_server, router, start_all, stop_all, wait_kv_free
 
 pytestmark = pytest.mark.timeout(900)  # the first test also pays for starting the servers
 
@@ -29,8 +21,8 @@ RECEIVED = "pdserve_requests_received_total"
 
 
 @pytest.fixture(scope="module")
-def pd_servers(tmp_path_factory) -> Iterator[dict]:
-    model = str(make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0))
+def pd_servers(tiny_model) -> Iterator[dict]:
+    model = tiny_model
     bootstrap = free_port()
     prefill = prefill_server(model, "tcp", bootstrap)
     decodes = [decode_server(model, "tcp", name=f"decode-{i}") for i in range(2)]

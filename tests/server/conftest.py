@@ -1,22 +1,15 @@
-"""Fixtures for server tests: a tiny random model and the real server as a subprocess on loopback."""
+"""Fixtures for server tests: the real server as a subprocess on loopback."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from server_util import API_KEY, ServerProcess
-
-from pdserve.tools.make_model import make_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0))
+from server_util import API_KEY, ServerProcess, api_server
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model) -> Iterator[ServerProcess]:
-    proc = ServerProcess(tiny_model, api_key=API_KEY).start()
+def server(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = api_server(tiny_model, tmp_path_factory.mktemp("server") / "server.log", api_key=API_KEY).start()
     yield proc
     proc.stop()

@@ -5,18 +5,15 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import cluster_util
-from cluster_util import free_port, http
+from cluster_util import http
 
 API_KEY = "test-key"
 CONTEXT_LENGTH = 256
 MAX_BATCH_ITEMS = 8
-STARTUP_TIMEOUT = 300.0  # generous: a loaded 2-core machine imports torch slowly
 
 
 class Reply(cluster_util.Reply):
@@ -28,41 +25,15 @@ class Reply(cluster_util.Reply):
 
 
 @dataclass
-class ServerProcess:
-    model_path: str
-    extra_args: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen | None = None
-    log_path: str = ""
+class ServerProcess(cluster_util.Proc):
+    """The server under test: requests carry its API key, replies check the SSE `[DONE]`."""
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    model_path: str = ""
+    api_key: str | None = None
 
     def start(self) -> "ServerProcess":
-        command = [sys.executable, "-m", "pdserve.launch_server", "--model-path", self.model_path,
-                   "--port", str(self.port), "--device", "cpu", "--max-total-tokens", "16384",
-                   "--context-length", str(CONTEXT_LENGTH), "--max-batch-items", str(MAX_BATCH_ITEMS),
-                   *(["--api-key", self.api_key] if self.api_key else []), *self.extra_args]
-        fd, self.log_path = tempfile.mkstemp(prefix="pdserve-test-", suffix=".log")
-        with os.fdopen(fd, "w") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited early:\n{self.log()}"
-            try:
-                if self.request("GET", "/health").status == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise AssertionError(f"server not ready after {STARTUP_TIMEOUT} s:\n{self.log()}")
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
+        cluster_util.start_all([self])
+        return self
 
     def headers(self, auth: bool = True) -> dict:
         headers = {"Content-Type": "application/json"}
@@ -85,15 +56,23 @@ class ServerProcess:
         return descendants(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """`sig` to the server alone, and its exit code; its session is killed only if it outlives `timeout`."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            for pid in [*self.descendants(), self.proc.pid]:
-                _kill(pid)
+            self.signal(signal.SIGKILL)
             self.proc.wait(10)
             raise
+
+
+def api_server(model_path: str, log_path: Path, api_key: str | None = None) -> ServerProcess:
+    """The server as the server tests configure it, logging to `log_path` (kept for the test to read)."""
+    return cluster_util.server("server", model_path, "--max-total-tokens", "16384",
+                               "--context-length", str(CONTEXT_LENGTH), "--max-batch-items", str(MAX_BATCH_ITEMS),
+                               *(["--api-key", api_key] if api_key else []), kind=ServerProcess,
+                               model_path=model_path, api_key=api_key, log_path=str(log_path))
 
 
 def descendants(pid: int) -> list[int]:
@@ -120,13 +99,6 @@ def process_info(pid: int) -> tuple[str, int] | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return None if fields[0] in ("Z", "X") else (fields[0], int(fields[1]))
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

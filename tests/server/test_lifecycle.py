@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from server_util import ServerProcess, process_info
+from server_util import api_server, process_info
 
 from pdserve.config import ServerArgs
 
@@ -72,8 +72,8 @@ def test_taken_port_fails_fast(tiny_model):
     assert time.monotonic() - started < 30
 
 
-def test_child_crash_takes_the_server_down(tiny_model):
-    server = ServerProcess(tiny_model).start()
+def test_child_crash_takes_the_server_down(tiny_model, tmp_path):
+    server = api_server(tiny_model, tmp_path / "server.log").start()
     try:
         children = server.descendants()
         victim = max(children, key=_rss_kb)  # the scheduler or the detokenizer, not the resource tracker

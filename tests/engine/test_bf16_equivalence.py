@@ -18,10 +18,8 @@ MARGIN = 0.5
 
 
 @pytest.fixture(scope="module")
-def qwen3_06b(tmp_path_factory):
-    from pdserve.tools.make_model import make_model
-
-    return str(make_model("qwen3-0.6b", tmp_path_factory.mktemp("m") / "qwen3-0.6b", seed=0))
+def qwen3_06b(tiny_models):
+    return tiny_models["qwen3-0.6b"]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
