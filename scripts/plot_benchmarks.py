@@ -20,6 +20,15 @@ ROOFLINE_LINE = re.compile(r"-> ([\d.]+)%")
 KV_LINE = re.compile(r"^kv (\d+) tok p\d+ \w+\s+[\d.]+\s+\d+\s+[\d.]+\s+([\d.]+)")
 
 
+def finish(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Label, legend and save one plot."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def offline_runs(results: Path) -> list[tuple[str, float, float]]:
     runs = []
     first = json.loads((results / "offline-run1-triton-sync.json").read_text())
@@ -39,11 +48,7 @@ def plot_offline(results: Path, out: Path) -> None:
         ax.annotate(f"{roof:.0f}% of roofline", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom")
     ax.axhline(20000, ls="--", color="gray", label="target 20,000 tok/s")
-    ax.set_ylabel("output tok/s")
-    ax.set_title("Offline seeds workload, qwen3-0.6b, H200, 2026-11-21")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "offline.png", dpi=120)
+    finish(fig, ax, "output tok/s", "Offline seeds workload, qwen3-0.6b, H200, 2026-11-21", out / "offline.png")
 
 
 def plot_decode(results: Path, out: Path) -> None:
@@ -58,11 +63,7 @@ def plot_decode(results: Path, out: Path) -> None:
     ax.bar([x - 0.2 for x in xs], [c[1] for c in cases], width=0.4, label="measured time between tokens")
     ax.bar([x + 0.2 for x in xs], [c[2] for c in cases], width=0.4, label="bytes / HBM bandwidth")
     ax.set_xticks(list(xs), [c[0] for c in cases])
-    ax.set_ylabel("ms")
-    ax.set_title("Decode step vs HBM roofline (overlap on), H200, 2026-11-21")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "decode_tbt.png", dpi=120)
+    finish(fig, ax, "ms", "Decode step vs HBM roofline (overlap on), H200, 2026-11-21", out / "decode_tbt.png")
 
 
 def plot_kv_transfer(results: Path, out: Path) -> None:
@@ -80,11 +81,7 @@ def plot_kv_transfer(results: Path, out: Path) -> None:
     ax.axhline(0.7 * 394, ls=":", color="gray", label="target 70%")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens (llama-3.1-8b KV, 128 KiB/token)")
-    ax.set_ylabel("GB/s")
-    ax.set_title("KV handoff bandwidth, 2x H200 NVLink, 2026-11-21")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "kv_transfer.png", dpi=120)
+    finish(fig, ax, "GB/s", "KV handoff bandwidth, 2x H200 NVLink, 2026-11-21", out / "kv_transfer.png")
 
 
 def pd_blocks(log: str) -> dict[str, dict]:
@@ -111,11 +108,7 @@ def plot_pd_ttft(results: Path, out: Path) -> None:
         ax.bar(xs, [data["added_ttft_ms"][str(n)] for n in lengths], width=width, label=backend)
     ax.set_xticks([j + width * (len(blocks) - 1) / 2 for j in range(len(lengths))], [f"{n} tokens" for n in lengths])
     ax.axhline(5, ls="--", color="gray", label="target 5 ms (4k prompt)")
-    ax.set_ylabel("added TTFT over colocated (ms)")
-    ax.set_title("PD vs colocated TTFT, llama-3.1-8b, concurrency 1, 2x H200, 2026-11-21")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "pd_ttft.png", dpi=120)
+    finish(fig, ax, "added TTFT over colocated (ms)", "PD vs colocated TTFT, llama-3.1-8b, concurrency 1, 2x H200, 2026-11-21", out / "pd_ttft.png")
 
 
 def main() -> None:
