@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pdserve import launcher
 from pdserve.launcher import free_port, stop_all
@@ -122,3 +123,44 @@ class PDCluster:
     @property
     def servers(self) -> list[Proc]:
         return [self.prefill, self.decode]
+
+
+class ProcessInfo(NamedTuple):
+    state: str
+    parent: int
+    session: int
+
+
+def process_info(pid: int) -> ProcessInfo | None:
+    """State, parent pid and session id of a live process, from /proc; None when it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else ProcessInfo(fields[0], int(fields[1]), int(fields[3]))
+
+
+def live_processes() -> dict[int, ProcessInfo]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (info := process_info(int(entry))) is not None:
+            found[int(entry)] = info
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Live (not zombie) processes below `pid`."""
+    children: dict[int, list[int]] = {}
+    for child, info in live_processes().items():
+        children.setdefault(info.parent, []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def live_session_members(sid: int) -> list[int]:
+    return [pid for pid, info in live_processes().items() if info.session == sid]

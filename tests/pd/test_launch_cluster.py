@@ -14,24 +14,9 @@ import threading
 import time
 
 import pytest
-from cluster_util import CHILD_ENV, http
+from cluster_util import CHILD_ENV, http, live_session_members
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
-
-
-def live_session_members(sid: int) -> list[int]:
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] not in ("Z", "X") and int(fields[3]) == sid:  # field 3 after the name: session id
-            members.append(int(entry))
-    return members
 
 
 def test_cluster_serves_and_stops_when_a_child_dies(tiny_model, tmp_path):

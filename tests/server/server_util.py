@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ class ServerProcess(cluster_util.Proc):
         return self.request("GET", path, **kwargs)
 
     def descendants(self) -> list[int]:
-        return descendants(self.proc.pid)
+        return cluster_util.descendants(self.proc.pid)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """`sig` to the server alone, and its exit code; its session is killed only if it outlives `timeout`."""
@@ -73,32 +72,6 @@ def api_server(model_path: str, log_path: Path, api_key: str | None = None) -> S
                                "--context-length", str(CONTEXT_LENGTH), "--max-batch-items", str(MAX_BATCH_ITEMS),
                                *(["--api-key", api_key] if api_key else []), kind=ServerProcess,
                                model_path=model_path, api_key=api_key, log_path=str(log_path))
-
-
-def descendants(pid: int) -> list[int]:
-    """Live (not zombie) processes below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            info = process_info(int(entry))
-            if info is not None:
-                children.setdefault(info[1], []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def process_info(pid: int) -> tuple[str, int] | None:
-    """(state, parent pid) of a live process; None when it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return None if fields[0] in ("Z", "X") else (fields[0], int(fields[1]))
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from server_util import api_server, process_info
+from cluster_util import process_info
+from server_util import api_server
 
 from pdserve.config import ServerArgs
 

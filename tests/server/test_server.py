@@ -10,7 +10,8 @@ import time
 import aiohttp
 import openai
 import pytest
-from server_util import API_KEY, CONTEXT_LENGTH, MAX_BATCH_ITEMS, Reply, ServerProcess, parse_prometheus, process_info
+from cluster_util import process_info
+from server_util import API_KEY, CONTEXT_LENGTH, MAX_BATCH_ITEMS, Reply, ServerProcess, parse_prometheus
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
