@@ -120,7 +120,8 @@ function fill(tableId, items, render) {
 function show(status) {
   const state = document.getElementById("state");
   state.className = "muted";
-  state.textContent = status.mode + " mode; policies " + JSON.stringify(status.policies) +
+  const policies = Object.entries(status.policies).map(([role, policy]) => role + " " + policy).join(", ");
+  state.textContent = status.mode + " mode; policies: " + policies +
     "; updated " + new Date(status.time * 1000).toLocaleTimeString();
   fill("instances", status.instances, (row, w) => {
     row.dataset.url = w.url;

@@ -1,0 +1,3 @@
+from pdserve_router.cli import main
+
+main()

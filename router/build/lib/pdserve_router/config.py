@@ -1,0 +1,81 @@
+"""The router's whole configuration: one frozen dataclass built by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Mode = Literal["pd", "regular"]
+Role = Literal["prefill", "decode", "regular"]
+POLICIES = ("random", "round_robin", "least_load", "cache_aware")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+class ConfigError(ValueError):
+    """A flag value or combination that cannot work; raised before anything starts."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    mode: Mode = "pd"
+    prefill_urls: tuple[str, ...] = ()
+    bootstrap_ports: tuple[int | None, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    worker_urls: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+    event_loop: str = "auto"
+    # policies
+    policy: str = "round_robin"
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "least_load"
+    cache_threshold: float = 0.5
+    cache_block_chars: int = 16
+    cache_max_entries: int = 65536
+    balance_abs_threshold: int = 32
+    balance_rel_threshold: float = 1.5
+    # requests
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    max_retries: int = 3
+    retry_backoff_s: float = 0.02
+    retry_max_backoff_s: float = 1.0
+    abort_timeout_s: float = 2.0
+    admin_timeout_s: float = 60.0
+    # health checks
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 2.0
+    health_check_endpoint: str = "/health"
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
+    # circuit breaker
+    cb_failure_threshold: int = 5
+    cb_success_threshold: int = 2
+    cb_open_duration_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.mode == "regular" and (self.prefill_urls or self.decode_urls):
+            raise ConfigError("--worker (regular mode) cannot be combined with --prefill/--decode")
+        if self.mode == "pd" and self.worker_urls:
+            raise ConfigError("--worker is only for regular mode")
+        if len(self.bootstrap_ports) != len(self.prefill_urls):
+            raise ConfigError("need exactly one bootstrap port per prefill URL")
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ConfigError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}")
+        if self.api_key is not None and any(c in self.api_key for c in "\r\n"):
+            raise ConfigError("--api-key must be one line")
+        if self.max_retries < 0 or self.request_timeout_s <= 0 or self.health_check_interval_s <= 0:
+            raise ConfigError("--max-retries must be >= 0 and the timeouts/intervals > 0")
+        if min(self.health_failure_threshold, self.health_success_threshold, self.cb_failure_threshold,
+               self.cb_success_threshold, self.cache_block_chars) < 1:
+            raise ConfigError("thresholds and --cache-block-chars must be >= 1")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ConfigError("--cache-threshold must be in [0, 1]")
+
+    def policy_for(self, role: Role) -> str:
+        return {"prefill": self.prefill_policy, "decode": self.decode_policy, "regular": self.policy}[role]

@@ -1,0 +1,410 @@
+"""Request dispatch: pick a (prefill, decode) pair or one regular worker, send, relay, retry, abort the other half.
+
+One attempt sends the request to the *main* upstream (decode, or the regular worker) whose answer the client gets,
+and in PD mode right after it to the *side* upstream (prefill), whose answer is collected in the background and only
+awaited when input logprobs must be merged. Until the first byte goes to the client, a connection failure or a
+5xx from either half aborts the other half and retries with a new pair and a new room.
+
+Both halves go over `upstream.UpstreamPool` (keep-alive connections, the request written in the handler's own
+step, the response parsed in the protocol); the handler waits on one future for the main half's first bytes, which
+the side half's failure interrupts, so a warm request creates no task besides aiohttp's handler task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+from .config import Role, RouterConfig
+from .metrics import RouterMetrics
+from .payload import (BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids, bootstrap_fields,
+                      encode_body, error_body, error_response, merge_json_response, prefill_items_by_index,
+                      routing_key)
+from .policies import make_policy
+from .upstream import Exchange, UpstreamPool, timeout
+from .workers import NoHealthyWorker, Worker, WorkerRegistry
+
+log = logging.getLogger("pdserve_router")
+CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+CLIENT_HIGH_WATER = 64 * 1024  # client send-buffer bytes above which the relay falls back to awaited writes
+# A pdserve PD server answers 502 (its peer failed or refused) or 504 (its peer timed out) when a KV handoff fails:
+# the instance that answered is alive; the other half of the pair is the suspect.
+PEER_FAILURE_STATUSES = (502, 504)
+
+
+class SSEResponse(web.StreamResponse):
+    """A stream response whose head goes out with the first body bytes (one write, one packet, one wake-up of the
+    client) instead of on its own at prepare(). The attribute is aiohttp's (3.9+); where it is unknown, the head
+    simply goes out at prepare() as before."""
+
+    _send_headers_immediately = False
+
+
+def relay_sink(ctx: RequestContext):
+    """Writes relayed stream bytes straight to the client's transport, framed as HTTP/1.1 chunks, from the upstream
+    protocol's callback (no task wake-up per event). Refuses, so that the awaited `response.write()` path with its
+    flow control takes over, while the client's send buffer is above the high-water mark or the client is gone.
+    Only for a prepared chunked response whose head is already out (the first write flushed it)."""
+    transport, response = ctx.request.transport, ctx.response
+    if transport is None or response is None or not response.chunked or response.compression:
+        return None
+
+    def write(data: bytes) -> bool:
+        if transport.is_closing() or transport.get_write_buffer_size() > CLIENT_HIGH_WATER:
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    return write
+
+
+class UpstreamError(Exception):
+    """One half failed: `status` None means the connection failed."""
+
+    def __init__(self, worker: Worker, status: int | None, body: bytes = b"", detail: str = ""):
+        self.worker, self.status, self.body = worker, status, body
+        what = f"HTTP {status}" if status is not None else "connection failed"
+        what += f" ({detail})" if detail else ""
+        message = upstream_error_message(body)
+        what += f": {message}" if message else ""
+        super().__init__(f"{worker.role} {worker.url}: {what}")
+
+    @property
+    def reports_peer_failure(self) -> bool:
+        return self.status in PEER_FAILURE_STATUSES
+
+    def suspect(self, attempt: Attempt) -> Worker:
+        """The instance to leave out of the retry: the one that failed, or for a failed handoff its peer."""
+        if self.reports_peer_failure and attempt.side is not None:
+            return attempt.side if self.worker is attempt.main else attempt.main
+        return self.worker
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status >= 500
+
+    @property
+    def kind(self) -> str:
+        return "connect" if self.status is None else ("upstream_5xx" if self.status >= 500 else "upstream_4xx")
+
+    def client_response(self, request_id: str) -> web.Response:
+        """A non-retryable upstream error is passed through as the upstream sent it."""
+        return web.Response(status=self.status or 502, body=self.body, content_type="application/json",
+                            headers={"X-Request-Id": request_id})
+
+
+def upstream_error_message(body: bytes, limit: int = 500) -> str:
+    """The `message` of an OpenAI-style error body (pdserve's and the router's own), else ''."""
+    if not body or not body.lstrip().startswith(b"{"):
+        return ""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return ""
+    message = error.get("message") if isinstance(error, dict) else error
+    return message[:limit] if isinstance(message, str) else ""
+
+
+@dataclass(slots=True)
+class RequestContext:
+    request: web.Request
+    path: str
+    body: dict
+    raw: bytes | None  # the client's body bytes when they can be forwarded with fields appended (payload.spliceable)
+    request_id: str
+    started: float
+    stream: bool
+    batch: int | None
+    return_logprob: bool
+    response: web.StreamResponse | None = None
+    excluded: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class Attempt:
+    ctx: RequestContext
+    number: int
+    main: Worker
+    side: Worker | None
+    rid: str
+    body_rid: str | list[str] | None
+    main_done: bool = False
+    first_received: bool = False
+    main_ex: Exchange | None = None
+    side_ex: Exchange | None = None
+    aborted: set[str] = field(default_factory=set)
+
+
+class Dispatcher:
+    def __init__(self, config: RouterConfig, registry: WorkerRegistry, session: aiohttp.ClientSession,
+                 metrics: RouterMetrics, upstream: UpstreamPool):
+        self.config, self.registry, self.session, self.metrics = config, registry, session, metrics
+        self.upstream = upstream
+        self.main_role: Role = "decode" if config.mode == "pd" else "regular"
+        roles: tuple[Role, ...] = ("prefill", "decode") if config.mode == "pd" else ("regular",)
+        self.policies = {role: make_policy(config.policy_for(role), config) for role in roles}
+        self.needs_key = any(config.policy_for(role) == "cache_aware" for role in roles)
+        self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
+        self.background: set[asyncio.Task] = set()
+
+    async def handle(self, request: web.Request, path: str, body: dict, raw: bytes | None = None) -> web.StreamResponse:
+        started = time.perf_counter()
+        request_id = request.headers.get("X-Request-Id") or f"{random.getrandbits(128):032x}"
+        if "\r" in request_id or "\n" in request_id:
+            raise BadRequest("X-Request-Id must be one line")
+        ctx = RequestContext(request, path, body, raw, request_id, started, bool(body.get("stream")),
+                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
+        try:
+            async with timeout(self.config.request_timeout_s):
+                return await self.with_retries(ctx)
+        except asyncio.TimeoutError:
+            self.metrics.errors.inc(kind="timeout")
+            message = f"request timed out after {self.config.request_timeout_s:g} s"
+            log.warning("rid=%s %s", ctx.request_id, message)
+            if ctx.response is None:
+                return error_response(504, message, ctx.request_id)
+            await self.end_stream_with_error(ctx, 504, message)
+            return ctx.response
+        except asyncio.CancelledError:
+            self.metrics.errors.inc(kind="client_disconnect")
+            log.info("rid=%s client went away before the answer", ctx.request_id)
+            raise
+        finally:
+            self.metrics.duration.observe(time.perf_counter() - ctx.started)
+
+    async def with_retries(self, ctx: RequestContext) -> web.StreamResponse:
+        last_error: UpstreamError | None = None
+        key = routing_key(ctx.path, ctx.body) if self.needs_key else None
+        for number in range(self.config.max_retries + 1):
+            try:
+                attempt = self.new_attempt(ctx, number, key)
+            except NoHealthyWorker as exc:
+                self.metrics.errors.inc(kind="no_worker")
+                message = str(exc) + (f"; last error: {last_error}" if last_error else "")
+                log.warning("rid=%s %s", ctx.request_id, message)
+                return error_response(503, message, ctx.request_id)
+            try:
+                return await self.run_attempt(attempt)
+            except UpstreamError as exc:
+                self.metrics.errors.inc(kind=exc.kind)
+                if not exc.retryable:
+                    return exc.client_response(ctx.request_id)
+                last_error = exc
+                ctx.excluded.add(exc.suspect(attempt).url)
+            if number < self.config.max_retries:
+                self.metrics.retries.inc()
+                log.warning("rid=%s attempt %d failed (%s); retrying with a new pair", ctx.request_id, number,
+                            last_error)
+                backoff = min(self.config.retry_backoff_s * 2 ** number, self.config.retry_max_backoff_s)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+        message = f"all {self.config.max_retries + 1} attempts failed; last error: {last_error}"
+        log.error("rid=%s %s", ctx.request_id, message)
+        return error_response(502, message, ctx.request_id)
+
+    def new_attempt(self, ctx: RequestContext, number: int, key) -> Attempt:
+        excluded = frozenset(ctx.excluded)
+        main = self.policies[self.main_role].select(self.registry.available(self.main_role, excluded), key)
+        side = None
+        if self.config.mode == "pd":
+            side = self.policies["prefill"].select(self.registry.available("prefill", excluded), key)
+        rid = attempt_rid(ctx.request_id, number)
+        body_rid = body_rids(ctx.body.get("rid"), ctx.request_id, ctx.batch, ctx.path, number)
+        return Attempt(ctx, number, main, side, rid, body_rid)
+
+    async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
+        ctx = attempt.ctx
+        extra = bootstrap_fields(ctx.path, attempt.side, ctx.batch) if attempt.side else {}
+        if attempt.body_rid is not None:
+            extra["rid"] = attempt.body_rid
+        data = encode_body(ctx.raw, ctx.body, extra)
+        fields = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ",
+                           attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line))
+        main = attempt.main
+        main.in_flight += 1
+        attempt.main_ex = exchange = self.upstream.send(main.url, ctx.path, fields, data, whole=not ctx.stream)
+        if attempt.side:  # decode goes out first
+            self.start_side(attempt, data, fields)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rid=%s attempt %d -> %s%s", attempt.rid, attempt.number, main.url,
+                      f" + {attempt.side.url}" if attempt.side else "")
+        dispatched = time.perf_counter()
+        try:
+            await self.open_main(attempt, exchange)
+            attempt.first_received = True
+            return await self.respond(attempt, exchange, dispatched - ctx.started)
+        except BaseException as exc:
+            self.abort_pair(attempt, exc)
+            raise
+        finally:
+            main.in_flight -= 1
+            exchange.close()
+
+    def start_side(self, attempt: Attempt, data: bytes, fields: bytes) -> None:
+        side = attempt.side
+        side.in_flight += 1
+        attempt.side_ex = exchange = self.upstream.send(side.url, attempt.ctx.path, fields, data, whole=True)
+
+        def settle(head: asyncio.Future) -> None:
+            side.in_flight -= 1
+            if head.cancelled():
+                return
+            error = self.side_error(attempt)
+            self.registry.record(side, error is None or not error.retryable or error.reports_peer_failure)
+            if error is None:
+                return
+            if not attempt.first_received:
+                attempt.main_ex.interrupt(error)  # fail fast: the main half's head raises the side's error
+            elif not attempt.main_done:
+                log.warning("rid=%s prefill failed after streaming began (%s); aborting decode", attempt.rid, error)
+                self.metrics.errors.inc(kind="stream")
+                self.send_abort(attempt.main, attempt)
+
+        exchange.head.add_done_callback(settle)
+
+    def side_error(self, attempt: Attempt) -> UpstreamError | None:
+        """The side half's failure (connection, or a status of 400 and up) once its exchange has settled."""
+        exchange, side = attempt.side_ex, attempt.side
+        exc = exchange.head.exception()
+        if exc is not None:
+            return exc if isinstance(exc, UpstreamError) else UpstreamError(side, None,
+                                                                           detail=str(exc) or type(exc).__name__)
+        if exchange.status >= 400:
+            return UpstreamError(side, exchange.status, exchange.body())
+        return None
+
+    async def open_main(self, attempt: Attempt, exchange: Exchange) -> None:
+        """Waits for the head plus the first chunk (streaming) or the whole body; failures raise UpstreamError."""
+        worker = attempt.main
+        try:
+            await exchange.head
+        except UpstreamError:
+            raise  # the side half failed first
+        except CONNECTION_ERRORS as exc:
+            self.registry.record(worker, False)
+            raise UpstreamError(worker, None, detail=str(exc) or type(exc).__name__) from exc
+        status = exchange.status
+        if status >= 400 or not attempt.ctx.stream:
+            attempt.main_done = True
+        self.registry.record(worker, status < 500 or status in PEER_FAILURE_STATUSES)
+        if status >= 400:
+            raise UpstreamError(worker, status, exchange.take())
+
+    async def respond(self, attempt: Attempt, exchange: Exchange, pre_dispatch: float) -> web.StreamResponse:
+        ctx = attempt.ctx
+        first = exchange.take()
+        prefill_items = None
+        if ctx.return_logprob and attempt.side_ex is not None:
+            try:
+                await attempt.side_ex.head
+            except CONNECTION_ERRORS:
+                pass  # side_error() turns it into an UpstreamError
+            error = self.side_error(attempt)
+            if error is not None:
+                raise error
+            prefill_body = attempt.side_ex.body()
+            try:
+                if ctx.stream:
+                    prefill_items = prefill_items_by_index(prefill_body, stream=True)
+                else:
+                    first = merge_json_response(first, prefill_body)
+            except ValueError as exc:
+                raise UpstreamError(attempt.main, 502, detail=f"unparsable JSON for the logprob merge: {exc}") from exc
+        received = time.perf_counter()
+        headers = {"X-Request-Id": ctx.request_id}
+        if not ctx.stream:
+            response = web.Response(status=exchange.status, body=first, headers=headers,
+                                    content_type=exchange.content_type or "application/json")
+            self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
+            return response
+        response = SSEResponse(status=exchange.status, headers={**SSE_HEADERS, **headers})
+        if ctx.request.version >= (1, 1):
+            response.enable_chunked_encoding()  # what aiohttp would pick anyway; relay_sink() relies on it
+        await response.prepare(ctx.request)
+        ctx.response = response
+        merger = FirstEventMerger(prefill_items) if prefill_items else None
+        if await self.write_client(attempt, merger.feed(first) if merger else first):
+            self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
+            await self.relay(attempt, exchange, merger)
+        return response
+
+    async def relay(self, attempt: Attempt, exchange: Exchange, merger: FirstEventMerger | None) -> None:
+        sink = None if merger else relay_sink(attempt.ctx)
+        while True:
+            exchange.sink = sink  # (again after a fallback below)
+            try:
+                chunk = await exchange.readany()  # with a sink: the end, a failure, or bytes the sink could not take
+            except CONNECTION_ERRORS as exc:
+                self.registry.record(attempt.main, False)
+                self.metrics.errors.inc(kind="stream")
+                log.warning("rid=%s %s stream broke after streaming began: %s", attempt.rid, attempt.main.role, exc)
+                self.abort_pair(attempt, UpstreamError(attempt.main, None, detail=str(exc)))
+                await self.end_stream_with_error(attempt.ctx, 502, f"upstream stream broke: {attempt.main.url}")
+                return
+            if not chunk:
+                break
+            if not await self.write_client(attempt, merger.feed(chunk) if merger else chunk):
+                return
+        attempt.main_done = True
+        if merger and not await self.write_client(attempt, merger.flush()):
+            return
+        await attempt.ctx.response.write_eof()
+
+    async def write_client(self, attempt: Attempt, data: bytes) -> bool:
+        """Sends bytes to the client; when the client has gone away, aborts both halves and returns False."""
+        try:
+            await attempt.ctx.response.write(data)
+            return True
+        except CONNECTION_ERRORS as exc:
+            self.metrics.errors.inc(kind="client_disconnect")
+            log.info("rid=%s client went away: %s", attempt.rid, exc)
+            self.abort_pair(attempt, exc)
+            return False
+
+    async def end_stream_with_error(self, ctx: RequestContext, status: int, message: str) -> None:
+        try:
+            await ctx.response.write(b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n")
+            await ctx.response.write_eof()
+        except CONNECTION_ERRORS:
+            pass
+
+    def abort_pair(self, attempt: Attempt, cause: BaseException) -> None:
+        """Aborts every half of a failed attempt that is still running and was not itself the failure."""
+        failed = cause.worker if isinstance(cause, UpstreamError) else None
+        if not attempt.main_done and failed is not attempt.main:
+            self.send_abort(attempt.main, attempt)
+        side_ex = attempt.side_ex
+        if side_ex is not None and not side_ex.head.done():
+            side_ex.close()
+            if failed is not attempt.side:
+                self.send_abort(attempt.side, attempt)
+
+    def send_abort(self, worker: Worker, attempt: Attempt) -> None:
+        if worker.url in attempt.aborted:
+            return
+        attempt.aborted.add(worker.url)
+        self.metrics.aborts.inc(role=worker.role)
+        task = asyncio.create_task(self.post_abort(worker, attempt.body_rid or attempt.rid, attempt.rid))
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def post_abort(self, worker: Worker, rid: str | list[str], request_id: str) -> None:
+        log.info("rid=%s aborting on %s %s", request_id, worker.role, worker.url)
+        try:
+            async with self.session.post(worker.url + "/abort_request", json={"rid": rid},
+                                         headers={"X-Request-Id": request_id, **self.auth},
+                                         timeout=aiohttp.ClientTimeout(total=self.config.abort_timeout_s)) as resp:
+                await resp.read()
+        except (*CONNECTION_ERRORS, asyncio.TimeoutError) as exc:
+            log.info("rid=%s abort on %s failed: %s", request_id, worker.url, exc)
+
+    async def close(self) -> None:
+        await asyncio.gather(*self.background, return_exceptions=True)

@@ -1,0 +1,183 @@
+"""Worker registry: which instances exist, which are healthy, how loaded they are, and their circuit breakers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from .config import ConfigError, Role, RouterConfig
+
+log = logging.getLogger("pdserve_router")
+
+
+class NoHealthyWorker(Exception):
+    """No instance of a role can take a request right now."""
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    """closed -> open after `failure_threshold` consecutive failures; open -> half_open after `open_duration_s`;
+    half_open -> closed after `success_threshold` successes, back to open on any failure."""
+
+    failure_threshold: int
+    success_threshold: int
+    open_duration_s: float
+    state: str = "closed"
+    failures: int = 0
+    successes: int = 0
+    opened_at: float = 0.0
+
+    def allows(self, now: float) -> bool:
+        if self.state == "open" and now - self.opened_at >= self.open_duration_s:
+            self.state, self.successes = "half_open", 0
+        return self.state != "open"
+
+    def reset(self) -> None:
+        """An instance that came back (it passed its health checks again) starts with a clean record."""
+        self.state, self.failures, self.successes = "closed", 0, 0
+
+    def record(self, ok: bool, now: float) -> None:
+        if ok:
+            self.failures = 0
+            self.successes += 1
+            if self.state == "half_open" and self.successes >= self.success_threshold:
+                self.state = "closed"
+            return
+        self.successes = 0
+        self.failures += 1
+        if self.state == "half_open" or self.failures >= self.failure_threshold:
+            self.state, self.opened_at = "open", now
+
+
+@dataclass(slots=True)
+class Worker:
+    url: str
+    role: Role
+    breaker: CircuitBreaker
+    bootstrap_port: int | None = None
+    healthy: bool = True  # in rotation (dispatch tries a new instance before its first health check)
+    ready: bool = False  # has passed at least one health check; the router's /health waits for it
+    in_flight: int = 0
+    health_failures: int = 0
+    health_successes: int = 0
+    bootstrap_host: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.url = normalize_url(self.url)
+        host = urlsplit(self.url).hostname or ""
+        self.bootstrap_host = f"[{host}]" if ":" in host else host
+
+    def available(self, now: float) -> bool:
+        return self.healthy and self.breaker.allows(now)
+
+    def describe(self) -> dict:
+        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
+                "ready": self.ready,
+                "circuit": self.breaker.state, "in_flight": self.in_flight}
+
+
+def normalize_url(url: str) -> str:
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"not an http(s) URL: {url!r}")
+    return url.strip().rstrip("/")
+
+
+class WorkerRegistry:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+
+    def add(self, url: str, role: Role, bootstrap_port: int | None = None) -> Worker:
+        allowed = ("regular",) if self.config.mode == "regular" else ("prefill", "decode")
+        if role not in allowed:
+            raise ConfigError(f"role must be one of {', '.join(allowed)} in {self.config.mode} mode")
+        c = self.config
+        worker = Worker(url, role, CircuitBreaker(c.cb_failure_threshold, c.cb_success_threshold, c.cb_open_duration_s),
+                        bootstrap_port if role == "prefill" else None)
+        if worker.url in self.workers:
+            raise KeyError(f"worker {worker.url} is already registered")
+        self.workers[worker.url] = worker
+        log.info("added %s worker %s", role, worker.url)
+        return worker
+
+    def remove(self, url: str) -> Worker:
+        worker = self.workers.pop(normalize_url(url))
+        log.info("removed %s worker %s", worker.role, worker.url)
+        return worker
+
+    def of_role(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def available(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[Worker]:
+        """Healthy instances with a closed breaker, preferring ones not in `exclude` (already failed this request)."""
+        now = time.monotonic()
+        ready = [w for w in self.workers.values() if w.role == role and w.available(now)]
+        if not ready:
+            total = len(self.of_role(role))
+            raise NoHealthyWorker(f"no healthy {role} instance available ({total} registered, 0 healthy)")
+        fresh = [w for w in ready if w.url not in exclude]
+        return fresh or ready
+
+    def record(self, worker: Worker, ok: bool) -> None:
+        worker.breaker.record(ok, time.monotonic())
+
+
+class HealthChecker:
+    """Polls every worker's health endpoint; thresholds of consecutive results flip `Worker.healthy`."""
+
+    def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
+        self.registry = registry
+        self.session = session
+        self.headers = headers
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self.run())
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.registry.config.health_check_interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        workers = list(self.registry.workers.values())
+        results = await asyncio.gather(*(self.probe(w) for w in workers))
+        for worker, ok in zip(workers, results):
+            self.update(worker, ok)
+
+    async def probe(self, worker: Worker) -> bool:
+        c = self.registry.config
+        try:
+            async with self.session.get(worker.url + c.health_check_endpoint, headers=self.headers,
+                                        timeout=aiohttp.ClientTimeout(total=c.health_check_timeout_s)) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    def update(self, worker: Worker, ok: bool) -> None:
+        c = self.registry.config
+        if ok:
+            worker.ready = True
+            worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
+            if not worker.healthy and worker.health_successes >= c.health_success_threshold:
+                worker.healthy = True
+                worker.breaker.reset()
+                log.warning("%s worker %s is healthy again; back in rotation", worker.role, worker.url)
+            return
+        worker.health_successes, worker.health_failures = 0, worker.health_failures + 1
+        if worker.healthy and worker.health_failures >= c.health_failure_threshold:
+            worker.healthy = False
+            log.warning("%s worker %s failed %d health checks; out of rotation", worker.role, worker.url,
+                        worker.health_failures)
