@@ -69,7 +69,7 @@ class Dashboard:
 
 def add_dashboard(app: web.Application, router: Router) -> None:
     dashboard = Dashboard(router)
-    app.on_startup.append(dashboard.attach)
+    app.on_startup.insert(0, dashboard.attach)  # before the router's first health-check round, which may warn
     app.on_cleanup.append(dashboard.detach)
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/status", dashboard.status)
