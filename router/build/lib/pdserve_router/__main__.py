@@ -1,3 +1,0 @@
-from pdserve_router.cli import main
-
-main()
