@@ -13,6 +13,7 @@ from aiohttp import web
 
 from .cli import DEFAULT_BOOTSTRAP_PORT
 from .config import ConfigError, RouterConfig
+from .dashboard import add_dashboard
 from .dispatch import CONNECTION_ERRORS, Dispatcher
 from .metrics import RouterMetrics
 from .payload import BadRequest, error_response, spliceable
@@ -232,6 +233,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/workers", router.list_workers)
     app.router.add_post("/workers", router.add_worker)
     app.router.add_delete("/workers", router.remove_worker)
+    add_dashboard(app, router)
     return app
 
 
