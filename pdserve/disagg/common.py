@@ -1,11 +1,4 @@
-"""What both PD roles share: the handoff poll state, the control channel, and the KV-manager base.
-
-Control messages (msgpack dicts over ZMQ, keyed by `bootstrap_room`):
-  decode -> prefill  transfer_request {room, rid, control, session, peer: describe(), dst_pages}
-  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs}}
-  either way         failed {room, error}, abort {room}
-  prefill -> decode  abort_ack {room}  (no write for the room is in flight any more)
-"""
+"""What both PD roles share: the control channel and the KV-manager base."""
 
 from __future__ import annotations
 
@@ -13,9 +6,6 @@ import logging
 import os
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
-from enum import IntEnum
 
 import torch
 
@@ -24,47 +14,8 @@ from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
-from pdserve.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
-
-MAX_PAGES_PER_MESSAGE = 1 << 20
-PEER_FAILED = 502  # HTTP status of a request whose handoff failed at or with the peer (the router may retry it)
-PEER_TIMEOUT = 504  # ... or timed out waiting for the peer
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
-
-
-class KVPoll(IntEnum):
-    FAILED = 0
-    BOOTSTRAPPING = 1
-    WAITING_FOR_INPUT = 2
-    TRANSFERRING = 3
-    SUCCESS = 4
-
-
-@dataclass(slots=True, eq=False)
-class Handoff:
-    """One request's KV handoff on either side. The state only moves forward; FAILED dominates."""
-
-    req: Req
-    room: int
-    deadline: float
-    poll: KVPoll = KVPoll.BOOTSTRAPPING
-    error: str | None = None
-    peer_control: str | None = None  # the other side's control endpoint
-    peer_session: str | None = None  # the other side's transfer-engine session
-    peer_region: KVRegion | None = None
-    dst_pages: list[int] = field(default_factory=list)
-    pages_sent: int = 0
-    writes_in_flight: int = 0
-
-    def advance(self, state: KVPoll, error: str | None = None) -> None:
-        if self.poll == KVPoll.FAILED:
-            return
-        if state == KVPoll.FAILED:
-            self.poll, self.error = KVPoll.FAILED, error
-        elif state > self.poll:
-            self.poll = state
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:
@@ -175,17 +126,3 @@ class KVManager:
     def close(self) -> None:
         self.channel.close()
         self.engine.close()
-
-
-def checked_pages(value, limit: int, expected: int) -> list[int]:
-    """Page ids from another process: a list of `expected` distinct ints in [1, limit)."""
-    if not isinstance(value, list) or len(value) != expected or expected > MAX_PAGES_PER_MESSAGE:
-        raise ValueError(f"expected {expected} destination pages, got {type(value).__name__} of "
-                         f"{len(value) if isinstance(value, list) else '?'}")
-    if not all(type(p) is int and 1 <= p < limit for p in value) or len(set(value)) != len(value):
-        raise ValueError(f"destination pages must be distinct ints in [1, {limit})")
-    return value
-
-
-def now() -> float:
-    return time.monotonic()

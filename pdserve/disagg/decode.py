@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, now
-from pdserve.disagg.prefill import validate_pd_request
+from pdserve.disagg.common import KVManager
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now, validate_pd_request
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.scheduler import Scheduler
 

@@ -20,7 +20,8 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.common import KVManager
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.request import FinishReason, Req
@@ -342,20 +343,6 @@ class PrefillScheduler(Scheduler):
         self.worker.close()
         self.bootstrap.close()
         self.kv.close()
-
-
-def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
-    if req.sampling_params.max_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
-    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
-        return
-    if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
-        raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
-                         "(send them through the router)")
-    if not 0 <= req.bootstrap_room < 2**63:
-        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
-    if req.bootstrap_room in handoffs:
-        raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
 
 
 def _aux_record(h: Handoff) -> dict:
