@@ -20,12 +20,12 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import KVManager
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now, validate_pd_request
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now
+from pdserve.disagg.role import DisaggScheduler
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.request import FinishReason, Req
-from pdserve.scheduler.scheduler import ExtendItem, Scheduler
+from pdserve.scheduler.scheduler import ExtendItem
 
 logger = logging.getLogger(__name__)
 
@@ -112,27 +112,21 @@ class TransferWorker:
         self.peers.close()
 
 
-class PrefillScheduler(Scheduler):
+class PrefillScheduler(DisaggScheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
-        self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
-        self.worker = TransferWorker(self.kv.engine, self.kv.channel.post)
+        self.worker = TransferWorker(self.engine, self.channel.post)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
-            rank=0, control_endpoint=self.kv.channel.endpoint, transfer_session=self.kv.engine.session_id(),
-            transfer_backend=self.kv.engine.name, kv_layout=self.runner.pool.layout.describe(),
-            model=self.kv.description["model"], tp_size=args.tp_size,
+            rank=0, control_endpoint=self.channel.endpoint, transfer_session=self.engine.session_id(),
+            transfer_backend=self.engine.name, kv_layout=self.runner.pool.layout.describe(),
+            model=self.description["model"], tp_size=args.tp_size,
         ))
-        self.handoffs: dict[int, Handoff] = {}
         self.early_requests: dict[int, tuple[dict, float]] = {}  # transfer_requests that beat their HTTP request
         self.handlers = {"transfer_request": self._on_transfer_request, "abort": self._on_peer_abort,
                          "write_done": self._on_write_done, "write_failed": self._on_write_failed}
 
     # ---- requests -----------------------------------------------------------------------------------------
-
-    def validate(self, req: Req) -> None:
-        super().validate(req)
-        validate_pd_request(req, self.handoffs)
 
     def _accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
@@ -143,17 +137,6 @@ class PrefillScheduler(Scheduler):
         early = self.early_requests.pop(h.room, None)
         if early is not None:
             self._on_transfer_request(early[0])
-
-    def has_work(self) -> bool:
-        return super().has_work() or bool(self.handoffs)
-
-    def step(self):
-        self.kv.channel.dispatch(self.handlers)
-        self._expire()
-        return super().step()
-
-    def wakeup_fds(self) -> list[int]:
-        return [self.kv.channel.wakeup_fd]
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
@@ -184,7 +167,7 @@ class PrefillScheduler(Scheduler):
         def push_layer(layer: int) -> None:
             computed = self._record_event()
             for h, runs in plans:
-                spans = kv_write_requests(self.kv.region, h.peer_region, runs, range(layer, layer + 1))
+                spans = kv_write_requests(self.region, h.peer_region, runs, range(layer, layer + 1))
                 self._submit(h, spans, final=False, computed=computed)
 
         return push_layer
@@ -215,7 +198,7 @@ class PrefillScheduler(Scheduler):
         if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
             return
         runs = self._runs_to_send(h, upto_page)
-        spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
+        spans = kv_write_requests(self.region, h.peer_region, runs) if runs else ([], [], [])
         notify = None
         if final:
             notify = (h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid, "aux": _aux_record(h)})
@@ -249,7 +232,7 @@ class PrefillScheduler(Scheduler):
             return
         try:
             h.peer_control = _str(msg, "control")
-            check_compatible(self.kv.description, msg.get("peer") or {})
+            check_compatible(self.description, msg.get("peer") or {})
             layout = layout_from_description((msg.get("peer") or {}).get("kv_layout"))
             h.dst_pages = checked_pages(msg.get("dst_pages"), layout.num_pages,
                                         math.ceil(len(h.req.input_ids) / self.page_size))
@@ -286,7 +269,7 @@ class PrefillScheduler(Scheduler):
             h.writes_in_flight -= msg["count"]
             self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
 
-    def _expire(self) -> None:
+    def expire_handoffs(self) -> None:
         t = now()
         for h in list(self.handoffs.values()):
             if h.poll == KVPoll.BOOTSTRAPPING and t > h.deadline:
@@ -330,19 +313,15 @@ class PrefillScheduler(Scheduler):
         self.worker.cancelled.discard(h.room)
         super()._release_pages(h.req)
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
-            self.kv.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, **self.server_info()}
+            self.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
 
     def server_info(self) -> dict:
-        return {"disaggregation_mode": "prefill", "bootstrap": self.bootstrap.address, **self.kv.info()}
+        return {**super().server_info(), "bootstrap": self.bootstrap.address}
 
     def close(self) -> None:
         self.worker.close()
         self.bootstrap.close()
-        self.kv.close()
+        super().close()
 
 
 def _aux_record(h: Handoff) -> dict:

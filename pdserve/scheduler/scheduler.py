@@ -143,6 +143,8 @@ class Scheduler(OverlapMixin):
         self._finish(req, FinishReason("abort", message=message))
 
     def step(self) -> list[StepOutput]:
+        if not self.prepare_step():
+            return self._collect_outputs()
         items = self._schedule_extend()
         if items:
             self._finish_inflight()
@@ -152,6 +154,11 @@ class Scheduler(OverlapMixin):
         else:
             self._finish_inflight()
         return self._collect_outputs()
+
+    def prepare_step(self) -> bool:
+        """Hook: runs first in every step (the PD roles read their peers' messages). False skips this step's
+        forward pass, so the step only reports what changed."""
+        return True
 
     def has_work(self) -> bool:
         """Any request not finished yet (the PD roles add those waiting for a message from their peer)."""

@@ -1,4 +1,4 @@
-"""What both PD roles share: the control channel and the KV-manager base."""
+"""The control channel of a PD server: peers' messages arrive on a background thread, the scheduler reads them."""
 
 from __future__ import annotations
 
@@ -7,26 +7,9 @@ import os
 import queue
 import threading
 
-import torch
-
-from pdserve.config import ServerArgs
-from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients
-from pdserve.mem_cache.kv_pool import KVPool
-from pdserve.models.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-def model_fingerprint(cfg: ModelConfig) -> str:
-    return (f"{cfg.architecture} layers={cfg.num_layers} hidden={cfg.hidden_size} heads={cfg.num_heads}/"
-            f"{cfg.num_kv_heads} vocab={cfg.vocab_size}")
-
-
-def peer_description(args: ServerArgs, cfg: ModelConfig, pool: KVPool, backend: str) -> dict:
-    """The fields both sides must agree on (see bootstrap.check_compatible)."""
-    return {"model": model_fingerprint(cfg), "tp_size": args.tp_size, "transfer_backend": backend,
-            "kv_layout": pool.layout.describe()}
 
 
 class ControlChannel:
@@ -99,30 +82,3 @@ class ControlChannel:
             os.close(self.wakeup_fd)
             os.close(self._wakeup_write_fd)
 
-
-class KVManager:
-    """Owns the transfer engine (KV buffer registered once) and the control channel of one PD server."""
-
-    def __init__(self, args: ServerArgs, cfg: ModelConfig, pool: KVPool, device: torch.device):
-        self.args = args
-        self.pool = pool
-        self.device = device
-        host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        self.engine = make_transfer_engine(
-            args.disaggregation_transfer_backend, str(device), args.disaggregation_ib_device, host=host,
-            timeout_s=args.disaggregation_waiting_timeout,
-        )
-        self.engine.register(pool.data_ptr, pool.nbytes, str(device))
-        self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.channel = ControlChannel(host, f"pd-{args.disaggregation_mode}")
-        self.description = peer_description(args, cfg, pool, self.engine.name)
-        logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
-                    self.engine.transport(), self.channel.endpoint)
-
-    def info(self) -> dict:
-        return {"transfer_backend": self.engine.name, "transport": self.engine.transport(),
-                "session": self.engine.session_id(), "control_endpoint": self.channel.endpoint}
-
-    def close(self) -> None:
-        self.channel.close()
-        self.engine.close()
