@@ -37,7 +37,7 @@ class DecodeScheduler(DisaggScheduler):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def _accept(self, req: Req) -> None:
+    def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self._accept_fake(req)
             return
@@ -167,7 +167,7 @@ class DecodeScheduler(DisaggScheduler):
             req.output_top_logprobs.append([(int(t), float(v)) for t, v in tops][: req.top_logprobs_num])
         req.first_token_time = time.time()
         self._changed[req.rid] = req
-        reason = self._check_stop(req)
+        reason = self.check_stop(req)
         if reason is not None:
             self._finish(req, reason)
         else:

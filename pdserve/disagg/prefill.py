@@ -128,7 +128,7 @@ class PrefillScheduler(DisaggScheduler):
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def _accept(self, req: Req) -> None:
+    def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.waiting.append(req)  # prefilled like any request; nothing is sent
             return
@@ -146,7 +146,7 @@ class PrefillScheduler(DisaggScheduler):
         else:
             super().abort_request(rid, message)
 
-    def _check_stop(self, req: Req) -> FinishReason | None:
+    def check_stop(self, req: Req) -> FinishReason | None:
         return None  # the decode side decides when generation stops, starting with the first token
 
     # ---- KV push ------------------------------------------------------------------------------------------
@@ -296,10 +296,9 @@ class PrefillScheduler(DisaggScheduler):
             self._finish(req, FinishReason("abort", message=error, status_code=status))
         self._release_if_drained(h)
 
-    def _release_pages(self, req: Req) -> None:
+    def keeps_pages(self, req: Req) -> bool:
         h = self._handoff_of(req)
-        if h is None or h.writes_in_flight == 0:
-            super()._release_pages(req)
+        return h is not None and h.writes_in_flight > 0
 
     def _handoff_of(self, req: Req) -> Handoff | None:
         """The handoff of this request (a fake-transfer request has none, whatever its room)."""
@@ -311,7 +310,7 @@ class PrefillScheduler(DisaggScheduler):
             return
         del self.handoffs[h.room]
         self.worker.cancelled.discard(h.room)
-        super()._release_pages(h.req)
+        self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
             self.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
 
