@@ -72,7 +72,7 @@ class DecodeScheduler(DisaggScheduler):
     def _can_preallocate(self) -> bool:
         if self._free_when_blocked == self.allocator.num_free:
             return False
-        return any(h.poll == KVPoll.BOOTSTRAPPING and self._route_ready(h) for h in self.handoffs.values())
+        return any(self._route_ready(h) for h in self.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
         route = self.routes.get(bootstrap_addr(h.req))
@@ -96,7 +96,7 @@ class DecodeScheduler(DisaggScheduler):
     def _preallocate(self) -> None:
         self._free_when_blocked = None
         reserved = sum(self._decode_reserve(r) for r in self.running)
-        for h in [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]:
+        for h in self.bootstrap_queue():
             if not self._route_ready(h):
                 continue
             route = self.routes[bootstrap_addr(h.req)]

@@ -271,8 +271,8 @@ class PrefillScheduler(DisaggScheduler):
 
     def expire_handoffs(self) -> None:
         t = now()
-        for h in list(self.handoffs.values()):
-            if h.poll == KVPoll.BOOTSTRAPPING and t > h.deadline:
+        for h in self.bootstrap_queue():
+            if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
                               f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.early_requests.items()):

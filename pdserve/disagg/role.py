@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.control_channel import ControlChannel
-from pdserve.disagg.protocol import Handoff, validate_pd_request
+from pdserve.disagg.protocol import Handoff, KVPoll, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
@@ -44,6 +44,10 @@ class DisaggScheduler(Scheduler):
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.handoffs)
+
+    def bootstrap_queue(self) -> list[Handoff]:
+        """The handoffs still waiting for their peer (BOOTSTRAPPING), oldest first."""
+        return [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]
 
     def wakeup_fds(self) -> list[int]:
         return [self.channel.wakeup_fd]
