@@ -85,8 +85,8 @@ class DecodeScheduler(DisaggScheduler):
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        h = self.handoffs.get(req.bootstrap_room) if req is not None else None
-        if h is not None and h.req is req:
+        h = self.handoff_of(req) if req is not None else None
+        if h is not None:
             self._fail(h, message, tell_prefill=True, status=None)
         else:
             super().abort_request(rid, message)

@@ -140,7 +140,7 @@ class PrefillScheduler(DisaggScheduler):
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        h = self._handoff_of(req) if req is not None else None
+        h = self.handoff_of(req) if req is not None else None
         if h is not None:
             self._fail(h, message, status=None)
         else:
@@ -156,7 +156,7 @@ class PrefillScheduler(DisaggScheduler):
         min_tokens = self.args.disaggregation_layerwise_min_tokens
         plans = []
         for item in items:
-            h = self._handoff_of(item.req)
+            h = self.handoff_of(item.req)
             if min_tokens and h is not None and h.poll != KVPoll.FAILED and item.end - item.start >= min_tokens:
                 runs = self._runs_to_send(h, self._pages_complete_after(item))
                 if runs:
@@ -173,7 +173,7 @@ class PrefillScheduler(DisaggScheduler):
         return push_layer
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        h = self._handoff_of(req)
+        h = self.handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
             self._push(h, end // self.page_size, final=False)
 
@@ -184,7 +184,7 @@ class PrefillScheduler(DisaggScheduler):
         return item.end // self.page_size
 
     def on_prefill_done(self, req: Req) -> None:
-        h = self._handoff_of(req)
+        h = self.handoff_of(req)
         if h is None:  # a fake-transfer request ends with its first token
             self._finish(req, FinishReason("length"))
             return
@@ -297,13 +297,8 @@ class PrefillScheduler(DisaggScheduler):
         self._release_if_drained(h)
 
     def keeps_pages(self, req: Req) -> bool:
-        h = self._handoff_of(req)
+        h = self.handoff_of(req)
         return h is not None and h.writes_in_flight > 0
-
-    def _handoff_of(self, req: Req) -> Handoff | None:
-        """The handoff of this request (a fake-transfer request has none, whatever its room)."""
-        h = self.handoffs.get(req.bootstrap_room)
-        return h if h is not None and h.req is req else None
 
     def _release_if_drained(self, h: Handoff) -> None:
         if h.writes_in_flight > 0 or not h.req.finished:

@@ -45,6 +45,11 @@ class DisaggScheduler(Scheduler):
     def has_work(self) -> bool:
         return super().has_work() or bool(self.handoffs)
 
+    def handoff_of(self, req: Req) -> Handoff | None:
+        """The handoff of this request (a fake-transfer request has none, whatever its room)."""
+        h = self.handoffs.get(req.bootstrap_room)
+        return h if h is not None and h.req is req else None
+
     def bootstrap_queue(self) -> list[Handoff]:
         """The handoffs still waiting for their peer (BOOTSTRAPPING), oldest first."""
         return [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]
