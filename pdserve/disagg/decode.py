@@ -17,34 +17,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, now
-from pdserve.disagg.prefill import validate_pd_request
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now
+from pdserve.disagg.role import DisaggScheduler
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
-from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(Scheduler):
+class DecodeScheduler(DisaggScheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args.replace(disable_radix_cache=True), tokenizer)
-        self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
-        self.handoffs: dict[int, Handoff] = {}
         self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
         self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
         self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
         self.dead_peers: set[str] = set()
-        self.heartbeat = Heartbeat(args, self.kv.channel.post)
+        self.heartbeat = Heartbeat(args, self.channel.post)
         self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
         self.handlers = {"kv_done": self._on_kv_done, "failed": self._on_peer_failed, "peer_dead": self._on_peer_dead}
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def validate(self, req: Req) -> None:
-        super().validate(req)
-        validate_pd_request(req, self.handoffs)
-
-    def _accept(self, req: Req) -> None:
+    def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self._accept_fake(req)
             return
@@ -57,7 +50,7 @@ class DecodeScheduler(Scheduler):
         if addr not in self.routes:
             timeout = self.args.disaggregation_bootstrap_timeout
             self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout)
-            self.routes[addr].add_done_callback(lambda _: self.kv.channel.wake())
+            self.routes[addr].add_done_callback(lambda _: self.channel.wake())
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
@@ -70,7 +63,7 @@ class DecodeScheduler(Scheduler):
         self._commit(Handoff(req, req.bootstrap_room, deadline=now()), req.input_ids[-1], {})
 
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.handoffs) or bool(self.quarantine)
+        return super().has_work() or bool(self.quarantine)
 
     def can_step(self) -> bool:
         """Handoffs waiting for a message or a route need no steps: the channel's wake-up fd ends the wait."""
@@ -79,24 +72,21 @@ class DecodeScheduler(Scheduler):
     def _can_preallocate(self) -> bool:
         if self._free_when_blocked == self.allocator.num_free:
             return False
-        return any(h.poll == KVPoll.BOOTSTRAPPING and self._route_ready(h) for h in self.handoffs.values())
+        return any(self._route_ready(h) for h in self.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
         route = self.routes.get(bootstrap_addr(h.req))
         return route is not None and route.done()
 
-    def step(self):
-        self.kv.channel.dispatch(self.handlers)
-        self._expire()
+    def prepare_step(self) -> bool:
+        super().prepare_step()
         self._preallocate()
-        if self._changed:  # first tokens just committed: report them before the next decode step
-            return self._collect_outputs()
-        return super().step()
+        return not self._changed  # first tokens just committed: report them before the next decode step
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        h = self.handoffs.get(req.bootstrap_room) if req is not None else None
-        if h is not None and h.req is req:
+        h = self.handoff_of(req) if req is not None else None
+        if h is not None:
             self._fail(h, message, tell_prefill=True, status=None)
         else:
             super().abort_request(rid, message)
@@ -106,7 +96,7 @@ class DecodeScheduler(Scheduler):
     def _preallocate(self) -> None:
         self._free_when_blocked = None
         reserved = sum(self._decode_reserve(r) for r in self.running)
-        for h in [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]:
+        for h in self.bootstrap_queue():
             if not self._route_ready(h):
                 continue
             route = self.routes[bootstrap_addr(h.req)]
@@ -125,9 +115,9 @@ class DecodeScheduler(Scheduler):
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
             h.peer_control = info["control_endpoint"]
-            self.kv.channel.send(h.peer_control, {
-                "type": "transfer_request", "room": h.room, "rid": h.req.rid, "control": self.kv.channel.endpoint,
-                "session": self.kv.engine.session_id(), "peer": self.kv.description, "kv_base": self.kv.region.base,
+            self.channel.send(h.peer_control, {
+                "type": "transfer_request", "room": h.room, "rid": h.req.rid, "control": self.channel.endpoint,
+                "session": self.engine.session_id(), "peer": self.description, "kv_base": self.region.base,
                 "dst_pages": h.dst_pages,
             })
             h.advance(KVPoll.WAITING_FOR_INPUT)
@@ -136,7 +126,7 @@ class DecodeScheduler(Scheduler):
 
     def _check_route(self, route: Future) -> dict:
         topology = route.result()
-        check_compatible(topology, self.kv.description)
+        check_compatible(topology, self.description)
         return topology["ranks"]["0"]
 
     # ---- control messages ---------------------------------------------------------------------------------
@@ -177,7 +167,7 @@ class DecodeScheduler(Scheduler):
             req.output_top_logprobs.append([(int(t), float(v)) for t, v in tops][: req.top_logprobs_num])
         req.first_token_time = time.time()
         self._changed[req.rid] = req
-        reason = self._check_stop(req)
+        reason = self.check_stop(req)
         if reason is not None:
             self._finish(req, reason)
         else:
@@ -198,7 +188,7 @@ class DecodeScheduler(Scheduler):
         for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", tell_prefill=False)
 
-    def _expire(self) -> None:
+    def expire_handoffs(self) -> None:
         t = now()
         for h in list(self.handoffs.values()):
             if t > h.deadline:
@@ -216,7 +206,7 @@ class DecodeScheduler(Scheduler):
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.kv.channel.send(h.peer_control, {"type": "abort", "room": h.room})
+            self.channel.send(h.peer_control, {"type": "abort", "room": h.room})
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace)
@@ -227,23 +217,13 @@ class DecodeScheduler(Scheduler):
         pages, _ = self.quarantine.pop(room)
         self.allocator.free(pages)
 
-    def wakeup_fds(self) -> list[int]:
-        return [self.kv.channel.wakeup_fd]
-
     def kv_pool_is_fully_free(self) -> bool:
         return not self.quarantine and super().kv_pool_is_fully_free()
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, **self.server_info()}
-
-    def server_info(self) -> dict:
-        return {"disaggregation_mode": "decode", **self.kv.info()}
 
     def close(self) -> None:
         self.heartbeat.close()
         self.route_pool.shutdown(wait=False, cancel_futures=True)
-        self.kv.close()
+        super().close()
 
 
 def _control_endpoint(route: Future) -> str | None:

@@ -20,11 +20,12 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, checked_pages, now
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now
+from pdserve.disagg.role import DisaggScheduler
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.request import FinishReason, Req
-from pdserve.scheduler.scheduler import ExtendItem, Scheduler
+from pdserve.scheduler.scheduler import ExtendItem
 
 logger = logging.getLogger(__name__)
 
@@ -111,29 +112,23 @@ class TransferWorker:
         self.peers.close()
 
 
-class PrefillScheduler(Scheduler):
+class PrefillScheduler(DisaggScheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
-        self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
-        self.worker = TransferWorker(self.kv.engine, self.kv.channel.post)
+        self.worker = TransferWorker(self.engine, self.channel.post)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
         register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
-            rank=0, control_endpoint=self.kv.channel.endpoint, transfer_session=self.kv.engine.session_id(),
-            transfer_backend=self.kv.engine.name, kv_layout=self.runner.pool.layout.describe(),
-            model=self.kv.description["model"], tp_size=args.tp_size,
+            rank=0, control_endpoint=self.channel.endpoint, transfer_session=self.engine.session_id(),
+            transfer_backend=self.engine.name, kv_layout=self.runner.pool.layout.describe(),
+            model=self.description["model"], tp_size=args.tp_size,
         ))
-        self.handoffs: dict[int, Handoff] = {}
         self.early_requests: dict[int, tuple[dict, float]] = {}  # transfer_requests that beat their HTTP request
         self.handlers = {"transfer_request": self._on_transfer_request, "abort": self._on_peer_abort,
                          "write_done": self._on_write_done, "write_failed": self._on_write_failed}
 
     # ---- requests -----------------------------------------------------------------------------------------
 
-    def validate(self, req: Req) -> None:
-        super().validate(req)
-        validate_pd_request(req, self.handoffs)
-
-    def _accept(self, req: Req) -> None:
+    def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.waiting.append(req)  # prefilled like any request; nothing is sent
             return
@@ -143,26 +138,15 @@ class PrefillScheduler(Scheduler):
         if early is not None:
             self._on_transfer_request(early[0])
 
-    def has_work(self) -> bool:
-        return super().has_work() or bool(self.handoffs)
-
-    def step(self):
-        self.kv.channel.dispatch(self.handlers)
-        self._expire()
-        return super().step()
-
-    def wakeup_fds(self) -> list[int]:
-        return [self.kv.channel.wakeup_fd]
-
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        h = self._handoff_of(req) if req is not None else None
+        h = self.handoff_of(req) if req is not None else None
         if h is not None:
             self._fail(h, message, status=None)
         else:
             super().abort_request(rid, message)
 
-    def _check_stop(self, req: Req) -> FinishReason | None:
+    def check_stop(self, req: Req) -> FinishReason | None:
         return None  # the decode side decides when generation stops, starting with the first token
 
     # ---- KV push ------------------------------------------------------------------------------------------
@@ -172,7 +156,7 @@ class PrefillScheduler(Scheduler):
         min_tokens = self.args.disaggregation_layerwise_min_tokens
         plans = []
         for item in items:
-            h = self._handoff_of(item.req)
+            h = self.handoff_of(item.req)
             if min_tokens and h is not None and h.poll != KVPoll.FAILED and item.end - item.start >= min_tokens:
                 runs = self._runs_to_send(h, self._pages_complete_after(item))
                 if runs:
@@ -183,13 +167,13 @@ class PrefillScheduler(Scheduler):
         def push_layer(layer: int) -> None:
             computed = self._record_event()
             for h, runs in plans:
-                spans = kv_write_requests(self.kv.region, h.peer_region, runs, range(layer, layer + 1))
+                spans = kv_write_requests(self.region, h.peer_region, runs, range(layer, layer + 1))
                 self._submit(h, spans, final=False, computed=computed)
 
         return push_layer
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        h = self._handoff_of(req)
+        h = self.handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
             self._push(h, end // self.page_size, final=False)
 
@@ -200,7 +184,7 @@ class PrefillScheduler(Scheduler):
         return item.end // self.page_size
 
     def on_prefill_done(self, req: Req) -> None:
-        h = self._handoff_of(req)
+        h = self.handoff_of(req)
         if h is None:  # a fake-transfer request ends with its first token
             self._finish(req, FinishReason("length"))
             return
@@ -214,7 +198,7 @@ class PrefillScheduler(Scheduler):
         if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
             return
         runs = self._runs_to_send(h, upto_page)
-        spans = kv_write_requests(self.kv.region, h.peer_region, runs) if runs else ([], [], [])
+        spans = kv_write_requests(self.region, h.peer_region, runs) if runs else ([], [], [])
         notify = None
         if final:
             notify = (h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid, "aux": _aux_record(h)})
@@ -248,7 +232,7 @@ class PrefillScheduler(Scheduler):
             return
         try:
             h.peer_control = _str(msg, "control")
-            check_compatible(self.kv.description, msg.get("peer") or {})
+            check_compatible(self.description, msg.get("peer") or {})
             layout = layout_from_description((msg.get("peer") or {}).get("kv_layout"))
             h.dst_pages = checked_pages(msg.get("dst_pages"), layout.num_pages,
                                         math.ceil(len(h.req.input_ids) / self.page_size))
@@ -285,10 +269,10 @@ class PrefillScheduler(Scheduler):
             h.writes_in_flight -= msg["count"]
             self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
 
-    def _expire(self) -> None:
+    def expire_handoffs(self) -> None:
         t = now()
-        for h in list(self.handoffs.values()):
-            if h.poll == KVPoll.BOOTSTRAPPING and t > h.deadline:
+        for h in self.bootstrap_queue():
+            if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
                               f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.early_requests.items()):
@@ -312,50 +296,26 @@ class PrefillScheduler(Scheduler):
             self._finish(req, FinishReason("abort", message=error, status_code=status))
         self._release_if_drained(h)
 
-    def _release_pages(self, req: Req) -> None:
-        h = self._handoff_of(req)
-        if h is None or h.writes_in_flight == 0:
-            super()._release_pages(req)
-
-    def _handoff_of(self, req: Req) -> Handoff | None:
-        """The handoff of this request (a fake-transfer request has none, whatever its room)."""
-        h = self.handoffs.get(req.bootstrap_room)
-        return h if h is not None and h.req is req else None
+    def keeps_pages(self, req: Req) -> bool:
+        h = self.handoff_of(req)
+        return h is not None and h.writes_in_flight > 0
 
     def _release_if_drained(self, h: Handoff) -> None:
         if h.writes_in_flight > 0 or not h.req.finished:
             return
         del self.handoffs[h.room]
         self.worker.cancelled.discard(h.room)
-        super()._release_pages(h.req)
+        self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
-            self.kv.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, **self.server_info()}
+            self.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
 
     def server_info(self) -> dict:
-        return {"disaggregation_mode": "prefill", "bootstrap": self.bootstrap.address, **self.kv.info()}
+        return {**super().server_info(), "bootstrap": self.bootstrap.address}
 
     def close(self) -> None:
         self.worker.close()
         self.bootstrap.close()
-        self.kv.close()
-
-
-def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
-    if req.sampling_params.max_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
-    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
-        return
-    if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
-        raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
-                         "(send them through the router)")
-    if not 0 <= req.bootstrap_room < 2**63:
-        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
-    if req.bootstrap_room in handoffs:
-        raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
+        super().close()
 
 
 def _aux_record(h: Handoff) -> dict:

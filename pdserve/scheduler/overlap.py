@@ -101,7 +101,7 @@ class OverlapMixin:
     def _read_back(self, batch: InflightDecode) -> None:
         if batch.done is not None:
             batch.done.synchronize()
-        changed, check_stop = self._changed, self._check_stop
+        changed, check_stop = self._changed, self.check_stop
         for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
             if req.finish_reason is not None:
                 continue  # ended while the batch ran (stop, abort): its extra token is dropped

@@ -104,10 +104,10 @@ class Scheduler(OverlapMixin):
         if req.sampling_params.max_tokens > room:
             req.sampling_params.max_tokens = room
         self.reqs[req.rid] = req
-        self._accept(req)
+        self.accept(req)
 
-    def _accept(self, req: Req) -> None:
-        """A validated request enters the queue (the PD roles first run the KV handshake)."""
+    def accept(self, req: Req) -> None:
+        """Hook: a validated request enters the queue (the PD roles first run the KV handshake)."""
         self.waiting.append(req)
 
     def validate(self, req: Req) -> None:
@@ -143,6 +143,8 @@ class Scheduler(OverlapMixin):
         self._finish(req, FinishReason("abort", message=message))
 
     def step(self) -> list[StepOutput]:
+        if not self.prepare_step():
+            return self._collect_outputs()
         items = self._schedule_extend()
         if items:
             self._finish_inflight()
@@ -152,6 +154,11 @@ class Scheduler(OverlapMixin):
         else:
             self._finish_inflight()
         return self._collect_outputs()
+
+    def prepare_step(self) -> bool:
+        """Hook: runs first in every step (the PD roles read their peers' messages). False skips this step's
+        forward pass, so the step only reports what changed."""
+        return True
 
     def has_work(self) -> bool:
         """Any request not finished yet (the PD roles add those waiting for a message from their peer)."""
@@ -395,11 +402,12 @@ class Scheduler(OverlapMixin):
             if req.first_token_time is None:
                 req.first_token_time = time.time()
             self._changed[req.rid] = req
-            reason = self._check_stop(req)
+            reason = self.check_stop(req)
             if reason is not None:
                 self._finish(req, reason)
 
-    def _check_stop(self, req: Req) -> FinishReason | None:
+    def check_stop(self, req: Req) -> FinishReason | None:
+        """Hook: why req stops after its newest token, or None (the prefill role leaves that to the decode side)."""
         return self.stop_checker.check(req)
 
     def _wants_input_logprobs(self, req: Req) -> bool:
@@ -446,7 +454,14 @@ class Scheduler(OverlapMixin):
         self._release_pages(req)
         self._changed[req.rid] = req
 
+    def keeps_pages(self, req: Req) -> bool:
+        """Hook: True while something other than a forward pass still reads req's pages (the prefill role's KV
+        writes); they are not freed now, and whoever holds them releases them once done."""
+        return False
+
     def _release_pages(self, req: Req) -> None:
+        if self.keeps_pages(req):
+            return
         if self.inflight is not None and id(req) in self.inflight.req_ids:
             self.inflight.deferred_pages.extend(req.pages)  # the launched batch still writes this KV
         else:

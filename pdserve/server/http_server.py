@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
@@ -33,7 +34,6 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 MAX_BODY_BYTES = 64 * 1024 * 1024
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
 PUBLIC_PATHS = frozenset({"/health"})
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker for a PD request that transfers nothing (health checks)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

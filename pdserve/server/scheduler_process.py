@@ -170,6 +170,6 @@ def _maybe_float(value: float | None) -> float | None:
 def run_scheduler_process(args: ServerArgs) -> None:
     """Entry point of a scheduler child (spawned by `launch.py`)."""
     child_setup("scheduler", args.log_level)
-    from pdserve.scheduler import create_scheduler
+    from pdserve.disagg.factory import create_scheduler
 
     SchedulerProcess(args, create_scheduler(args)).run_forever()

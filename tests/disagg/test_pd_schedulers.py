@@ -9,7 +9,7 @@ import pytest
 from cluster_util import free_port
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.prefill import PrefillScheduler
 from pdserve.sampling_params import SamplingParams

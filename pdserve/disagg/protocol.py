@@ -1,0 +1,87 @@
+"""The PD handoff protocol both roles and the HTTP server agree on: states, error statuses, input checks.
+
+Torch-free, so the HTTP server imports it without loading the engine.
+
+Control messages (msgpack dicts over ZMQ, keyed by `bootstrap_room`):
+  decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages}
+  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs}}
+  decode -> prefill  abort {room}
+  prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.disagg.transfer.base import KVRegion
+    from pdserve.scheduler.request import Req
+
+MAX_PAGES_PER_MESSAGE = 1 << 20
+PEER_FAILED = 502  # HTTP status of a request whose handoff failed at or with the peer (the router may retry it)
+PEER_TIMEOUT = 504  # ... or timed out waiting for the peer
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
+
+
+class KVPoll(IntEnum):
+    FAILED = 0
+    BOOTSTRAPPING = 1
+    WAITING_FOR_INPUT = 2
+    TRANSFERRING = 3
+    SUCCESS = 4
+
+
+@dataclass(slots=True, eq=False)
+class Handoff:
+    """One request's KV handoff on either side. The state only moves forward; FAILED dominates."""
+
+    req: Req
+    room: int
+    deadline: float
+    poll: KVPoll = KVPoll.BOOTSTRAPPING
+    error: str | None = None
+    peer_control: str | None = None  # the other side's control endpoint
+    peer_session: str | None = None  # the other side's transfer-engine session
+    peer_region: KVRegion | None = None
+    dst_pages: list[int] = field(default_factory=list)
+    pages_sent: int = 0
+    writes_in_flight: int = 0
+
+    def advance(self, state: KVPoll, error: str | None = None) -> None:
+        if self.poll == KVPoll.FAILED:
+            return
+        if state == KVPoll.FAILED:
+            self.poll, self.error = KVPoll.FAILED, error
+        elif state > self.poll:
+            self.poll = state
+
+
+def checked_pages(value, limit: int, expected: int) -> list[int]:
+    """Page ids from another process: a list of `expected` distinct ints in [1, limit)."""
+    if not isinstance(value, list) or len(value) != expected or expected > MAX_PAGES_PER_MESSAGE:
+        raise ValueError(f"expected {expected} destination pages, got {type(value).__name__} of "
+                         f"{len(value) if isinstance(value, list) else '?'}")
+    if not all(type(p) is int and 1 <= p < limit for p in value) or len(set(value)) != len(value):
+        raise ValueError(f"destination pages must be distinct ints in [1, {limit})")
+    return value
+
+
+def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
+    if req.sampling_params.max_tokens < 1:
+        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+        return
+    if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
+        raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
+                         "(send them through the router)")
+    if not 0 <= req.bootstrap_room < 2**63:
+        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
+    if req.bootstrap_room in handoffs:
+        raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
+
+
+def now() -> float:
+    return time.monotonic()

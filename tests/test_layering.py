@@ -1,0 +1,99 @@
+"""The package layout holds: imports run one way (no circles, `scheduler/` never imports `disagg/`) and the PD
+protocol loads without torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = (ROOT / "pdserve", ROOT / "router" / "pdserve_router")
+KNOWN_CIRCLES = [  # each removed by the change that breaks it; add nothing here
+    ["pdserve.scheduler.request", "pdserve.scheduler.stop"],  # issue 9 item 4 (request <-> stop criteria)
+    ["pdserve.server.http_server", "pdserve.server.openai_api"],  # issue 9 item 5 (http_server split)
+]
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_names(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """Every module name an import statement anywhere in the file may load (lazy and TYPE_CHECKING ones too)."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of PACKAGES it imports. `from pkg import mod` depends on mod, not on pkg."""
+    files = {module_name(f, package): f for package in PACKAGES for f in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        names = imported_names(ast.parse(path.read_text()), module, path.name == "__init__.py")
+        targets = {n for n in names if n in files and n != module}
+        graph[module] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    assert circles(import_graph()) == KNOWN_CIRCLES
+
+
+def test_circles_are_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_scheduler_never_imports_disagg():
+    graph = import_graph()
+    upward = sorted((src, dst) for src, targets in graph.items() for dst in targets
+                    if src.startswith("pdserve.scheduler") and dst.startswith("pdserve.disagg"))
+    assert upward == []
+    assert "pdserve.disagg.protocol" in graph["pdserve.disagg.decode"]  # the walk sees the imports it checks
+
+
+def test_pd_protocol_imports_without_torch():
+    probe = "import sys, pdserve.disagg.protocol; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
