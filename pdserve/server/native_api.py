@@ -16,6 +16,7 @@ from pdserve.server.generation import Generation, check_batch_size, check_bootst
 from pdserve.server.generation import new_rid, sampling_error, with_logprobs
 from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, json_response, parse_body
 from pdserve.server.http_common import stream_with_early_errors
+from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
@@ -179,7 +180,7 @@ async def metrics(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     stats = await _scheduler_stats(tm)
     text = request.app[METRICS_KEY].render(stats, in_flight=len(tm.states))
-    return web.Response(text=text, content_type="text/plain", headers={"X-Content-Type-Version": "0.0.4"})
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def add_routes(app: web.Application) -> None:
