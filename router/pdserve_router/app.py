@@ -11,8 +11,7 @@ from collections.abc import Iterable
 import aiohttp
 from aiohttp import web
 
-from .cli import DEFAULT_BOOTSTRAP_PORT
-from .config import ConfigError, RouterConfig
+from .config import DEFAULT_BOOTSTRAP_PORT, ConfigError, RouterConfig
 from .dispatch import CONNECTION_ERRORS, Dispatcher
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable

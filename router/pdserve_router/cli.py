@@ -6,9 +6,8 @@ import argparse
 import logging
 from dataclasses import fields
 
-from .config import EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
+from .config import DEFAULT_BOOTSTRAP_PORT, EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
 
-DEFAULT_BOOTSTRAP_PORT = 8998
 
 _HELP: dict[str, str] = {
     "host": "Address to bind; 127.0.0.1 unless told otherwise.",

@@ -9,6 +9,7 @@ Mode = Literal["pd", "regular"]
 Role = Literal["prefill", "decode", "regular"]
 POLICIES = ("random", "round_robin", "least_load", "cache_aware")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+DEFAULT_BOOTSTRAP_PORT = 8998  # a prefill server's --disaggregation-bootstrap-port default
 
 
 class ConfigError(ValueError):
