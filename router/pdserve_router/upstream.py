@@ -245,7 +245,7 @@ class _Connection(asyncio.Protocol):
     def start(self, exchange: Exchange, head: bytes, body: bytes) -> None:
         self.exchange = exchange
         exchange.conn = self
-        self._finished = False
+        self._status, self._finished = 0, False
         if len(body) <= JOIN_LIMIT:
             self.transport.write(head + body)  # one send, one packet
         else:
