@@ -11,7 +11,7 @@ from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.stop import load_tokenizer
+from pdserve.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True)

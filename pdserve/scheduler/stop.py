@@ -7,12 +7,7 @@ from dataclasses import dataclass
 from pdserve.config import ServerArgs
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import FinishReason, Req
-
-
-def load_tokenizer(args: ServerArgs):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+from pdserve.tokenizer import load_tokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -136,8 +136,9 @@ def run_detokenizer_process(args: Any) -> None:
     """Entry point of the detokenizer child (spawned by `launch.py`)."""
     import zmq
 
-    from pdserve.server.ipc import child_setup, ipc_addr, load_tokenizer, pull_socket, push_socket
+    from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
     from pdserve.server.messages import MessageError, decode, encode
+    from pdserve.tokenizer import load_tokenizer
 
     child_setup("detokenizer", args.log_level)
     detokenizer = IncrementalDetokenizer(load_tokenizer(args))

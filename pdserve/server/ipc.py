@@ -68,12 +68,6 @@ def _exit_when_orphaned(parent_pid: int, role: str) -> None:
     os._exit(1)
 
 
-def load_tokenizer(args: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, trust_remote_code=False)
-
-
 def exit_now(code: int) -> NoReturn:
     """Exit without interpreter teardown: garbage-collecting torch's module graph takes seconds.
 

@@ -24,10 +24,11 @@ from aiohttp import web
 
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
-from pdserve.server.ipc import load_tokenizer, setup_logging
+from pdserve.server.ipc import setup_logging
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from pdserve.config import ServerArgs

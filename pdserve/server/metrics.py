@@ -1,115 +1,101 @@
-"""Prometheus metrics, rendered by hand in the text exposition format (version 0.0.4)."""
+"""The server's Prometheus metrics (prometheus-client, one registry per server process).
+
+Request counters and latency histograms are updated as requests move; the scheduler's gauges are read from its
+stats at each scrape.
+"""
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 PREFIX = "pdserve_"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
+disable_created_metrics()  # no `_created` series: counters and histograms read as in SGLang's /metrics
 
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name = PREFIX + name
-        self.help_text = help_text
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)  # last: above every bucket
-        self.sum = 0.0
-        self.count = 0
 
-    def observe(self, value: float, times: int = 1) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += times
-        self.sum += value * times
-        self.count += times
+class _ScrapeState:
+    """The values read at scrape time: the scheduler's stats and the HTTP server's requests in flight."""
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {self.sum}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
+    def __init__(self) -> None:
+        self.stats: dict = {}
+        self.in_flight = 0
+
+    def collect(self) -> list[Metric]:
+        stats = self.stats
+        used, total = stats.get("kv_used_tokens", 0), stats.get("kv_total_tokens", 0)
+        hit, query = stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0)
+        return [
+            _gauge("requests_in_flight", "Requests the HTTP server is waiting on.", self.in_flight),
+            _gauge("num_running_reqs", "Requests in the running batch.", stats.get("num_running", 0)),
+            _gauge("num_queue_reqs", "Requests waiting for admission.", stats.get("num_waiting", 0)),
+            _gauge("kv_cache_used_tokens", "KV-cache token slots in use.", used),
+            _gauge("kv_cache_total_tokens", "KV-cache token slots.", total),
+            _gauge("kv_cache_usage_ratio", "Fraction of the KV cache in use.", used / total if total else 0.0),
+            CounterMetricFamily(PREFIX + "prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", hit),
+            CounterMetricFamily(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
+                                query),
+            _gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0),
+        ]
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, help_text, value=value)
 
 
 class ServerMetrics:
     def __init__(self) -> None:
-        self.requests_received = 0
-        self.requests_rejected = 0
-        self.finished_by_reason: Counter[str] = Counter()
-        self.http_errors: Counter[int] = Counter()
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_tokens = 0
-        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
-        self.inter_token = Histogram("inter_token_latency_seconds", "Time between output tokens.", LATENCY_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.", E2E_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._scrape = _ScrapeState()
+
+        def counter(name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, help_text, labels, registry=self.registry)
+
+        self.requests_received = counter("requests_received", "Generation requests submitted.")
+        self.requests_rejected = counter("requests_rejected", "Requests the scheduler refused.")
+        self.finished = counter("requests_finished", "Finished requests.", ("finish_reason",))
+        self.finished.labels(finish_reason="stop")  # the family shows a sample before the first request ends
+        self.http_errors = counter("http_errors", "HTTP error responses.", ("status",))
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.inter_token = Histogram(PREFIX + "inter_token_latency_seconds", "Time between output tokens.",
+                                     buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.registry.register(self._scrape)
 
     def request_started(self) -> None:
-        self.requests_received += 1
+        self.requests_received.inc()
 
     def request_rejected(self) -> None:
-        self.requests_rejected += 1
+        self.requests_rejected.inc()
 
     def http_error(self, status: int) -> None:
-        self.http_errors[status] += 1
+        self.http_errors.labels(status=str(status)).inc()
 
     def observe_ttft(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
     def observe_inter_token(self, seconds: float, times: int) -> None:
-        self.inter_token.observe(seconds, times)
+        for _ in range(times):
+            self.inter_token.observe(seconds)
 
     def request_finished(self, out: Any, e2e_seconds: float) -> None:
-        self.finished_by_reason[out.finish_reason.get("type", "unknown")] += 1
-        self.prompt_tokens += out.prompt_tokens
-        self.generation_tokens += out.completion_tokens
-        self.cached_tokens += out.cached_tokens
+        self.finished.labels(finish_reason=out.finish_reason.get("type", "unknown")).inc()
+        self.prompt_tokens.inc(out.prompt_tokens)
+        self.generation_tokens.inc(out.completion_tokens)
+        self.cached_tokens.inc(out.cached_tokens)
         self.e2e.observe(e2e_seconds)
 
     def render(self, stats: dict, in_flight: int) -> str:
-        lines: list[str] = []
-        _metric(lines, "requests_received_total", "counter", "Generation requests submitted.", self.requests_received)
-        _metric(lines, "requests_rejected_total", "counter", "Requests the scheduler refused.", self.requests_rejected)
-        reasons = self.finished_by_reason or Counter({"stop": 0})
-        _labelled(lines, "requests_finished_total", "counter", "Finished requests.", "finish_reason", reasons)
-        _labelled(lines, "http_errors_total", "counter", "HTTP error responses.", "status", self.http_errors)
-        _metric(lines, "prompt_tokens_total", "counter", "Prompt tokens of finished requests.", self.prompt_tokens)
-        _metric(lines, "generation_tokens_total", "counter", "Generated tokens.", self.generation_tokens)
-        _metric(lines, "cached_tokens_total", "counter", "Prompt tokens served from the prefix cache.", self.cached_tokens)
-        for histogram in (self.ttft, self.inter_token, self.e2e):
-            lines.extend(histogram.render())
-        _metric(lines, "requests_in_flight", "gauge", "Requests the HTTP server is waiting on.", in_flight)
-        lines.extend(_scheduler_gauges(stats))
-        return "\n".join(lines) + "\n"
-
-
-def _scheduler_gauges(stats: dict) -> list[str]:
-    lines: list[str] = []
-    used, total = stats.get("kv_used_tokens", 0), stats.get("kv_total_tokens", 0)
-    hit, query = stats.get("prefix_hit_tokens", 0), stats.get("prefix_query_tokens", 0)
-    _metric(lines, "num_running_reqs", "gauge", "Requests in the running batch.", stats.get("num_running", 0))
-    _metric(lines, "num_queue_reqs", "gauge", "Requests waiting for admission.", stats.get("num_waiting", 0))
-    _metric(lines, "kv_cache_used_tokens", "gauge", "KV-cache token slots in use.", used)
-    _metric(lines, "kv_cache_total_tokens", "gauge", "KV-cache token slots.", total)
-    _metric(lines, "kv_cache_usage_ratio", "gauge", "Fraction of the KV cache in use.", used / total if total else 0.0)
-    _metric(lines, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", hit)
-    _metric(lines, "prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", query)
-    _metric(lines, "prefix_cache_hit_rate", "gauge", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0)
-    return lines
-
-
-def _metric(lines: list[str], name: str, kind: str, help_text: str, value: float) -> None:
-    full = PREFIX + name
-    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full} {value}"]
-
-
-def _labelled(lines: list[str], name: str, kind: str, help_text: str, label: str, values: Counter) -> None:
-    full = PREFIX + name
-    lines += [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}"]
-    lines += [f'{full}{{{label}="{key}"}} {count}' for key, count in sorted(values.items(), key=str)]
+        """The text exposition, with the scheduler's `stats` and the requests `in_flight` as of now."""
+        self._scrape.stats, self._scrape.in_flight = stats, in_flight
+        return generate_latest(self.registry).decode()

@@ -11,25 +11,19 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.sampling_params import SamplingParamsError
-from pdserve.server.http_server import (
-    ARGS_KEY,
-    TM_KEY,
-    ApiError,
+from pdserve.server.generation import (
     Generation,
-    GenerateRequest,
     check_batch_size,
     check_bootstrap,
     check_unique_rids,
     collect,
-    json_response,
     new_rid,
-    parse_body,
     sampling_error,
-    stream_with_early_errors,
     with_logprobs,
 )
+from pdserve.server.http_common import ARGS_KEY, TM_KEY, ApiError, json_response, parse_body, stream_with_early_errors
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
-from pdserve.server.tokenizer_manager import Chunk, TokenizerManager, merge_streams
+from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from .config import DEFAULT_BOOTSTRAP_PORT, ConfigError, RouterConfig
 from .dashboard import add_dashboard
 from .dispatch import CONNECTION_ERRORS, Dispatcher
-from .metrics import RouterMetrics
+from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable
 from .upstream import UpstreamPool
 from .workers import HealthChecker, NoHealthyWorker, Worker, WorkerRegistry
@@ -70,7 +70,7 @@ class Router:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
-        self.metrics.requests.inc(route=path)
+        self.metrics.requests.labels(route=path).inc()
         raw = await request.read()
         charset = request.charset
         try:
@@ -79,14 +79,14 @@ class Router:
             else:
                 body, raw = json.loads(raw.decode(charset)), None
         except (ValueError, LookupError) as exc:  # UnicodeDecodeError is a ValueError; LookupError: unknown charset
-            self.metrics.errors.inc(kind="bad_request")
+            self.metrics.errors.labels(kind="bad_request").inc()
             return error_response(400, f"malformed JSON body: {exc}", request.headers.get("X-Request-Id"))
         try:
             if not isinstance(body, dict):
                 raise BadRequest("the JSON body must be an object")
             return await self.dispatcher.handle(request, path, body, raw if raw and spliceable(raw) else None)
         except BadRequest as exc:
-            self.metrics.errors.inc(kind="bad_request")
+            self.metrics.errors.labels(kind="bad_request").inc()
             return error_response(400, str(exc), request.headers.get("X-Request-Id"))
 
     # health and admin
@@ -157,8 +157,9 @@ class Router:
             return {"status": None, "error": str(exc) or type(exc).__name__}
 
     async def metrics_route(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.registry.workers.values()),
-                            content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+        text = self.metrics.render(self.registry.workers.values())
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE,
+                                                         "X-Content-Type-Options": "nosniff"})
 
     # workers
 

@@ -167,7 +167,7 @@ class Dispatcher:
             async with timeout(self.config.request_timeout_s):
                 return await self.with_retries(ctx)
         except asyncio.TimeoutError:
-            self.metrics.errors.inc(kind="timeout")
+            self.metrics.errors.labels(kind="timeout").inc()
             message = f"request timed out after {self.config.request_timeout_s:g} s"
             log.warning("rid=%s %s", ctx.request_id, message)
             if ctx.response is None:
@@ -175,7 +175,7 @@ class Dispatcher:
             await self.end_stream_with_error(ctx, 504, message)
             return ctx.response
         except asyncio.CancelledError:
-            self.metrics.errors.inc(kind="client_disconnect")
+            self.metrics.errors.labels(kind="client_disconnect").inc()
             log.info("rid=%s client went away before the answer", ctx.request_id)
             raise
         finally:
@@ -188,14 +188,14 @@ class Dispatcher:
             try:
                 attempt = self.new_attempt(ctx, number, key)
             except NoHealthyWorker as exc:
-                self.metrics.errors.inc(kind="no_worker")
+                self.metrics.errors.labels(kind="no_worker").inc()
                 message = str(exc) + (f"; last error: {last_error}" if last_error else "")
                 log.warning("rid=%s %s", ctx.request_id, message)
                 return error_response(503, message, ctx.request_id)
             try:
                 return await self.run_attempt(attempt)
             except UpstreamError as exc:
-                self.metrics.errors.inc(kind=exc.kind)
+                self.metrics.errors.labels(kind=exc.kind).inc()
                 if not exc.retryable:
                     return exc.client_response(ctx.request_id)
                 last_error = exc
@@ -265,7 +265,7 @@ class Dispatcher:
                 attempt.main_ex.interrupt(error)  # fail fast: the main half's head raises the side's error
             elif not attempt.main_done:
                 log.warning("rid=%s prefill failed after streaming began (%s); aborting decode", attempt.rid, error)
-                self.metrics.errors.inc(kind="stream")
+                self.metrics.errors.labels(kind="stream").inc()
                 self.send_abort(attempt.main, attempt)
 
         exchange.head.add_done_callback(settle)
@@ -344,7 +344,7 @@ class Dispatcher:
                 chunk = await exchange.readany()  # with a sink: the end, a failure, or bytes the sink could not take
             except CONNECTION_ERRORS as exc:
                 self.registry.record(attempt.main, False)
-                self.metrics.errors.inc(kind="stream")
+                self.metrics.errors.labels(kind="stream").inc()
                 log.warning("rid=%s %s stream broke after streaming began: %s", attempt.rid, attempt.main.role, exc)
                 self.abort_pair(attempt, UpstreamError(attempt.main, None, detail=str(exc)))
                 await self.end_stream_with_error(attempt.ctx, 502, f"upstream stream broke: {attempt.main.url}")
@@ -364,7 +364,7 @@ class Dispatcher:
             await attempt.ctx.response.write(data)
             return True
         except CONNECTION_ERRORS as exc:
-            self.metrics.errors.inc(kind="client_disconnect")
+            self.metrics.errors.labels(kind="client_disconnect").inc()
             log.info("rid=%s client went away: %s", attempt.rid, exc)
             self.abort_pair(attempt, exc)
             return False
@@ -391,7 +391,7 @@ class Dispatcher:
         if worker.url in attempt.aborted:
             return
         attempt.aborted.add(worker.url)
-        self.metrics.aborts.inc(role=worker.role)
+        self.metrics.aborts.labels(role=worker.role).inc()
         task = asyncio.create_task(self.post_abort(worker, attempt.body_rid or attempt.rid, attempt.rid))
         self.background.add(task)
         task.add_done_callback(self.background.discard)

@@ -3,8 +3,8 @@
 aiohttp's client builds, per request, a ClientRequest and a ClientResponse (URL objects, multidicts, a timer, a
 StreamReader) and on Python < 3.12 writes the body from a separate task, so the request leaves one loop iteration
 after the handler asked for it. This client keeps a pool of keep-alive connections per instance, writes each
-request (head and body in one buffer) to a pooled connection in the caller's own step, parses the response in the
-protocol's `data_received`, and wakes the caller only when it has what the caller waits for: the head plus the
+request (head and body in one buffer) to a pooled connection in the caller's own step, parses the response with
+llhttp (`httptools`, the parser uvicorn uses) in the protocol's `data_received`, and wakes the caller only when it has what the caller waits for: the head plus the
 first body bytes of a stream, or the whole body. No task is created unless a new connection must be opened.
 
 It speaks only what the router needs: POST with a Content-Length body; responses framed by Content-Length,
@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
+import httptools
+
 if sys.version_info >= (3, 11):
     from asyncio import timeout
 else:
@@ -30,13 +32,9 @@ else:
 JOIN_LIMIT = 64 * 1024  # request bodies up to this size are copied behind the head and sent with one write
 HIGH_WATER = 256 * 1024  # buffered stream bytes that pause reading from the instance until the relay catches up
 MAX_HEAD_BYTES = 64 * 1024
-MAX_LINE_BYTES = 8 * 1024
 
 # bodies are relayed as they come: no content coding (a compressed SSE stream could not be passed on as is)
 _FIXED_FIELDS = b"Accept-Encoding: identity\r\n"
-
-# parser states
-_HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
 
 
 class UpstreamConnectionError(ConnectionError):
@@ -213,10 +211,11 @@ class Exchange:
 
 
 class _Connection(asyncio.Protocol):
-    """One keep-alive connection to an instance; carries one exchange at a time."""
+    """One keep-alive connection to an instance; carries one exchange at a time. Responses are parsed by llhttp
+    (`httptools`), whose callbacks feed the exchange as the bytes come."""
 
-    __slots__ = ("pool", "key", "transport", "exchange", "closed", "idle_since", "_buf", "_state", "_remaining",
-                 "_keep_alive")
+    __slots__ = ("pool", "key", "transport", "exchange", "closed", "idle_since", "_parser", "_status", "_headers",
+                 "_head_bytes", "_in_head", "_finished", "_past_end", "_keep_alive", "_until_close")
 
     def __init__(self, pool: UpstreamPool, key: str):
         self.pool, self.key = pool, key
@@ -224,10 +223,15 @@ class _Connection(asyncio.Protocol):
         self.exchange: Exchange | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._buf = b""
-        self._state = _DONE
-        self._remaining = 0
+        self._parser = httptools.HttpResponseParser(self)
+        self._status = 0
+        self._headers: dict[str, str] = {}
+        self._head_bytes = 0
+        self._in_head = False  # between a response's first byte and the end of its head (trailers come after)
+        self._finished = False  # the exchange's final response is complete
+        self._past_end = False  # bytes came after it: the connection cannot be reused
         self._keep_alive = True
+        self._until_close = False  # the body ends with the connection (no Content-Length, not chunked)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -241,7 +245,7 @@ class _Connection(asyncio.Protocol):
     def start(self, exchange: Exchange, head: bytes, body: bytes) -> None:
         self.exchange = exchange
         exchange.conn = self
-        self._buf, self._state, self._keep_alive = b"", _HEAD, True
+        self._status, self._finished = 0, False
         if len(body) <= JOIN_LIMIT:
             self.transport.write(head + body)  # one send, one packet
         else:
@@ -273,21 +277,23 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         try:
-            self._parse(exchange, self._buf + data if self._buf else data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            exchange._fail(UpstreamConnectionError(f"malformed response from {self.key}: {exc}"))
-            self.exchange = None
-            self.close()
-            return
-        if self._state == _DONE:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if not self._finished:
+                exchange._fail(UpstreamConnectionError(f"malformed response from {self.key}: {exc}"))
+                self.exchange = None
+                self.close()
+                return
+            self._past_end = True  # garbage after a complete response
+        if self._finished:
             self._complete(exchange)
         exchange._wake()
 
     def eof_received(self) -> bool:
         exchange = self.exchange
-        if exchange is not None and self._state == _UNTIL_CLOSE:
+        if exchange is not None and self._until_close and self._status >= 200 and not self._in_head:
             self._keep_alive = False
-            self._state = _DONE
+            self._finished = True
             self._complete(exchange)
             exchange._wake()
         return False  # close the transport
@@ -300,8 +306,6 @@ class _Connection(asyncio.Protocol):
             exchange._fail(UpstreamConnectionError(f"connection to {self.key} closed before the response was "
                                                    f"complete{detail}"))
 
-    # parsing
-
     def _complete(self, exchange: Exchange) -> None:
         exchange.done = True
         exchange.conn = None
@@ -309,102 +313,56 @@ class _Connection(asyncio.Protocol):
         if exchange._paused:  # the rest of the body came in the same read that crossed the high-water mark
             exchange._paused = False
             self.resume()
-        if self._buf or not self._keep_alive:
+        if self._past_end or not self._keep_alive:
             self.close()  # bytes past the response, or the instance said it closes: not reusable
         else:
             self.pool._release(self)
 
-    def _parse(self, exchange: Exchange, data: bytes) -> None:
-        """Consumes `data`; keeps an incomplete head or chunk-size line in `_buf` for the next call."""
-        pos, end = 0, len(data)
-        self._buf = b""
-        while pos < end:
-            state = self._state
-            if state == _CHUNK_DATA or state == _LENGTH:
-                take = min(self._remaining, end - pos)
-                exchange._on_body(data[pos:pos + take] if pos or take < end else data)
-                pos += take
-                self._remaining -= take
-                if not self._remaining:
-                    self._state = _CHUNK_END if state == _CHUNK_DATA else _DONE
-            elif state == _CHUNK_SIZE or state == _CHUNK_END or state == _TRAILERS:
-                eol = data.find(b"\r\n", pos)
-                if eol < 0:
-                    if end - pos > MAX_LINE_BYTES:
-                        raise ValueError("chunk line too long")
-                    self._buf = data[pos:]
-                    return
-                line = data[pos:eol]
-                pos = eol + 2
-                if state == _CHUNK_END:
-                    if line:
-                        raise ValueError("chunk data not followed by CRLF")
-                    self._state = _CHUNK_SIZE
-                elif state == _TRAILERS:
-                    if not line:
-                        self._state = _DONE
-                else:
-                    size = int(line.partition(b";")[0].strip(), 16)
-                    if size < 0:
-                        raise ValueError("negative chunk size")
-                    self._remaining = size
-                    self._state = _CHUNK_DATA if size else _TRAILERS
-            elif state == _HEAD:
-                eoh = data.find(b"\r\n\r\n", pos)
-                if eoh < 0:
-                    if end - pos > MAX_HEAD_BYTES:
-                        raise ValueError("response head too large")
-                    self._buf = data[pos:]
-                    return
-                self._head(exchange, data[pos:eoh].decode("latin-1"))
-                pos = eoh + 4
-            elif state == _UNTIL_CLOSE:
-                exchange._on_body(data[pos:] if pos else data)
-                pos = end
-            else:  # _DONE: bytes past the end of the response
-                self._buf = data[pos:]
-                return
-            if self._state == _DONE and pos < end:
-                self._buf = data[pos:]
-                return
+    # llhttp callbacks
 
-    def _head(self, exchange: Exchange, head: str) -> None:
-        lines = head.split("\r\n")
-        version, _, rest = lines[0].partition(" ")
-        if not version.startswith("HTTP/1."):
-            raise ValueError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-        status = int(rest[:3])
-        if not 100 <= status <= 999:
-            raise ValueError(f"bad status {status}")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(":")
-            if not colon or not name or name != name.strip():
-                raise ValueError(f"bad header line {line[:80]!r}")
-            name = name.lower()
-            value = value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    def on_message_begin(self) -> None:
+        if self._finished:
+            self._past_end = True
+            return
+        self._status, self._headers, self._head_bytes, self._in_head = 0, {}, 0, True
+
+    def on_status(self, reason: bytes) -> None:
+        self._count_head(reason)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head or self._finished:
+            return  # a trailer field: nothing the router relays
+        self._count_head(name, value)
+        key, text = name.decode("latin-1").lower(), value.decode("latin-1")
+        headers = self._headers
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+
+    def _count_head(self, *parts: bytes) -> None:
+        self._head_bytes += sum(len(part) for part in parts)
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise ValueError("response head too large")
+
+    def on_headers_complete(self) -> None:
+        if self._finished:
+            return
+        self._in_head = False
+        parser, headers = self._parser, self._headers
+        self._status = status = parser.get_status_code()
         if status < 200:
-            return  # an informational response; the real one follows (state stays _HEAD)
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = ("close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection)
-        exchange._on_head(status, headers)
-        encoding = headers.get("transfer-encoding")
-        if status in (204, 304):
-            self._state = _DONE
-        elif encoding is not None:
-            if encoding.lower().rpartition(",")[2].strip() != "chunked":
-                self._state, self._keep_alive = _UNTIL_CLOSE, False
-            else:
-                self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            length = int(headers["content-length"])
-            if length < 0:
-                raise ValueError("negative Content-Length")
-            self._remaining = length
-            self._state = _LENGTH if length else _DONE
-        else:
-            self._state, self._keep_alive = _UNTIL_CLOSE, False
+            return  # an informational response; the real one follows
+        self._keep_alive = parser.should_keep_alive()
+        encoding = headers.get("transfer-encoding", "")
+        chunked = encoding.lower().rpartition(",")[2].strip() == "chunked"
+        self._until_close = status not in (204, 304) and not chunked and "content-length" not in headers
+        self.exchange._on_head(status, headers)
+
+    def on_body(self, body: bytes) -> None:
+        if body and not self._finished:
+            self.exchange._on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._status >= 200 and not self._finished:
+            self._finished = True
 
 
 class UpstreamPool:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve_router.metrics import LATENCY_BUCKETS
+
 
 def pd_router(start_router, prefills, decodes, *extra: str):
     return start_router("--prefill", *[p.url for p in prefills], "--decode", *[d.url for d in decodes], *extra)
@@ -97,6 +101,27 @@ def test_admin_routes(stubs, start_router):
     for name in ("requests_total", "errors_total", "retries_total", "in_flight", "added_latency_seconds_bucket"):
         assert f"pdserve_router_{name}" in metrics
     assert router.metric('pdserve_router_requests_total{route="/generate"}') == 1
+
+
+def test_metrics_parse_with_the_prometheus_parser(stubs, start_router):
+    p1, d1 = stubs.add("prefill"), stubs.add("decode")
+    router = pd_router(start_router, [p1], [d1])
+    router.post("/generate", {"text": "hi"})
+    router.post("/generate", b"{not json")
+    reply = router.get("/metrics")
+    assert reply.headers["Content-Type"].startswith("text/plain")
+    families = {family.name: family for family in text_string_to_metric_families(reply.body.decode())}
+    errors = families["pdserve_router_errors"]
+    assert errors.type == "counter"
+    assert [(s.labels, s.value) for s in errors.samples] == [({"kind": "bad_request"}, 1.0)]
+    healthy = families["pdserve_router_worker_healthy"]
+    assert healthy.type == "gauge"
+    assert {(s.labels["url"], s.labels["role"], s.value) for s in healthy.samples} == {
+        (p1.url, "prefill", 1.0), (d1.url, "decode", 1.0)}
+    added = families["pdserve_router_added_latency_seconds"]
+    edges = [float(s.labels["le"]) for s in added.samples if s.name.endswith("_bucket")]
+    assert edges == [*LATENCY_BUCKETS, float("inf")]
+    assert next(s.value for s in added.samples if s.name.endswith("_count")) == 1
 
 
 def test_router_errors_keep_the_error_shape(stubs, start_router):

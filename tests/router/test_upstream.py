@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pdserve_router.upstream import HIGH_WATER, UpstreamConnectionError, UpstreamPool
+from pdserve_router.upstream import HIGH_WATER, MAX_HEAD_BYTES, UpstreamConnectionError, UpstreamPool
 
 
 class ScriptedServer:
@@ -208,6 +208,26 @@ def test_malformed_response_is_a_connection_error():
         with pytest.raises(UpstreamConnectionError, match="malformed"):
             await ex.head
         ex.close()
+
+    run(with_server(reply, body))
+
+
+def test_oversized_head_is_malformed_and_bytes_past_a_response_spoil_its_connection():
+    def reply(index, head, body):
+        if index == 0:
+            return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 2", False
+        return b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\nContent-Length: 0\r\n\r\n", False
+
+    async def body(server, url, pool):
+        ex = pool.send(url, "/generate", b"", b"{}", whole=True)
+        await ex.head
+        assert ex.take() == b"ok"
+        ex.close()
+        ex = pool.send(url, "/generate", b"", b"{}", whole=True)  # a new connection: the first one was not reused
+        with pytest.raises(UpstreamConnectionError, match="malformed"):
+            await ex.head
+        ex.close()
+        assert server.connections == 2
 
     run(with_server(reply, body))
 

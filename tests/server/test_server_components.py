@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import msgpack
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from server_util import parse_prometheus
 from transformers import AutoTokenizer
 
 from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.detokenizer import IncrementalDetokenizer
-from pdserve.server.http_server import ApiError, check_bootstrap
+from pdserve.server.generation import check_bootstrap
+from pdserve.server.http_common import ApiError
 from pdserve.server.messages import (
     BatchTokenOut,
     DecodeSettings,
@@ -21,7 +23,7 @@ from pdserve.server.messages import (
     decode,
     encode,
 )
-from pdserve.server.metrics import ServerMetrics
+from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest
 
@@ -137,6 +139,23 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["pdserve_kv_cache_usage_ratio"] == 0.25
     assert samples["pdserve_prefix_cache_hit_rate"] == 0.25
     assert samples["pdserve_generation_tokens_total"] == 4
+
+
+def test_metrics_parse_with_the_prometheus_parser():
+    metrics = ServerMetrics()
+    metrics.http_error(400)
+    metrics.observe_inter_token(0.003, 2)
+    text = metrics.render({"kv_used_tokens": 1, "kv_total_tokens": 4}, in_flight=3)
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    assert families["pdserve_http_errors"].type == "counter"
+    assert [(s.labels, s.value) for s in families["pdserve_http_errors"].samples] == [({"status": "400"}, 1.0)]
+    inter_token = families["pdserve_inter_token_latency_seconds"]
+    assert inter_token.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in inter_token.samples if s.name.endswith("_bucket")}
+    assert list(buckets) == [str(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+    assert buckets["0.0025"] == 0 and buckets["0.005"] == 2 and buckets["+Inf"] == 2
+    assert families["pdserve_requests_in_flight"].samples[0].value == 3
+    assert families["pdserve_kv_cache_usage_ratio"].samples[0].value == 0.25
 
 
 # --- protocol -------------------------------------------------------------------------------------

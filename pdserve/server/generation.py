@@ -1,0 +1,103 @@
+"""What the native and the OpenAI routes share between parsing a body and answering: request checks, request ids,
+logprob settings, and one request's output accumulated from its stream."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.sampling_params import SamplingParamsError
+from pdserve.server.http_common import ApiError
+from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
+
+
+def sampling_error(exc: SamplingParamsError | TypeError) -> ApiError:
+    return ApiError(400, f"invalid sampling parameters: {exc}")
+
+
+def check_bootstrap(args: Any, request: GenerateRequest) -> None:
+    """A PD server serves only requests the router paired up; a colocated server ignores the fields."""
+    if args.is_pd and (request.bootstrap_host is None or request.bootstrap_room is None):
+        raise ApiError(
+            400,
+            f"this is a PD {args.disaggregation_mode} server: requests need bootstrap_host and bootstrap_room "
+            "(send them through the router)",
+        )
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def with_logprobs(request: GenerateRequest, return_logprob: bool, top_n: int, start_len: int) -> GenerateRequest:
+    params = request.sampling_params
+    params.logprobs = top_n if return_logprob else None
+    params.prompt_logprobs = top_n if return_logprob and start_len >= 0 else None
+    params.logprob_start_len = start_len if return_logprob else -1
+    return request
+
+
+def check_batch_size(args: Any, size: int) -> None:
+    if size == 0:
+        raise ApiError(400, "the batch is empty")
+    if size > args.max_batch_items:
+        raise ApiError(400, f"batch of {size} prompts exceeds --max-batch-items {args.max_batch_items}")
+
+
+def check_unique_rids(tm: TokenizerManager, requests: list[GenerateRequest]) -> None:
+    rids = [r.rid for r in requests]
+    if len(set(rids)) != len(rids):
+        raise ApiError(400, "request ids in one batch must differ")
+    for rid in rids:
+        if tm.is_in_flight(rid):
+            raise ApiError(400, f"request id {rid!r} is already in flight")
+
+
+# --- accumulating one request's output ------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Generation:
+    """Everything one request has produced so far."""
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[list] = field(default_factory=list)
+    output_top_logprobs: list[list] = field(default_factory=list)
+    input_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+    last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        out = chunk.out
+        self.text += out.text
+        self.output_ids.extend(out.new_token_ids)
+        self.output_logprobs.extend(out.output_logprobs)
+        self.output_top_logprobs.extend(out.output_top_logprobs)
+        if chunk.input_logprobs is not None:
+            self.input_logprobs = chunk.input_logprobs
+            self.input_top_logprobs = out.input_top_logprobs
+        self.last = chunk
+
+    @property
+    def finish_reason(self) -> dict | None:
+        return self.last.out.finish_reason if self.last else None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.last.out.prompt_tokens if self.last else 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.last.out.completion_tokens if self.last else 0
+
+
+async def collect(streams: list[AsyncIterator[Chunk]]) -> list[Generation]:
+    generations = [Generation() for _ in streams]
+    async with aclosing(merge_streams(streams)) as merged:
+        async for index, chunk in merged:
+            generations[index].add(chunk)
+    return generations
