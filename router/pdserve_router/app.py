@@ -233,7 +233,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/workers", router.list_workers)
     app.router.add_post("/workers", router.add_worker)
     app.router.add_delete("/workers", router.remove_worker)
-    add_dashboard(app, router)
+    add_dashboard(app, router.registry, router.config, router.policy_names)
     return app
 
 

@@ -8,12 +8,12 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from .app import Router
+from .config import RouterConfig
+from .workers import WorkerRegistry
 
 RECENT_ERRORS = 50
 POLL_INTERVAL_MS = 2000
@@ -39,8 +39,10 @@ class RecentErrors(logging.Handler):
 
 
 class Dashboard:
-    def __init__(self, router: Router):
-        self.router = router
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, policy_names: Callable[[], list[str]]):
+        self.registry = registry
+        self.config = config
+        self.policy_names = policy_names
         self.errors = RecentErrors()
         self.logger = logging.getLogger("pdserve_router")
 
@@ -55,20 +57,21 @@ class Dashboard:
                             headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
     async def status(self, request: web.Request) -> web.Response:
-        workers = list(self.router.registry.workers.values())
+        workers = list(self.registry.workers.values())
         instances = [{**w.describe(), "in_rotation": w.healthy and w.breaker.state != "open"} for w in workers]
         in_rotation = {i["url"]: i["in_rotation"] for i in instances}
         prefills = [w.url for w in workers if w.role == "prefill" and in_rotation[w.url]]
         decodes = [w.url for w in workers if w.role == "decode" and in_rotation[w.url]]
         pairs = [{"prefill": p, "decode": d} for p, d in itertools.product(prefills, decodes)]
-        return web.json_response({"mode": self.router.config.mode, "policies": self.router.policy_names(),
+        return web.json_response({"mode": self.config.mode, "policies": self.policy_names(),
                                   "time": time.time(), "instances": instances, "pairs": pairs,
                                   "recent_errors": self.errors.newest_first()},
                                  headers={"Cache-Control": "no-cache"})
 
 
-def add_dashboard(app: web.Application, router: Router) -> None:
-    dashboard = Dashboard(router)
+def add_dashboard(app: web.Application, registry: WorkerRegistry, config: RouterConfig,
+                  policy_names: Callable[[], list[str]]) -> None:
+    dashboard = Dashboard(registry, config, policy_names)
     app.on_startup.insert(0, dashboard.attach)  # before the router's first health-check round, which may warn
     app.on_cleanup.append(dashboard.detach)
     app.router.add_get("/dashboard", dashboard.page)
