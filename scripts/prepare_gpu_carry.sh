@@ -17,6 +17,8 @@ WHEELS=(
   annotated-types==0.7.0
   typing-inspection==0.4.2
   typing-extensions==4.16.0
+  httptools==0.9.0
+  prometheus-client==0.26.0
   mooncake-transfer-engine-cuda13==0.3.14
 )
 DEBS=(
