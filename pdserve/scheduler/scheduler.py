@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import ForwardMode
 from pdserve.config import ServerArgs
-from pdserve.engine.model_runner import ModelRunner, build_forward_batch
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.models.model_config import ModelConfig
+from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.input_batch import InputBatch
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
@@ -40,17 +40,6 @@ class WorkCounters:
     extend_steps: int = 0
     extend_tokens: int = 0
     extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
-
-
-@dataclass(slots=True)
-class ExtendItem:
-    req: Req
-    start: int  # first position computed in this pass
-    end: int  # one past the last position computed in this pass
-
-    @property
-    def completes_prefill(self) -> bool:
-        return self.end == len(self.req.all_ids)
 
 
 class Scheduler(OverlapMixin):
@@ -277,42 +266,20 @@ class Scheduler(OverlapMixin):
     # ---- forward passes ---------------------------------------------------------------------------------------
 
     def _run_extend(self, items: list[ExtendItem]) -> None:
-        input_ids, positions, slots, logit_rows = [], [], [], []
-        row_of: list[tuple[int, int]] = []  # per item: (first logits row, count)
-        for item in items:
-            fill = item.req.all_ids
-            offset = len(input_ids)
-            input_ids += fill[item.start : item.end]
-            positions += range(item.start, item.end)
-            slots += token_slots(item.req.pages, item.start, item.end, self.page_size)
-            first = len(logit_rows)
-            if self._wants_input_logprobs(item.req):
-                logit_rows += range(offset, offset + item.end - item.start)
-            elif item.completes_prefill:
-                logit_rows.append(len(input_ids) - 1)
-            row_of.append((first, len(logit_rows) - first))
-        batch = build_forward_batch(
-            ForwardMode.EXTEND, input_ids, positions, slots,
-            prefix_lens=[i.start for i in items], extend_lens=[i.end - i.start for i in items],
-            page_rows=[i.req.pages for i in items], logits_indices=logit_rows,
-            page_size=self.page_size, device=self.device,
-        )
-        logits = self.runner.forward(batch, self.layer_hook(items))
+        batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
+        logits = self.runner.forward(batch.forward_batch, self.layer_hook(items))
         self.work.extend_steps += 1
-        self.work.extend_tokens += len(input_ids)
+        self.work.extend_tokens += batch.forward_batch.num_tokens
         self.work.extend_attention_pairs += sum((i.end - i.start) * (i.start + i.end + 1) // 2 for i in items)
-        done: list[ExtendItem] = []
-        for item, (first, count) in zip(items, row_of):
+        for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
             if self._wants_input_logprobs(req):
                 self._record_input_logprobs(req, item, logits[first : first + count])
             self.on_chunk_done(req, item.start, item.end)
-            if item.completes_prefill:
-                done.append(item)
+        done, last_rows = batch.completed()
         if done:
-            last_rows = torch.tensor([row_of[items.index(i)][0] + row_of[items.index(i)][1] - 1 for i in done])
-            self._sample_and_append([i.req for i in done], logits[last_rows.to(logits.device)])
+            self._sample_and_append([i.req for i in done], logits[torch.tensor(last_rows, device=logits.device)])
             for item in done:
                 if not item.req.finished:
                     self.on_prefill_done(item.req)
@@ -483,12 +450,3 @@ class Scheduler(OverlapMixin):
                 out.input_top_logprobs = req.input_top_logprobs[prompt_start:]
         return out
 
-
-def token_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
-    """KV slots of positions [start, end) of a request whose KV lives in `pages`, one page's range at a time."""
-    slots: list[int] = []
-    for i in range(start // page_size, (end - 1) // page_size + 1) if end > start else ():
-        first = i * page_size
-        base = pages[i] * page_size - first
-        slots += range(base + max(start, first), base + min(end, first + page_size))
-    return slots

@@ -10,7 +10,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.scheduler.request import Req
-from pdserve.scheduler.scheduler import token_slots
+from pdserve.scheduler.extend_batch import token_slots
 
 
 @pytest.fixture(scope="module")
