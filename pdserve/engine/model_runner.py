@@ -51,6 +51,7 @@ class ModelRunner:
             num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
+        self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(
@@ -86,6 +87,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab]; `on_layer_done(i)` follows layer i (eager only)."""
+        for observe in self.forward_observers:
+            observe(batch)
         if on_layer_done is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)

@@ -11,7 +11,6 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -28,18 +27,6 @@ from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
 from pdserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class WorkCounters:
-    """What the forward passes did, for roofline accounting in the benchmarks."""
-
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_kv_tokens_read: int = 0
-    extend_steps: int = 0
-    extend_tokens: int = 0
-    extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
 
 
 class Scheduler(OverlapMixin):
@@ -62,7 +49,6 @@ class Scheduler(OverlapMixin):
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
-        self.work = WorkCounters()
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self._pinned: list[torch.Tensor] = []
@@ -268,9 +254,6 @@ class Scheduler(OverlapMixin):
     def _run_extend(self, items: list[ExtendItem]) -> None:
         batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
         logits = self.runner.forward(batch.forward_batch, self.layer_hook(items))
-        self.work.extend_steps += 1
-        self.work.extend_tokens += batch.forward_batch.num_tokens
-        self.work.extend_attention_pairs += sum((i.end - i.start) * (i.start + i.end + 1) // 2 for i in items)
         for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
@@ -312,9 +295,6 @@ class Scheduler(OverlapMixin):
         batch = state.forward_batch(input_ids, positions)
         if fix_ids is not None:
             fix_ids(batch.input_ids)
-        self.work.decode_steps += 1
-        self.work.decode_tokens += len(reqs)
-        self.work.decode_kv_tokens_read += sum(positions) + len(reqs)
         for r in reqs:
             r.num_cached_tokens += 1
         return self.runner.forward(batch)
