@@ -41,7 +41,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args.dtype, model_config.checkpoint_dtype, self.device)
-        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.context_len = model_config.context_len(args.context_length)
         torch.manual_seed(args.random_seed)
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy")
         self.pool = KVPool(self._kv_layout(), self.device)

@@ -40,7 +40,7 @@ class Scheduler(OverlapMixin):
         self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
         self.radix = None if args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
         self.sampler = Sampler(self.device, args.random_seed)
-        self.stop_checker = StopChecker(args, self.model_config, self.context_len, tokenizer)
+        self.stop_checker = StopChecker(args, self.model_config, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
@@ -75,9 +75,6 @@ class Scheduler(OverlapMixin):
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
-        room = self.context_len - len(req.input_ids)
-        if req.sampling_params.max_tokens > room:
-            req.sampling_params.max_tokens = room
         self.reqs[req.rid] = req
         self._accept(req)
 
@@ -86,24 +83,14 @@ class Scheduler(OverlapMixin):
         self.waiting.append(req)
 
     def validate(self, req: Req) -> None:
+        """What only the scheduler knows; the prompt itself was checked where it entered (`check_prompt`)."""
         n = len(req.input_ids)
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in flight")
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.context_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; this model's context length is {self.context_len}, "
-                "so it must be shorter to leave room for at least one output token"
-            )
         if math.ceil((n + 1) / self.page_size) > self.allocator.capacity:
             raise ValueError(
                 f"the prompt has {n} tokens but the KV cache holds only {self.allocator.capacity * self.page_size}"
             )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)

@@ -8,10 +8,12 @@ the loop (e.g. `handle_generate` to enqueue into a bootstrap queue, `run_step` t
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
+from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.scheduler.request import Req, StepOutput
 from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+EXIT_CONFIG_ERROR = 2
 
 
 class SchedulerProcess:
@@ -59,7 +62,6 @@ class SchedulerProcess:
             FlushCacheReq: self.handle_flush_cache,
             GetStatsReq: self.handle_get_stats,
         }
-        self.vocab_size = int(scheduler.model_info["vocab_size"])
 
     def announce_ready(self) -> None:
         self.to_tokenizer.send(encode(ProcessReady("scheduler", dict(self.sched.model_info))))
@@ -111,10 +113,6 @@ class SchedulerProcess:
         self.to_detokenizer.send(encode(settings))
 
     def build_req(self, msg: TokenizedGenerateReq) -> Req:
-        if not msg.input_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in msg.input_ids):
-            raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size})")
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
         except TypeError as exc:
@@ -172,4 +170,9 @@ def run_scheduler_process(args: ServerArgs) -> None:
     child_setup("scheduler", args.log_level)
     from pdserve.scheduler import create_scheduler
 
-    SchedulerProcess(args, create_scheduler(args)).run_forever()
+    try:
+        scheduler = create_scheduler(args)
+    except ConfigError as exc:  # a flag only the model can refute: one line, not a traceback
+        logger.error("%s", exc)
+        sys.exit(EXIT_CONFIG_ERROR)
+    SchedulerProcess(args, scheduler).run_forever()

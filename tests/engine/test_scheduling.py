@@ -196,3 +196,8 @@ def test_a_forward_observer_counts_the_work_of_every_pass(llm):
     steps = work.decode_steps  # 4, or 5 where the overlap scheduler launched one pass past the end
     assert steps in (4, 5) and work.decode_tokens == 2 * steps
     assert work.decode_kv_tokens_read == sum((11 + i) + (7 + i) for i in range(steps))
+
+
+def test_context_length_past_the_model_positions_is_refused(qwen3_tiny):
+    with pytest.raises(ConfigError, match=r"max_position_embeddings \(4096\)"):
+        LLM(qwen3_tiny, device="cpu", context_length=5000)
