@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -19,11 +18,12 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.messages import TokenOut
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.input_batch import InputBatch
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
-from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
+from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Scheduler(OverlapMixin):
             self.running.remove(req)
         self._finish(req, FinishReason("abort", message=message))
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TokenOut]:
         items = self._schedule_extend()
         if items:
             self._finish_inflight()
@@ -326,8 +326,6 @@ class Scheduler(OverlapMixin):
             if result.logprobs is not None and req.return_logprob:
                 req.output_logprobs.append(result.logprobs[i])
                 req.output_top_logprobs.append(result.top_logprobs[i])
-            if req.first_token_time is None:
-                req.first_token_time = time.time()
             self._changed[req.rid] = req
             reason = self._check_stop(req)
             if reason is not None:
@@ -391,7 +389,7 @@ class Scheduler(OverlapMixin):
     def _pages_in_use_by_reqs(self) -> bool:
         return any(r.pages for r in self.reqs.values())
 
-    def _collect_outputs(self) -> list[StepOutput]:
+    def _collect_outputs(self) -> list[TokenOut]:
         outputs = []
         for req in self._changed.values():
             outputs.append(self._make_output(req))
@@ -400,20 +398,19 @@ class Scheduler(OverlapMixin):
         self._changed.clear()
         return outputs
 
-    def _make_output(self, req: Req) -> StepOutput:
+    def _make_output(self, req: Req) -> TokenOut:
+        """The detokenizer's message: the tokens since the previous report, and the prompt logprobs in the first."""
         start = req.num_reported
         req.num_reported = len(req.output_ids)
         reason = req.finish_reason
-        out = StepOutput(  # by position: built for every request at every step, where keywords cost more
+        input_logprobs = input_top_logprobs = None
+        if req.return_logprob and start == 0 and req.logprob_start_len >= 0:
+            prompt_start = min(req.logprob_start_len, len(req.input_ids))
+            input_logprobs = req.input_logprobs[prompt_start:]
+            input_top_logprobs = req.input_top_logprobs[prompt_start:]
+        logprobs = req.return_logprob
+        return TokenOut(  # by position: built for every request at every step, where keywords cost more
             req.rid, req.output_ids[start:], None if reason is None else reason.to_dict(), len(req.input_ids),
-            req.num_reported, req.num_prefix_hit,
+            req.num_reported, req.num_prefix_hit, req.output_logprobs[start:] if logprobs else [],
+            req.output_top_logprobs[start:] if logprobs else [], input_logprobs, input_top_logprobs,
         )
-        if req.return_logprob:
-            out.new_logprobs = req.output_logprobs[start:]
-            out.new_top_logprobs = req.output_top_logprobs[start:]
-            if start == 0 and req.logprob_start_len >= 0:
-                prompt_start = min(req.logprob_start_len, len(req.input_ids))
-                out.input_logprobs = req.input_logprobs[prompt_start:]
-                out.input_top_logprobs = req.input_top_logprobs[prompt_start:]
-        return out
-

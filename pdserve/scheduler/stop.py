@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pdserve.config import ServerArgs
 from pdserve.models.model_config import ModelConfig
-from pdserve.scheduler.request import FinishReason, Req
+from pdserve.scheduler.request import FinishReason, Req, StopCriteria
 
 
 def load_tokenizer(args: ServerArgs):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-
-
-@dataclass(slots=True, frozen=True)
-class StopCriteria:
-    """One request's stop conditions, resolved once (at its first check): a token then costs a length compare
-    and a set lookup, and stop strings are matched only for the requests that have them."""
-
-    stop_ids: frozenset[int]  # the stop token ids, EOS included unless ignore_eos
-    min_tokens: int  # no stop token or string counts before this many output tokens
-    max_output_len: int  # max_tokens, already clamped to the room the context leaves
-    stop_strings: tuple[str, ...]
 
 
 class StopChecker:

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.server.messages import (
+from pdserve.messages import (
     BatchStrOut,
     BatchTokenOut,
     DecodeSettings,
@@ -137,7 +137,7 @@ def run_detokenizer_process(args: Any) -> None:
     import zmq
 
     from pdserve.server.ipc import child_setup, ipc_addr, load_tokenizer, pull_socket, push_socket
-    from pdserve.server.messages import MessageError, decode, encode
+    from pdserve.messages import MessageError, decode, encode
 
     child_setup("detokenizer", args.log_level)
     detokenizer = IncrementalDetokenizer(load_tokenizer(args))

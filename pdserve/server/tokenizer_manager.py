@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from pdserve.sampling_params import PromptError, SamplingParams, check_prompt
 from pdserve.server.ipc import ipc_addr, pull_socket, push_socket
-from pdserve.server.messages import (
+from pdserve.messages import (
     AbortReq,
     BatchStrOut,
     FlushCacheReply,
@@ -59,7 +59,6 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -315,7 +314,6 @@ def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
         rid=request.rid,
         input_ids=request.input_ids,
         sampling_params=request.sampling_params.to_dict(),
-        stream=request.stream,
         bootstrap_host=request.bootstrap_host,
         bootstrap_port=request.bootstrap_port,
         bootstrap_room=request.bootstrap_room,

@@ -11,7 +11,7 @@ from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.http_server import ApiError, check_bootstrap
-from pdserve.server.messages import (
+from pdserve.messages import (
     BatchTokenOut,
     DecodeSettings,
     GetStatsReply,
