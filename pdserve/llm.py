@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.tokenizer import load_tokenizer
@@ -62,7 +62,9 @@ class LLM:
 
     def _make_req(self, prompt: str | list[int], params: SamplingParams) -> Req:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return Req.of(f"offline-{next(self._ids)}", ids, SamplingParams.from_dict(params.to_dict()))
+        params = SamplingParams.from_dict(params.to_dict())
+        check_prompt(ids, params, self.scheduler.model_config.vocab_size, self.scheduler.context_len)
+        return Req.of(f"offline-{next(self._ids)}", ids, params)
 
     def _make_output(self, req: Req) -> RequestOutput:
         text = self.tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling_params.skip_special_tokens)

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+MAX_INT32 = 2**31 - 1
 
 
 class SamplingParamsError(ValueError):
     """An invalid sampling parameter; the server maps it to HTTP 400."""
+
+
+class PromptError(ValueError):
+    """A prompt the model cannot take; `code` is OpenAI's error code where one applies."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(slots=True)
@@ -63,13 +74,16 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
         checks = [
+            *((math.isfinite(getattr(self, name)), f"{name} must be a finite number, got {getattr(self, name)}")
+              for name in floats),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (self.temperature <= 100.0, f"temperature must be <= 100, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}"),
+            (self.top_k == -1 or 1 <= self.top_k <= MAX_INT32, f"top_k must be -1 (off) or in [1, 2^31), got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens >= 0, f"max_tokens must be >= 0, got {self.max_tokens}"),
+            (0 <= self.max_tokens <= MAX_INT32, f"max_tokens must be in [0, 2^31), got {self.max_tokens}"),
             (0 <= self.min_tokens <= max(self.max_tokens, 0), f"min_tokens must be in [0, max_tokens], got {self.min_tokens}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -94,3 +108,23 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
         return cls(**data)
+
+
+def check_prompt(input_ids: Sequence[int], params: SamplingParams, vocab_size: int, context_len: int) -> None:
+    """The one check of a request against the model, where it enters the engine (the HTTP server's tokenizer
+    manager, or the offline `LLM`): every token id the client gave lies in the vocabulary, the prompt leaves room
+    for an output token, and max_tokens (and min_tokens with it) is clamped to that room."""
+    if not input_ids:
+        raise PromptError("the prompt is empty")
+    for name, ids in (("input_ids", input_ids), ("stop_token_ids", params.stop_token_ids)):
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            raise PromptError(f"{name} must be token ids in the vocabulary [0, {vocab_size})")
+    room = context_len - len(input_ids)
+    if room <= 0:
+        raise PromptError(
+            f"the prompt has {len(input_ids)} tokens; this model's context length is {context_len}, "
+            "so it must be shorter to leave room for at least one output token",
+            code="context_length_exceeded",
+        )
+    params.max_tokens = min(params.max_tokens, room)
+    params.min_tokens = min(params.min_tokens, params.max_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from pdserve.attention.base import AttentionBackend
 
 _BACKENDS = {
     "torch_native": "pdserve.attention.torch_native:TorchNativeBackend",
@@ -32,4 +32,4 @@ def create_backend(name: str, **kwargs) -> AttentionBackend:
     return getattr(importlib.import_module(module_name), cls_name)(**kwargs)
 
 
-__all__ = ["AttentionBackend", "ForwardBatch", "ForwardMode", "create_backend", "resolve_backend_name"]
+__all__ = ["AttentionBackend", "create_backend", "resolve_backend_name"]

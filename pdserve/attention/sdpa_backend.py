@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from pdserve.attention.base import AttentionBackend
+from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.attention.triton_backend import TritonAttnBackend
 from pdserve.kernels.attention import extend_attention, store_kv
 from pdserve.mem_cache.kv_pool import KVPool

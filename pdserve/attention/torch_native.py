@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch
+from pdserve.attention.base import AttentionBackend
+from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.kv_pool import KVPool
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from pdserve.attention.base import AttentionBackend
+from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kernels.attention import (
     decode_attention,
     decode_num_splits,

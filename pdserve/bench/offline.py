@@ -16,7 +16,7 @@ from random import Random
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.roofline import Ceilings, ModelCost
+from pdserve.bench.roofline import Ceilings, ModelCost, WorkCounters
 
 
 def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 0):
@@ -27,9 +27,8 @@ def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 
     return prompts, params
 
 
-def roofline(llm: LLM, wall_s: float, ceilings: Ceilings) -> dict:
+def roofline(llm: LLM, work: WorkCounters, wall_s: float, ceilings: Ceilings) -> dict:
     """Ideal time = decode bytes / HBM bandwidth + prefill FLOPs / matmul rate, over the measured wall time."""
-    work = llm.scheduler.work
     cost = ModelCost.of(llm.scheduler.model_config, itemsize=llm.scheduler.runner.pool.layout.itemsize)
     decode_bytes = work.decode_steps * cost.weight_bytes + work.decode_kv_tokens_read * cost.kv_bytes_per_token
     prefill_flops = cost.prefill_flops(work.extend_tokens, work.extend_attention_pairs)
@@ -50,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(args.model_path, **engine_args)
     prompts, params = workload(args.num_seqs, args.min_len, args.max_len, llm.scheduler.model_config.vocab_size)
     llm.generate(["Benchmark warm-up: "], SamplingParams(max_tokens=8), use_tqdm=False)
-    llm.scheduler.work.__init__()
+    work = WorkCounters()
+    llm.scheduler.runner.forward_observers.append(work.observe)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     if torch.cuda.is_available():
         ceilings = Ceilings.measure()
         result["ceilings"] = asdict(ceilings)
-        result.update(roofline(llm, wall, ceilings))
+        result.update(roofline(llm, work, wall, ceilings))
     print(f"Total: {total_out} tok, Time: {wall:.2f} s, Throughput: {total_out / wall:.1f} tok/s")
     if "roofline_fraction" in result:
         print(f"HBM/compute roofline: ideal {result['ideal_s']:.2f} s -> {100 * result['roofline_fraction']:.1f}% "

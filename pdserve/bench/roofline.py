@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.models.model_config import ModelConfig
 
 
@@ -67,3 +68,27 @@ class ModelCost:
 
     def prefill_flops(self, tokens: int, attention_pairs: int) -> int:
         return 2 * self.layer_params * tokens + self.attn_flops_per_pair * attention_pairs
+
+
+@dataclass(slots=True)
+class WorkCounters:
+    """What the forward passes did, counted by `observe` as a `ModelRunner.forward_observers` entry."""
+
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_kv_tokens_read: int = 0
+    extend_steps: int = 0
+    extend_tokens: int = 0
+    extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
+
+    def observe(self, batch: ForwardBatch) -> None:
+        if batch.mode == ForwardMode.DECODE:
+            self.decode_steps += 1
+            self.decode_tokens += batch.batch_size
+            self.decode_kv_tokens_read += sum(batch.seq_lens_cpu)
+            return
+        self.extend_steps += 1
+        self.extend_tokens += batch.num_tokens
+        self.extend_attention_pairs += sum(
+            e * (2 * p + e + 1) // 2 for p, e in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu)
+        )

@@ -24,8 +24,8 @@ from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEO
 from pdserve.disagg.role import DisaggScheduler
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
+from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
-from pdserve.scheduler.scheduler import ExtendItem
 
 logger = logging.getLogger(__name__)
 

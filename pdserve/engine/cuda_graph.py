@@ -8,7 +8,8 @@ import logging
 import torch
 from tqdm import tqdm
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from pdserve.attention.base import AttentionBackend, ForwardContext
+from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.mem_cache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -22,8 +23,6 @@ def capture_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(self, model, backend: AttentionBackend, pool: KVPool, max_bs: int, max_context_len: int,
                  device: torch.device):
-        from pdserve.models.llama import ForwardContext
-
         self.model = model
         self.backend = backend
         self.pool = pool

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
-from array import array
 from collections.abc import Callable
 
 import torch
 
 from pdserve.attention import create_backend, resolve_backend_name
-from pdserve.attention.base import ForwardBatch, ForwardMode
+from pdserve.attention.base import ForwardContext
 from pdserve.config import ServerArgs
 from pdserve.engine.cuda_graph import CudaGraphRunner
+from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
-from pdserve.models.llama import ForwardContext
 from pdserve.models.loader import load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
 
@@ -42,7 +41,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args.dtype, model_config.checkpoint_dtype, self.device)
-        self.context_len = args.context_length or model_config.max_position_embeddings
+        self.context_len = model_config.context_len(args.context_length)
         torch.manual_seed(args.random_seed)
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy")
         self.pool = KVPool(self._kv_layout(), self.device)
@@ -52,6 +51,7 @@ class ModelRunner:
             num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
+        self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(
@@ -87,66 +87,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """float32 logits [len(batch.logits_indices), vocab]; `on_layer_done(i)` follows layer i (eager only)."""
+        for observe in self.forward_observers:
+            observe(batch)
         if on_layer_done is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         self.backend.init_forward_metadata(batch)
         return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))
-
-
-def to_device(values: list | array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without waiting for the GPU: staged through pinned memory on CUDA
-    (a copy from pageable memory would block until the stream's earlier work is done). An `array` of the same
-    element type is read through its buffer, skipping the conversion of each Python int."""
-    if isinstance(values, array) and values:
-        host = torch.frombuffer(values, dtype=dtype)
-    else:
-        host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def flat_page_table(page_rows: list[list[int]], width: int) -> list[int]:
-    """Rows of page ids, each padded with page 0 to `width`, flattened row after row."""
-    return [page for row in page_rows for page in (row + [0] * (width - len(row)))]
-
-
-def build_forward_batch(
-    mode: ForwardMode,
-    input_ids: list[int],
-    positions: list[int],
-    out_cache_loc: list[int],
-    prefix_lens: list[int],
-    extend_lens: list[int],
-    page_rows: list[list[int]],
-    logits_indices: list[int],
-    page_size: int,
-    device: torch.device,
-) -> ForwardBatch:
-    """Two host-to-device copies: every int64 field in one buffer, every int32 field in another."""
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    starts, acc = [], 0
-    for e in extend_lens:
-        starts.append(acc)
-        acc += e
-    width = max((len(r) for r in page_rows), default=1) or 1
-    table = flat_page_table(page_rows, width)
-    t, b = len(input_ids), len(seq_lens)
-    longs = to_device(array("q", [*input_ids, *positions, *out_cache_loc, *logits_indices]), torch.int64, device)
-    ints = to_device(array("i", [*seq_lens, *prefix_lens, *extend_lens, *starts, *table]), torch.int32, device)
-    return ForwardBatch(
-        mode=mode,
-        input_ids=longs[:t],
-        positions=longs[t : 2 * t],
-        out_cache_loc=longs[2 * t : 3 * t],
-        logits_indices=longs[3 * t :],
-        seq_lens=ints[:b],
-        prefix_lens=ints[b : 2 * b],
-        extend_lens=ints[2 * b : 3 * b],
-        extend_start_loc=ints[3 * b : 4 * b],
-        page_table=ints[4 * b :].view(b, width),
-        seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=list(prefix_lens),
-        extend_lens_cpu=list(extend_lens),
-        page_size=page_size,
-    )

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model_runner import to_device
+from pdserve.forward_batch import to_device
 from pdserve.kernels.sampling import sample
 from pdserve.sampling_params import SamplingParams
 

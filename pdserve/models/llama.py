@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from pdserve.attention.base import AttentionBackend, ForwardBatch
+from pdserve.attention.base import ForwardContext
 from pdserve.kernels import silu_and_mul
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
-
-
-@dataclass(slots=True)
-class ForwardContext:
-    batch: ForwardBatch
-    backend: AttentionBackend
-    pool: KVPool
-    on_layer_done: Callable[[int], None] | None = None  # called with each layer's index once its KV is stored
 
 
 class Attention(nn.Module):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.config import ConfigError
+
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -33,6 +35,18 @@ class ModelConfig:
     attention_bias: bool
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+
+    def context_len(self, requested: int | None) -> int:
+        """--context-length, or the model's own; never past the positions the checkpoint's rotary embedding covers
+        (its max_position_embeddings, which already includes any rope scaling the checkpoint declares)."""
+        if requested is None:
+            return self.max_position_embeddings
+        if requested > self.max_position_embeddings:
+            raise ConfigError(
+                f"--context-length {requested} exceeds this model's max_position_embeddings "
+                f"({self.max_position_embeddings}): positions past it have no rotary embedding"
+            )
+        return requested
 
     @classmethod
     def from_path(cls, model_path: str | Path) -> "ModelConfig":

@@ -12,9 +12,8 @@ from array import array
 
 import torch
 
-from pdserve.attention.base import ForwardBatch, ForwardMode
-from pdserve.engine.model_runner import flat_page_table, to_device
 from pdserve.engine.sampler import SamplingRow, SamplingTensors
+from pdserve.forward_batch import ForwardBatch, ForwardMode, flat_page_table, to_device
 from pdserve.scheduler.request import Req
 
 

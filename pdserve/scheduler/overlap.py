@@ -14,7 +14,7 @@ from functools import partial
 
 import torch
 
-from pdserve.engine.model_runner import to_device
+from pdserve.forward_batch import to_device
 from pdserve.scheduler.request import Req
 
 

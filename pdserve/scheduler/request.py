@@ -1,16 +1,11 @@
-"""A request inside the scheduler, and what one scheduler step reports about it."""
+"""A request inside the scheduler: what it asked for, its stop conditions and its state."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from pdserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pdserve.scheduler.stop import StopCriteria
 
 
 class ReqStatus(Enum):
@@ -37,6 +32,17 @@ class FinishReason:
         return out
 
 
+@dataclass(slots=True, frozen=True)
+class StopCriteria:
+    """One request's stop conditions, resolved once (at its first check): a token then costs a length compare
+    and a set lookup, and stop strings are matched only for the requests that have them."""
+
+    stop_ids: frozenset[int]  # the stop token ids, EOS included unless ignore_eos
+    min_tokens: int  # no stop token or string counts before this many output tokens
+    max_output_len: int  # max_tokens, already clamped to the room the context leaves
+    stop_strings: tuple[str, ...]
+
+
 @dataclass(slots=True, eq=False)
 class Req:
     rid: str
@@ -45,12 +51,10 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
-    stream: bool = False
     # PD rendezvous (set by the router; None on a colocated server)
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
-    arrival_time: float = field(default_factory=time.time)
 
     # scheduler state
     status: ReqStatus = ReqStatus.WAITING
@@ -63,8 +67,8 @@ class Req:
     num_cached_tokens: int = 0  # tokens whose KV is in `pages` and computed
     num_prefix_hit: int = 0  # tokens reused from the radix cache at admission
     finish_reason: FinishReason | None = None
-    first_token_time: float | None = None
-    num_reported: int = 0  # output tokens already returned in a StepOutput
+    first_token_time: float | None = None  # written by disagg/decode.py; unread (the PD role change drops it)
+    num_reported: int = 0  # output tokens already reported in a TokenOut
     stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
 
     @classmethod
@@ -85,18 +89,3 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-
-@dataclass(slots=True)
-class StepOutput:
-    """New output of one request after a scheduler step (tokens since the previous report)."""
-
-    rid: str
-    new_token_ids: list[int]
-    finish_reason: dict | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_logprobs: list[float] = field(default_factory=list)
-    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None  # only in the first report, when asked
-    input_top_logprobs: list[list[tuple[int, float]] | None] | None = None

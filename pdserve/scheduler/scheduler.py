@@ -8,49 +8,25 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from pdserve.attention.base import ForwardMode
 from pdserve.config import ServerArgs
-from pdserve.engine.model_runner import ModelRunner, build_forward_batch
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.messages import TokenOut
 from pdserve.models.model_config import ModelConfig
+from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.input_batch import InputBatch
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
-from pdserve.scheduler.request import FinishReason, Req, ReqStatus, StepOutput
+from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class WorkCounters:
-    """What the forward passes did, for roofline accounting in the benchmarks."""
-
-    decode_steps: int = 0
-    decode_tokens: int = 0
-    decode_kv_tokens_read: int = 0
-    extend_steps: int = 0
-    extend_tokens: int = 0
-    extend_attention_pairs: int = 0  # sum over new tokens of the KV positions each attends to
-
-
-@dataclass(slots=True)
-class ExtendItem:
-    req: Req
-    start: int  # first position computed in this pass
-    end: int  # one past the last position computed in this pass
-
-    @property
-    def completes_prefill(self) -> bool:
-        return self.end == len(self.req.all_ids)
 
 
 class Scheduler(OverlapMixin):
@@ -64,7 +40,7 @@ class Scheduler(OverlapMixin):
         self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
         self.radix = None if args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
         self.sampler = Sampler(self.device, args.random_seed)
-        self.stop_checker = StopChecker(args, self.model_config, self.context_len, tokenizer)
+        self.stop_checker = StopChecker(args, self.model_config, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
@@ -73,7 +49,6 @@ class Scheduler(OverlapMixin):
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
-        self.work = WorkCounters()
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self._pinned: list[torch.Tensor] = []
@@ -100,9 +75,6 @@ class Scheduler(OverlapMixin):
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
-        room = self.context_len - len(req.input_ids)
-        if req.sampling_params.max_tokens > room:
-            req.sampling_params.max_tokens = room
         self.reqs[req.rid] = req
         self.accept(req)
 
@@ -111,24 +83,14 @@ class Scheduler(OverlapMixin):
         self.waiting.append(req)
 
     def validate(self, req: Req) -> None:
+        """What only the scheduler knows; the prompt itself was checked where it entered (`check_prompt`)."""
         n = len(req.input_ids)
         if req.rid in self.reqs:
             raise ValueError(f"request id {req.rid!r} is already in flight")
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= self.context_len:
-            raise ValueError(
-                f"the prompt has {n} tokens; this model's context length is {self.context_len}, "
-                "so it must be shorter to leave room for at least one output token"
-            )
         if math.ceil((n + 1) / self.page_size) > self.allocator.capacity:
             raise ValueError(
                 f"the prompt has {n} tokens but the KV cache holds only {self.allocator.capacity * self.page_size}"
             )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in req.input_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
@@ -142,7 +104,7 @@ class Scheduler(OverlapMixin):
             self.running.remove(req)
         self._finish(req, FinishReason("abort", message=message))
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[TokenOut]:
         if not self.prepare_step():
             return self._collect_outputs()
         items = self._schedule_extend()
@@ -284,42 +246,17 @@ class Scheduler(OverlapMixin):
     # ---- forward passes ---------------------------------------------------------------------------------------
 
     def _run_extend(self, items: list[ExtendItem]) -> None:
-        input_ids, positions, slots, logit_rows = [], [], [], []
-        row_of: list[tuple[int, int]] = []  # per item: (first logits row, count)
-        for item in items:
-            fill = item.req.all_ids
-            offset = len(input_ids)
-            input_ids += fill[item.start : item.end]
-            positions += range(item.start, item.end)
-            slots += token_slots(item.req.pages, item.start, item.end, self.page_size)
-            first = len(logit_rows)
-            if self._wants_input_logprobs(item.req):
-                logit_rows += range(offset, offset + item.end - item.start)
-            elif item.completes_prefill:
-                logit_rows.append(len(input_ids) - 1)
-            row_of.append((first, len(logit_rows) - first))
-        batch = build_forward_batch(
-            ForwardMode.EXTEND, input_ids, positions, slots,
-            prefix_lens=[i.start for i in items], extend_lens=[i.end - i.start for i in items],
-            page_rows=[i.req.pages for i in items], logits_indices=logit_rows,
-            page_size=self.page_size, device=self.device,
-        )
-        logits = self.runner.forward(batch, self.layer_hook(items))
-        self.work.extend_steps += 1
-        self.work.extend_tokens += len(input_ids)
-        self.work.extend_attention_pairs += sum((i.end - i.start) * (i.start + i.end + 1) // 2 for i in items)
-        done: list[ExtendItem] = []
-        for item, (first, count) in zip(items, row_of):
+        batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
+        logits = self.runner.forward(batch.forward_batch, self.layer_hook(items))
+        for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
             if self._wants_input_logprobs(req):
                 self._record_input_logprobs(req, item, logits[first : first + count])
             self.on_chunk_done(req, item.start, item.end)
-            if item.completes_prefill:
-                done.append(item)
+        done, last_rows = batch.completed()
         if done:
-            last_rows = torch.tensor([row_of[items.index(i)][0] + row_of[items.index(i)][1] - 1 for i in done])
-            self._sample_and_append([i.req for i in done], logits[last_rows.to(logits.device)])
+            self._sample_and_append([i.req for i in done], logits[torch.tensor(last_rows, device=logits.device)])
             for item in done:
                 if not item.req.finished:
                     self.on_prefill_done(item.req)
@@ -352,9 +289,6 @@ class Scheduler(OverlapMixin):
         batch = state.forward_batch(input_ids, positions)
         if fix_ids is not None:
             fix_ids(batch.input_ids)
-        self.work.decode_steps += 1
-        self.work.decode_tokens += len(reqs)
-        self.work.decode_kv_tokens_read += sum(positions) + len(reqs)
         for r in reqs:
             r.num_cached_tokens += 1
         return self.runner.forward(batch)
@@ -399,8 +333,6 @@ class Scheduler(OverlapMixin):
             if result.logprobs is not None and req.return_logprob:
                 req.output_logprobs.append(result.logprobs[i])
                 req.output_top_logprobs.append(result.top_logprobs[i])
-            if req.first_token_time is None:
-                req.first_token_time = time.time()
             self._changed[req.rid] = req
             reason = self.check_stop(req)
             if reason is not None:
@@ -472,7 +404,7 @@ class Scheduler(OverlapMixin):
     def _pages_in_use_by_reqs(self) -> bool:
         return any(r.pages for r in self.reqs.values())
 
-    def _collect_outputs(self) -> list[StepOutput]:
+    def _collect_outputs(self) -> list[TokenOut]:
         outputs = []
         for req in self._changed.values():
             outputs.append(self._make_output(req))
@@ -481,29 +413,19 @@ class Scheduler(OverlapMixin):
         self._changed.clear()
         return outputs
 
-    def _make_output(self, req: Req) -> StepOutput:
+    def _make_output(self, req: Req) -> TokenOut:
+        """The detokenizer's message: the tokens since the previous report, and the prompt logprobs in the first."""
         start = req.num_reported
         req.num_reported = len(req.output_ids)
         reason = req.finish_reason
-        out = StepOutput(  # by position: built for every request at every step, where keywords cost more
+        input_logprobs = input_top_logprobs = None
+        if req.return_logprob and start == 0 and req.logprob_start_len >= 0:
+            prompt_start = min(req.logprob_start_len, len(req.input_ids))
+            input_logprobs = req.input_logprobs[prompt_start:]
+            input_top_logprobs = req.input_top_logprobs[prompt_start:]
+        logprobs = req.return_logprob
+        return TokenOut(  # by position: built for every request at every step, where keywords cost more
             req.rid, req.output_ids[start:], None if reason is None else reason.to_dict(), len(req.input_ids),
-            req.num_reported, req.num_prefix_hit,
+            req.num_reported, req.num_prefix_hit, req.output_logprobs[start:] if logprobs else [],
+            req.output_top_logprobs[start:] if logprobs else [], input_logprobs, input_top_logprobs,
         )
-        if req.return_logprob:
-            out.new_logprobs = req.output_logprobs[start:]
-            out.new_top_logprobs = req.output_top_logprobs[start:]
-            if start == 0 and req.logprob_start_len >= 0:
-                prompt_start = min(req.logprob_start_len, len(req.input_ids))
-                out.input_logprobs = req.input_logprobs[prompt_start:]
-                out.input_top_logprobs = req.input_top_logprobs[prompt_start:]
-        return out
-
-
-def token_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
-    """KV slots of positions [start, end) of a request whose KV lives in `pages`, one page's range at a time."""
-    slots: list[int] = []
-    for i in range(start // page_size, (end - 1) // page_size + 1) if end > start else ():
-        first = i * page_size
-        base = pages[i] * page_size - first
-        slots += range(base + max(start, first), base + min(end, first + page_size))
-    return slots

@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pdserve.config import ServerArgs
 from pdserve.models.model_config import ModelConfig
-from pdserve.scheduler.request import FinishReason, Req
+from pdserve.scheduler.request import FinishReason, Req, StopCriteria
 from pdserve.tokenizer import load_tokenizer
 
 
-@dataclass(slots=True, frozen=True)
-class StopCriteria:
-    """One request's stop conditions, resolved once (at its first check): a token then costs a length compare
-    and a set lookup, and stop strings are matched only for the requests that have them."""
-
-    stop_ids: frozenset[int]  # the stop token ids, EOS included unless ignore_eos
-    min_tokens: int  # no stop token or string counts before this many output tokens
-    max_output_len: int  # output length that ends the request: max_tokens, or the room left in the context
-    stop_strings: tuple[str, ...]
-
-
 class StopChecker:
-    def __init__(self, args: ServerArgs, model_config: ModelConfig, context_len: int, tokenizer=None):
+    def __init__(self, args: ServerArgs, model_config: ModelConfig, tokenizer=None):
         self.tokenizer = tokenizer
         self._args = args
         self.eos_ids = set(model_config.eos_token_ids)
-        self.context_len = context_len
 
     def _tok(self):
         if self.tokenizer is None:
@@ -38,8 +24,7 @@ class StopChecker:
         if req.stop_criteria is None:
             p = req.sampling_params
             stop_ids = set(p.stop_token_ids) if p.ignore_eos else self.eos_ids.union(p.stop_token_ids)
-            max_output_len = min(p.max_tokens, self.context_len - len(req.input_ids))
-            req.stop_criteria = StopCriteria(frozenset(stop_ids), p.min_tokens, max_output_len, tuple(p.stop))
+            req.stop_criteria = StopCriteria(frozenset(stop_ids), p.min_tokens, p.max_tokens, tuple(p.stop))
         return req.stop_criteria
 
     def suppressed_ids(self, req: Req) -> list[int]:

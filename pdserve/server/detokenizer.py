@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.server.messages import (
+from pdserve.messages import (
     BatchStrOut,
     BatchTokenOut,
     DecodeSettings,
@@ -136,8 +136,8 @@ def run_detokenizer_process(args: Any) -> None:
     """Entry point of the detokenizer child (spawned by `launch.py`)."""
     import zmq
 
+    from pdserve.messages import MessageError, decode, encode
     from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
-    from pdserve.server.messages import MessageError, decode, encode
     from pdserve.tokenizer import load_tokenizer
 
     child_setup("detokenizer", args.log_level)

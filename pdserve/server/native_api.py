@@ -72,7 +72,7 @@ def build_generate_requests(args: Any, tm: TokenizerManager, body: GenerateReqIn
             raise ApiError(400, str(exc)) from exc
         input_ids = tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
         tm.check_prompt(input_ids, params)
-        req = GenerateRequest(rids[index] or new_rid(), input_ids, params, stream=body.stream,
+        req = GenerateRequest(rids[index] or new_rid(), input_ids, params,
                               bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
         with_logprobs(req, body.return_logprob, body.top_logprobs_num, body.logprob_start_len)
         check_bootstrap(args, req)

@@ -111,7 +111,7 @@ def _requests(
             raise ApiError(400, str(exc)) from exc
         tm.check_prompt(input_ids, params)
         rid = base if total == 1 else f"{base}-{index}"
-        req = GenerateRequest(rid, input_ids, params, stream=body.stream,
+        req = GenerateRequest(rid, input_ids, params,
                               bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
         with_logprobs(req, top_n is not None, top_n or 0, -1)
         check_bootstrap(args, req)

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.sampling_params import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_ROOM = 2**63 - 1
@@ -70,7 +70,7 @@ class GenerateReqInput(SamplingFields, BootstrapFields):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
-    logprob_start_len: int = Field(default=-1, ge=-1)
+    logprob_start_len: int = Field(default=-1, ge=-1, le=MAX_INT32)
     return_text_in_logprobs: bool = True
     rid: str | list[str] | None = None
 

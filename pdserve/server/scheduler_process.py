@@ -8,14 +8,16 @@ the loop (e.g. `handle_generate` to enqueue into a bootstrap queue, `run_step` t
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
+from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.scheduler.request import Req, StepOutput
+from pdserve.scheduler.request import Req
 from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
-from pdserve.server.messages import (
+from pdserve.messages import (
     AbortReq,
     BatchTokenOut,
     DecodeSettings,
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+EXIT_CONFIG_ERROR = 2
 
 
 class SchedulerProcess:
@@ -59,7 +62,6 @@ class SchedulerProcess:
             FlushCacheReq: self.handle_flush_cache,
             GetStatsReq: self.handle_get_stats,
         }
-        self.vocab_size = int(scheduler.model_info["vocab_size"])
 
     def announce_ready(self) -> None:
         self.to_tokenizer.send(encode(ProcessReady("scheduler", dict(self.sched.model_info))))
@@ -111,15 +113,11 @@ class SchedulerProcess:
         self.to_detokenizer.send(encode(settings))
 
     def build_req(self, msg: TokenizedGenerateReq) -> Req:
-        if not msg.input_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in msg.input_ids):
-            raise ValueError(f"input_ids must be token ids in [0, {self.vocab_size})")
         try:
             params = SamplingParams.from_dict(msg.sampling_params)
         except TypeError as exc:
             raise SamplingParamsError(f"bad sampling parameters: {exc}") from exc
-        return Req.of(msg.rid, list(msg.input_ids), params, stream=msg.stream, bootstrap_host=msg.bootstrap_host,
+        return Req.of(msg.rid, list(msg.input_ids), params, bootstrap_host=msg.bootstrap_host,
                       bootstrap_port=msg.bootstrap_port, bootstrap_room=msg.bootstrap_room)
 
     def handle_abort(self, msg: AbortReq) -> None:
@@ -133,38 +131,13 @@ class SchedulerProcess:
         stats["kv_pool_fully_free"] = not self.sched.has_work() and bool(self.sched.kv_pool_is_fully_free())
         self.to_tokenizer.send(encode(GetStatsReply(msg.request_id, stats)))
 
-    def run_step(self) -> list[StepOutput]:
+    def run_step(self) -> list[TokenOut]:
         """One scheduler step; with nothing queued it only handles control messages and deadlines."""
         return self.sched.step()
 
-    def send_outputs(self, outputs: list[StepOutput]) -> None:
+    def send_outputs(self, outputs: list[TokenOut]) -> None:
         if outputs:
-            self.to_detokenizer.send(encode(BatchTokenOut([to_token_out(out) for out in outputs])))
-
-
-def to_token_out(out: StepOutput) -> TokenOut:
-    return TokenOut(
-        rid=out.rid,
-        new_token_ids=list(out.new_token_ids),
-        finish_reason=out.finish_reason,
-        prompt_tokens=out.prompt_tokens,
-        completion_tokens=out.completion_tokens,
-        cached_tokens=out.cached_tokens,
-        new_logprobs=[float(lp) for lp in out.new_logprobs],
-        new_top_logprobs=[_top_entries(entries) for entries in out.new_top_logprobs],
-        input_logprobs=None if out.input_logprobs is None else [_maybe_float(lp) for lp in out.input_logprobs],
-        input_top_logprobs=(
-            None if out.input_top_logprobs is None else [_top_entries(e) for e in out.input_top_logprobs]
-        ),
-    )
-
-
-def _top_entries(entries: list[tuple[int, float]] | None) -> list[list] | None:
-    return None if entries is None else [[int(token_id), float(lp)] for token_id, lp in entries]
-
-
-def _maybe_float(value: float | None) -> float | None:
-    return None if value is None else float(value)
+            self.to_detokenizer.send(encode(BatchTokenOut(outputs)))
 
 
 def run_scheduler_process(args: ServerArgs) -> None:
@@ -172,4 +145,9 @@ def run_scheduler_process(args: ServerArgs) -> None:
     child_setup("scheduler", args.log_level)
     from pdserve.disagg.factory import create_scheduler
 
-    SchedulerProcess(args, create_scheduler(args)).run_forever()
+    try:
+        scheduler = create_scheduler(args)
+    except ConfigError as exc:  # a flag only the model can refute: one line, not a traceback
+        logger.error("%s", exc)
+        sys.exit(EXIT_CONFIG_ERROR)
+    SchedulerProcess(args, scheduler).run_forever()

@@ -18,9 +18,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import PromptError, SamplingParams, check_prompt
 from pdserve.server.ipc import ipc_addr, pull_socket, push_socket
-from pdserve.server.messages import (
+from pdserve.messages import (
     AbortReq,
     BatchStrOut,
     FlushCacheReply,
@@ -59,7 +59,6 @@ class GenerateRequest:
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
-    stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
@@ -154,8 +153,6 @@ class TokenizerManager:
     # --- tokenization --------------------------------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        if not text:
-            raise RequestRejected("the prompt is empty")
         return list(self.tokenizer.encode(text))
 
     def apply_chat_template(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
@@ -175,23 +172,15 @@ class TokenizerManager:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
-        """Reject prompts the model cannot take; shorten max_tokens to what the context leaves."""
-        if not input_ids:
-            raise RequestRejected("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in input_ids):
-            raise RequestRejected(f"input_ids must be token ids in [0, {self.vocab_size})")
-        room = self.context_length - len(input_ids)
-        if room <= 0:
-            raise RequestRejected(
-                f"the prompt is {len(input_ids)} tokens; this model's context length is {self.context_length}",
-                code="context_length_exceeded",
-            )
+        """Reject prompts the model cannot take and limits past the context; clamp max_tokens to the room left."""
         if params.max_tokens > self.context_length:
             raise RequestRejected(
                 f"max tokens ({params.max_tokens}) exceeds the context length ({self.context_length})"
             )
-        params.max_tokens = min(params.max_tokens, room)
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        try:
+            check_prompt(input_ids, params, self.vocab_size, self.context_length)
+        except PromptError as exc:
+            raise RequestRejected(str(exc), code=exc.code) from exc
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -202,10 +191,11 @@ class TokenizerManager:
         """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it."""
         if request.rid in self.states:
             raise RequestRejected(f"request id {request.rid!r} is already in flight")
+        message = encode(_tokenized(request))
         state = ReqState(request)
         self.states[request.rid] = state
         self.metrics.request_started()
-        self._to_scheduler.send(encode(_tokenized(request)))
+        self._to_scheduler.send(message)
         finished = False
         try:
             while not finished:
@@ -324,7 +314,6 @@ def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
         rid=request.rid,
         input_ids=request.input_ids,
         sampling_params=request.sampling_params.to_dict(),
-        stream=request.stream,
         bootstrap_host=request.bootstrap_host,
         bootstrap_port=request.bootstrap_port,
         bootstrap_room=request.bootstrap_room,

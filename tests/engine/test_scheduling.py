@@ -9,8 +9,9 @@ import pytest
 from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParamsError
+from pdserve.bench.roofline import WorkCounters
+from pdserve.scheduler.extend_batch import token_slots
 from pdserve.scheduler.request import Req
-from pdserve.scheduler.scheduler import token_slots
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +183,21 @@ def test_token_slots_match_per_position_lookup():
         end = rng.randrange(start, min(300 * page_size, start + 700) + 1)
         expected = [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
         assert token_slots(pages, start, end, page_size) == expected
+
+
+def test_a_forward_observer_counts_the_work_of_every_pass(llm):
+    work = WorkCounters()
+    llm.scheduler.runner.forward_observers.append(work.observe)
+    try:
+        llm.generate([list(range(3, 13)), list(range(20, 26))], greedy(5), use_tqdm=False)
+    finally:
+        llm.scheduler.runner.forward_observers.remove(work.observe)
+    assert (work.extend_tokens, work.extend_attention_pairs) == (16, 10 * 11 // 2 + 6 * 7 // 2)
+    steps = work.decode_steps  # 4, or 5 where the overlap scheduler launched one pass past the end
+    assert steps in (4, 5) and work.decode_tokens == 2 * steps
+    assert work.decode_kv_tokens_read == sum((11 + i) + (7 + i) for i in range(steps))
+
+
+def test_context_length_past_the_model_positions_is_refused(qwen3_tiny):
+    with pytest.raises(ConfigError, match=r"max_position_embeddings \(4096\)"):
+        LLM(qwen3_tiny, device="cpu", context_length=5000)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-from pdserve.sampling_params import SamplingParams
+from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.stop import StopChecker
 
@@ -57,11 +57,13 @@ def random_params(rng: random.Random) -> SamplingParams:
 
 def test_criteria_path_equals_direct_reading_on_random_requests():
     tokenizer = CharTokenizer()
-    checker = StopChecker(SimpleNamespace(), SimpleNamespace(eos_token_ids=EOS), CONTEXT_LEN, tokenizer)
+    checker = StopChecker(SimpleNamespace(), SimpleNamespace(eos_token_ids=EOS), tokenizer)
     rng = random.Random(0)
     stops = 0
     for case in range(3000):
-        req = Req(rid=str(case), input_ids=[3] * rng.randrange(1, CONTEXT_LEN), sampling_params=random_params(rng))
+        input_ids, params = [3] * rng.randrange(1, CONTEXT_LEN), random_params(rng)
+        check_prompt(input_ids, params, vocab_size=12, context_len=CONTEXT_LEN)  # clamps max_tokens to the room
+        req = Req(rid=str(case), input_ids=input_ids, sampling_params=params)
         while True:
             assert checker.suppressed_ids(req) == reference_suppressed(req)
             req.output_ids.append(rng.randrange(12))

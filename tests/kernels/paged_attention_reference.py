@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.attention.base import ForwardBatch, ForwardMode
+from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
 

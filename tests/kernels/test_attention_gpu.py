@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paged_attention_reference import make_batch, reference_attention, rel_err
-from pdserve.attention.base import ForwardMode
+from pdserve.forward_batch import ForwardMode
 
 pytestmark = pytest.mark.gpu
 TOL = 1e-2

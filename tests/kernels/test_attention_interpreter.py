@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paged_attention_reference import make_batch, reference_attention, rel_err
-from pdserve.attention.base import ForwardMode
+from pdserve.forward_batch import ForwardMode
 
 
 @pytest.mark.parametrize("page_size,group", [(1, 2), (4, 1)])

@@ -134,3 +134,13 @@ def test_direct_request_without_bootstrap_is_refused(pd: PDCluster, role: str):
     assert reply.status == 400
     message = reply.json()["error"]["message"]
     assert f"PD {role} server" in message and "bootstrap_room" in message and "router" in message
+
+
+@pytest.mark.parametrize("bad", [{"min_new_tokens": 2, "stop_token_ids": [5000]}, {"top_k": 1e30}],
+                         ids=["stop id out of range", "huge top_k"])
+def test_bad_input_through_the_router_is_a_400_and_the_cluster_keeps_serving(pd: PDCluster, colocated: Proc, bad):
+    reply = pd.router.post("/generate", {"text": PROMPTS[0], "sampling_params": {**GREEDY, **bad}})
+    assert reply.status == 400, reply.body
+    assert "error" in reply.json()
+    expected = generate(colocated, text=PROMPTS[0], sampling_params=GREEDY)["output_ids"]
+    assert generate(pd.router, text=PROMPTS[0], sampling_params=GREEDY)["output_ids"] == expected

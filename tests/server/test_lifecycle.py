@@ -73,6 +73,17 @@ def test_taken_port_fails_fast(tiny_model):
     assert time.monotonic() - started < 30
 
 
+def test_context_length_past_the_model_positions_is_refused_at_start(tiny_model):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = run_cli("--model-path", tiny_model, "--port", str(port), "--device", "cpu", "--context-length", "5000",
+                     timeout=180)
+    assert result.returncode != 0
+    refusals = [line for line in result.stderr.splitlines() if "--context-length 5000" in line]
+    assert refusals and "max_position_embeddings (4096)" in refusals[0], result.stderr
+
+
 def test_child_crash_takes_the_server_down(tiny_model, tmp_path):
     server = api_server(tiny_model, tmp_path / "server.log").start()
     try:

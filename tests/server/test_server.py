@@ -303,6 +303,17 @@ BAD_REQUESTS = [
     ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400),
     ("empty completion prompt", "/v1/completions", {"model": "MODEL", "prompt": ""}, 400),
     ("long completion prompt", "/v1/completions", {"model": "MODEL", "prompt": [7] * (CONTEXT_LENGTH + 1)}, 400),
+    ("stop token id out of range", "/generate", {"text": "hi", "min_new_tokens": 2, "stop_token_ids": [5000]}, 400),
+    ("chat stop token id out of range", "/v1/chat/completions", _chat(min_tokens=2, stop_token_ids=[99999]), 400),
+    ("completion stop token id out of range", "/v1/completions",
+     {"model": "MODEL", "prompt": "hi", "min_tokens": 2, "stop_token_ids": [99999]}, 400),
+    ("huge top_k", "/generate", {"text": "hi", "top_k": 1e30}, 400),
+    ("huge chat top_k", "/v1/chat/completions", _chat(top_k=1e30), 400),
+    ("NaN temperature", "/generate", {"text": "hi", "temperature": float("nan")}, 400),
+    ("infinite repetition penalty", "/generate", {"text": "hi", "repetition_penalty": float("inf")}, 400),
+    ("NaN chat min_p", "/v1/chat/completions", _chat(min_p=float("nan")), 400),
+    ("huge logprob start", "/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 10**30}, 400),
+    ("huge sampling seed", "/generate", {"text": "hi", "sampling_seed": 10**30}, 400),
     ("abort unknown rid", "/abort_request", {"rid": "nope"}, 404),
     ("unknown route", "/v2/everything", {}, 404),
 ]
@@ -328,6 +339,13 @@ def test_api_key_protects_every_route_but_health(server):
         assert reply.status == 401 and reply.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_refused_request_id_can_be_used_again(server):
+    for bad in ({"top_k": 1e30}, {"stop_token_ids": [5000], "min_new_tokens": 2}, {"logprob_start_len": 10**30}):
+        assert server.post("/generate", {"text": "hi", "rid": "again", **bad}).status == 400
+        reply = server.post("/generate", {"text": "hi", "rid": "again", "max_new_tokens": 2})
+        assert reply.status == 200, reply.body
 
 
 def test_server_still_serves_after_bad_input(server, offline):

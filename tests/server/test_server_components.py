@@ -13,7 +13,7 @@ from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.detokenizer import IncrementalDetokenizer
 from pdserve.server.generation import check_bootstrap
 from pdserve.server.http_common import ApiError
-from pdserve.server.messages import (
+from pdserve.messages import (
     BatchTokenOut,
     DecodeSettings,
     GetStatsReply,

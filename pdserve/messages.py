@@ -3,7 +3,8 @@
 A message is a frozen dataclass registered with `@message`; `encode` packs it as a map with a `__type__`
 tag and `decode` rebuilds only registered classes, so a peer can never make us construct anything else.
 
-Flow: tokenizer manager -> scheduler (generate, abort, control) -> detokenizer (decode settings, tokens)
+Flow: tokenizer manager -> scheduler (generate, abort, control) -> detokenizer (decode settings, and the
+scheduler's own TokenOut, the one shape of a step's output)
 -> tokenizer manager (text). The scheduler answers control requests and refused requests directly to the
 tokenizer manager; every child announces itself there with `ProcessReady`.
 """
@@ -74,7 +75,6 @@ class TokenizedGenerateReq:
     rid: str
     input_ids: list[int]
     sampling_params: dict  # SamplingParams.to_dict(); the logprob settings are in it
-    stream: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
