@@ -30,9 +30,9 @@ def systemd_cluster(tmp_path_factory) -> Iterator[SystemdCluster]:
                                               "--health-check-interval-s 0.5"},
     })
     cluster = SystemdCluster(
-        router=Proc("router", unit_command("pdserve-router.service", "", env_dir), router_port),
-        prefill=Proc("prefill", unit_command("pdserve-prefill@.service", PREFILL_GPU, env_dir), prefill_port),
-        decode=Proc("decode", unit_command("pdserve-decode@.service", DECODE_GPU, env_dir), decode_port))
+        router=Proc("router", unit_command("pdserve-router.service", "", env_dir), f"http://127.0.0.1:{router_port}"),
+        prefill=Proc("prefill", unit_command("pdserve-prefill@.service", PREFILL_GPU, env_dir), f"http://127.0.0.1:{prefill_port}"),
+        decode=Proc("decode", unit_command("pdserve-decode@.service", DECODE_GPU, env_dir), f"http://127.0.0.1:{decode_port}"))
     procs = start_all([cluster.prefill, cluster.decode, cluster.router])
     try:
         yield cluster

@@ -88,7 +88,7 @@ def prometheus(systemd_cluster, tmp_path) -> Iterator[str]:
     assert {job["job_name"] for job in config["scrape_configs"]} == set(jobs)
     for job in config["scrape_configs"]:
         (static,) = job["static_configs"]
-        static["targets"] = [f"127.0.0.1:{jobs[job['job_name']].port}"]
+        static["targets"] = [jobs[job["job_name"]].url.removeprefix("http://")]
     config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{free_port()}"
