@@ -17,9 +17,6 @@ from pathlib import Path
 from random import Random
 from typing import Any
 
-WORD = re.compile(r" [A-Za-z]+")
-MIN_WORDS = 16
-
 
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
@@ -31,6 +28,10 @@ class BenchRequest:
     arrival_s: float | None = None  # a trace's own schedule; None: the arrival process decides
     session: int | None = None
     turn: int = 0
+
+
+WORD = re.compile(r" [A-Za-z]+")  # a space-led word: byte-level BPE never merges across the space
+MIN_WORDS = 16
 
 
 class PromptBuilder:
