@@ -8,12 +8,13 @@ from pathlib import Path
 
 PROC = Path("/proc")
 TCP_LISTEN = "0A"
+CMDLINE_CHARS = 160
 
 
 @dataclass(frozen=True, slots=True)
 class ProcessSample:
     pid: int
-    name: str
+    cmdline: str
     rss_kb: int | None  # None: the process is gone or unreadable
     open_fds: int | None
 
@@ -74,25 +75,24 @@ def with_descendants(roots: list[int]) -> list[int]:
     return found
 
 
+def cmdline(pid: int) -> str | None:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
 def matching(substring: str) -> list[int]:
     """Processes whose command line contains `substring` (this process excluded)."""
     own = os.getpid()
-    pids = []
-    for pid in _pids():
-        try:
-            cmdline = (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if substring in cmdline and pid != own:
-            pids.append(pid)
-    return pids
+    return [pid for pid in _pids() if pid != own and substring in (cmdline(pid) or "")]
 
 
 def sample(pid: int) -> ProcessSample:
     base = PROC / str(pid)
     try:
         status = dict(line.split(":", 1) for line in (base / "status").read_text().splitlines() if ":" in line)
-        rss = int(status["VmRSS"].split()[0]) if "VmRSS" in status else None
-        return ProcessSample(pid, status["Name"].strip(), rss, len(list((base / "fd").iterdir())))
+        rss = int(status["VmRSS"].split()[0])
+        return ProcessSample(pid, (cmdline(pid) or "")[:CMDLINE_CHARS], rss, len(list((base / "fd").iterdir())))
     except (OSError, KeyError, ValueError):
-        return ProcessSample(pid, "?", None, None)
+        return ProcessSample(pid, "", None, None)

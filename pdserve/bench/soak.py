@@ -131,7 +131,7 @@ def process_report(before: dict[int, dict], after: dict[int, dict]) -> list[dict
     for pid, start in before.items():
         end = after[pid]
         growth = None if start["rss_kb"] is None or end["rss_kb"] is None else end["rss_kb"] - start["rss_kb"]
-        report.append({"pid": pid, "label": start["label"], "name": start["name"],
+        report.append({"pid": pid, "label": start["label"], "cmdline": start["cmdline"],
                        "rss_kb_start": start["rss_kb"], "rss_kb_end": end["rss_kb"], "rss_kb_growth": growth,
                        "fds_start": start["open_fds"], "fds_end": end["open_fds"], "alive": end["rss_kb"] is not None})
     return report
@@ -200,13 +200,18 @@ def print_report(report: dict) -> None:
     for name in ("first_window", "last_window"):
         w = report[name]
         print(f"  {name.replace('_', ' ')} [{w['from_s']:.0f}, {w['to_s']:.0f}) s: {w['completed']} completed, "
-              f"TTFT p99 {w['ttft_ms']['p99']} ms, E2E p50 {w['e2e_ms']['p50']} / p99 {w['e2e_ms']['p99']} ms")
+              f"{w['errors']} errors, TTFT p99 {_ms(w['ttft_ms']['p99'])}, E2E p50 {_ms(w['e2e_ms']['p50'])} / "
+              f"p99 {_ms(w['e2e_ms']['p99'])}")
     for proc in report["processes"]:
         print(f"  pid {proc['pid']} {proc['label']}: RSS {proc['rss_kb_start']} -> {proc['rss_kb_end']} kB, "
               f"fds {proc['fds_start']} -> {proc['fds_end']}")
     for server in report["servers"]:
         print(f"  {server['url']}: flushed {server['flushed']}, KV pool fully free {server['kv_pool_fully_free']}")
     print("PASS" if report["passed"] else "FAIL")
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f} ms"
 
 
 def main(argv: list[str] | None = None) -> int:
