@@ -2,6 +2,8 @@
 
 A prompt is a run of whole-word vocabulary tokens (" the", " of", ...): a byte-level BPE tokenizer splits text at
 spaces before merging, so n such words encode to exactly n tokens, and a shared prefix stays a token-level prefix.
+Lengths are drawn from the dataset's generator, words from the builder's own: the same shapes can be rebuilt with
+fresh words, so a second run at another rate finds nothing of the first in a prefix cache.
 
 Datasets: `random` (uniform lengths), `mix` (issue 14's 70% chat 512-2048 in / 128-384 out + 30% long documents
 6k-8k in / 64-128 out, with scale factors), `sessions` (multi-turn chats whose history grows turn by turn) and
@@ -38,9 +40,10 @@ class PromptBuilder:
     """Texts of exact token counts as the server counts them: special tokens included, and with `chat` the chat
     template's tokens around a single user message too."""
 
-    def __init__(self, tokenizer: Any, chat: bool = False):
+    def __init__(self, tokenizer: Any, chat: bool = False, words_seed: int = 0):
         self.tokenizer = tokenizer
         self.chat = chat
+        self.rng = Random(words_seed)  # draws the words only, so one workload's shapes can take fresh words
         self.words = self._single_token_words()
         if len(self.words) < MIN_WORDS:
             raise ValueError(f"the tokenizer has only {len(self.words)} single-token words; need {MIN_WORDS}")
@@ -61,15 +64,19 @@ class PromptBuilder:
                 words.append(text)
         return words
 
-    def words_for(self, rng: Random, count: int) -> str:
-        return "".join(rng.choice(self.words) for _ in range(count))
+    def reseed(self, words_seed: int) -> "PromptBuilder":
+        self.rng = Random(words_seed)
+        return self
 
-    def prompt(self, rng: Random, length: int, prefix: str = "") -> str:
+    def words_for(self, count: int) -> str:
+        return "".join(self.rng.choice(self.words) for _ in range(count))
+
+    def prompt(self, length: int, prefix: str = "") -> str:
         """`prefix` followed by random words, `length` tokens in all (prefix and special tokens included)."""
         used = self.count(prefix) if prefix else self.special_tokens
         if length < used + 1:
             raise ValueError(f"a prompt of {length} tokens cannot hold its {used}-token prefix and one more token")
-        return prefix + self.words_for(rng, length - used)
+        return prefix + self.words_for(length - used)
 
     def count(self, text: str) -> int:
         if self.chat:
@@ -90,7 +97,7 @@ def random_dataset(builder: PromptBuilder, rng: Random, num: int, input_len: int
     for _ in range(num):
         n_in = uniform(rng, int(input_len * range_ratio), input_len)
         n_out = uniform(rng, int(output_len * range_ratio), output_len)
-        requests.append(BenchRequest(builder.prompt(rng, n_in), n_in, n_out))
+        requests.append(BenchRequest(builder.prompt(n_in), n_in, n_out))
     return requests
 
 
@@ -118,23 +125,23 @@ def mix_dataset(builder: PromptBuilder, rng: Random, num: int, shape: MixShape) 
     requests = []
     for _ in range(num):
         n_in, n_out = shape.draw(rng)
-        requests.append(BenchRequest(builder.prompt(rng, n_in), n_in, n_out))
+        requests.append(BenchRequest(builder.prompt(n_in), n_in, n_out))
     return requests
 
 
-def sessions_dataset(builder: PromptBuilder, rng: Random, num_sessions: int, turns: int, system_len: int,
+def sessions_dataset(builder: PromptBuilder, num_sessions: int, turns: int, system_len: int,
                      user_len: int, output_len: int) -> list[BenchRequest]:
     """Turn k's prompt is turn k-1's prompt + an assistant reply of turn k-1's output length + a new user message,
     so every turn shares the whole history before it. Requests come session-interleaved (turn 0 of every session,
     then turn 1, ...); the load generator sends a turn only after the previous one has finished."""
     requests: list[BenchRequest] = []
     for session in range(num_sessions):
-        history = builder.prompt(rng, system_len + builder.special_tokens)
+        history = builder.prompt(system_len + builder.special_tokens)
         for turn in range(turns):
             if turn:
-                history += builder.words_for(rng, output_len)
+                history += builder.words_for(output_len)
             length = builder.count(history) + user_len
-            history = builder.prompt(rng, length, prefix=history)
+            history = builder.prompt(length, prefix=history)
             requests.append(BenchRequest(history, length, output_len, session=session, turn=turn))
     return sorted(requests, key=lambda r: (r.turn, r.session))
 
@@ -183,7 +190,7 @@ def _trace_entry(row: dict, scale: float) -> TraceEntry:
                       positive_int("output_len", "output_length"), None if group is None else str(group), prefix_len)
 
 
-def trace_dataset(builder: PromptBuilder, rng: Random, entries: list[TraceEntry], default_prefix_len: int,
+def trace_dataset(builder: PromptBuilder, entries: list[TraceEntry], default_prefix_len: int,
                   speedup: float = 1.0) -> list[BenchRequest]:
     """Requests of one prefix group share their group's prefix (its length: the entry's prefix_len or
     `default_prefix_len`, never more than the prompt minus one token)."""
@@ -196,7 +203,7 @@ def trace_dataset(builder: PromptBuilder, rng: Random, entries: list[TraceEntry]
             length = min(entry.prefix_len or default_prefix_len, entry.input_len - 1)
             if length > builder.special_tokens:
                 key = (entry.prefix_group, length)
-                prefix = prefixes.setdefault(key, builder.prompt(rng, length))
-        requests.append(BenchRequest(builder.prompt(rng, entry.input_len, prefix), entry.input_len, entry.output_len,
+                prefix = prefixes.setdefault(key, builder.prompt(length))
+        requests.append(BenchRequest(builder.prompt(entry.input_len, prefix), entry.input_len, entry.output_len,
                                      arrival_s=(entry.timestamp - start) / speedup))
     return requests

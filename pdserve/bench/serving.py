@@ -7,7 +7,8 @@
 
 Backends: pdserve and sglang (`/generate`), openai (`/v1/completions`), openai-chat (`/v1/chat/completions`).
 Prompts are built from the served model's tokenizer, so input lengths are exact; `ignore_eos` makes output
-lengths exact where the backend honours it. Warm-up requests (same shapes, other text) are not counted.
+lengths exact where the backend honours it. Warm-up requests (same shapes, other text) are not counted. Every run
+(rate) sends the same shapes with its own words, so none finds an earlier run's prompts in a prefix cache.
 With --sweep the rates are run in ascending order up to the first that misses the SLO attainment target, then
 --bisect-steps more runs bisect between the last passing and the first failing rate: the last passing one is
 the goodput.
@@ -97,8 +98,10 @@ def prompt_builder(args: argparse.Namespace) -> PromptBuilder:
     return PromptBuilder.from_path(path, chat=args.backend == "openai-chat")
 
 
-def build_dataset(args: argparse.Namespace, builder: PromptBuilder, seed: int, count: int) -> list[BenchRequest]:
-    rng = Random(seed)
+def build_dataset(args: argparse.Namespace, builder: PromptBuilder, count: int, words_seed: int) -> list[BenchRequest]:
+    """The workload's shapes come from --seed; `words_seed` picks its words (fresh words, same shapes)."""
+    builder.reseed(words_seed)
+    rng = Random(args.seed)
     if args.dataset == "random":
         return random_dataset(builder, rng, count, args.random_input_len, args.random_output_len,
                               args.random_range_ratio)
@@ -107,18 +110,22 @@ def build_dataset(args: argparse.Namespace, builder: PromptBuilder, seed: int, c
                          output_scale=args.mix_output_scale)
         return mix_dataset(builder, rng, count, shape)
     if args.dataset == "sessions":
-        return sessions_dataset(builder, rng, args.sessions, args.turns, args.system_len, args.turn_input_len,
+        return sessions_dataset(builder, args.sessions, args.turns, args.system_len, args.turn_input_len,
                                 args.turn_output_len)
     if args.trace is None:
         raise SystemExit("--dataset trace needs --trace FILE")
-    return trace_dataset(builder, rng, parse_trace(args.trace, args.trace_time_unit), args.prefix_len,
+    return trace_dataset(builder, parse_trace(args.trace, args.trace_time_unit), args.prefix_len,
                          args.trace_speedup)
 
 
-def warmup_requests(builder: PromptBuilder, requests: list[BenchRequest], count: int, seed: int) -> list[BenchRequest]:
-    """The shapes of the first `count` requests with other words (so the timed run finds no cached prefix)."""
-    rng = Random(seed ^ 0x5EED)
-    return [BenchRequest(builder.prompt(rng, r.input_len), r.input_len, r.output_len) for r in requests[:count]]
+def words_seed(args: argparse.Namespace, run_index: int) -> int:
+    """Run k (the warm-up is -1) draws its own words: no run finds another's prompts in a prefix cache."""
+    return args.seed * 7919 + run_index + 1
+
+
+def warmup_requests(builder: PromptBuilder, requests: list[BenchRequest], count: int) -> list[BenchRequest]:
+    """The shapes of the first `count` requests, with the builder's current words."""
+    return [BenchRequest(builder.prompt(r.input_len), r.input_len, r.output_len) for r in requests[:count]]
 
 
 async def run_at_rate(config: ClientConfig, requests: list[BenchRequest], rate: float, args: argparse.Namespace,
@@ -153,18 +160,19 @@ def print_run(run: dict) -> None:
 def benchmark(args: argparse.Namespace) -> dict:
     config = client_config(args)
     builder = prompt_builder(args)
-    requests = build_dataset(args, builder, args.seed, args.num_prompts)
+    requests = build_dataset(args, builder, args.num_prompts, words_seed(args, -1))
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
     warmup = None
     if args.warmup_requests:
-        warm = warmup_requests(builder, requests, args.warmup_requests, args.seed)
+        warm = warmup_requests(builder, requests, args.warmup_requests)
         results, duration = asyncio.run(LoadRun(config, warm, [0.0] * len(warm), progress=False).run())
         warmup = {key: value for key, value in summarize(results, duration, slo).items()
                   if key in ("requests", "completed", "errors", "error_examples")}
     runs: list[dict] = []
 
     def measure(rate: float) -> float:
-        run = asyncio.run(run_at_rate(config, requests, rate, args, slo))
+        workload = build_dataset(args, builder, args.num_prompts, words_seed(args, len(runs)))
+        run = asyncio.run(run_at_rate(config, workload, rate, args, slo))
         print_run(run)
         runs.append(run)
         return run["slo_attainment"] or 0.0

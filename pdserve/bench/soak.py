@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def soak_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[float]]:
     """The workload of the whole run: requests whose send time falls inside --duration."""
     count = math.ceil(args.request_rate * args.duration * 1.5) + 10
-    requests = build_dataset(args, prompt_builder(args), args.seed, count)
+    requests = build_dataset(args, prompt_builder(args), count, words_seed=args.seed)
     offsets = schedule(requests, args.request_rate, args.arrival, args.seed)
     kept = [i for i, offset in enumerate(offsets) if offset < args.duration]
     return [requests[i] for i in kept], [offsets[i] for i in kept]

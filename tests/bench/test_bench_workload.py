@@ -58,7 +58,7 @@ def test_trace_replay_parses_sorts_and_keeps_its_own_schedule(tmp_path, builder)
     entries = parse_trace(path, time_unit="ms")
     assert [(e.timestamp, e.input_len, e.output_len) for e in entries] == [(1.0, 30, 3), (1.5, 50, 5), (2.5, 40, 4),
                                                                          (3.0, 60, 6)]
-    requests = trace_dataset(builder, Random(0), entries, default_prefix_len=16, speedup=2.0)
+    requests = trace_dataset(builder.reseed(0), entries, default_prefix_len=16, speedup=2.0)
     assert [r.arrival_s for r in requests] == [0.0, 0.25, 0.75, 1.0]
     assert schedule(requests, rate=100.0, arrival="poisson", seed=0) == [0.0, 0.25, 0.75, 1.0]
     assert [server_count(builder, r.prompt) for r in requests] == [30, 50, 40, 60]
@@ -88,6 +88,15 @@ def test_random_prompts_have_exact_token_lengths(builder):
     assert len({r.input_len for r in requests}) > 10
 
 
+def test_the_same_shapes_take_fresh_words_with_another_words_seed(builder):
+    first = random_dataset(builder.reseed(1), Random(5), 8, input_len=64, output_len=8, range_ratio=0.5)
+    again = random_dataset(builder.reseed(1), Random(5), 8, input_len=64, output_len=8, range_ratio=0.5)
+    fresh = random_dataset(builder.reseed(2), Random(5), 8, input_len=64, output_len=8, range_ratio=0.5)
+    assert again == first
+    assert [(r.input_len, r.output_len) for r in fresh] == [(r.input_len, r.output_len) for r in first]
+    assert all(a.prompt[:40] != b.prompt[:40] for a, b in zip(first, fresh))
+
+
 def test_the_chat_and_document_mix_scales_and_keeps_its_proportions(builder):
     shape = MixShape(input_scale=1 / 32, output_scale=1 / 16)
     requests = mix_dataset(builder, Random(2), 300, shape)
@@ -100,7 +109,7 @@ def test_the_chat_and_document_mix_scales_and_keeps_its_proportions(builder):
 
 
 def test_sessions_grow_a_shared_history_turn_by_turn(builder):
-    requests = sessions_dataset(builder, Random(3), num_sessions=2, turns=3, system_len=20, user_len=10,
+    requests = sessions_dataset(builder.reseed(3), num_sessions=2, turns=3, system_len=20, user_len=10,
                                 output_len=8)
     assert [(r.session, r.turn) for r in requests] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     for session in (0, 1):
@@ -115,9 +124,9 @@ def test_sessions_grow_a_shared_history_turn_by_turn(builder):
 
 def test_chat_prompts_count_the_chat_template(tiny_model):
     chat = PromptBuilder.from_path(tiny_model, chat=True)
-    prompt = chat.prompt(Random(4), 50)
+    prompt = chat.prompt(50)
     templated = chat.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                                    add_generation_prompt=True)
     assert len(chat.tokenizer.encode(templated, add_special_tokens=False)) == 50
     with pytest.raises(ValueError, match="cannot hold"):
-        chat.prompt(Random(4), chat.special_tokens)
+        chat.prompt(chat.special_tokens)
