@@ -20,6 +20,7 @@ from enum import IntEnum
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import announced_host
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients
 from pdserve.mem_cache.kv_pool import KVPool
@@ -156,14 +157,14 @@ class KVManager:
         self.args = args
         self.pool = pool
         self.device = device
-        host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         self.engine = make_transfer_engine(
-            args.disaggregation_transfer_backend, str(device), args.disaggregation_ib_device, host=host,
+            args.disaggregation_transfer_backend, str(device), args.disaggregation_ib_device, host=args.host,
             timeout_s=args.disaggregation_waiting_timeout,
+            advertise_host=announced_host(args.host, args.disaggregation_advertise_host),
         )
         self.engine.register(pool.data_ptr, pool.nbytes, str(device))
         self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.channel = ControlChannel(host, f"pd-{args.disaggregation_mode}")
+        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}")
         self.description = peer_description(args, cfg, pool, self.engine.name)
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)

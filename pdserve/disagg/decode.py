@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import announced_endpoint
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
 from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, now
 from pdserve.disagg.prefill import validate_pd_request
@@ -125,10 +126,12 @@ class DecodeScheduler(Scheduler):
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
             h.peer_control = info["control_endpoint"]
+            advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
             self.kv.channel.send(h.peer_control, {
-                "type": "transfer_request", "room": h.room, "rid": h.req.rid, "control": self.kv.channel.endpoint,
-                "session": self.kv.engine.session_id(), "peer": self.kv.description, "kv_base": self.kv.region.base,
-                "dst_pages": h.dst_pages,
+                "type": "transfer_request", "room": h.room, "rid": h.req.rid,
+                "control": announced_endpoint(self.kv.channel.endpoint, advertise, peer_host),
+                "session": announced_endpoint(self.kv.engine.session_id(), advertise, peer_host),
+                "peer": self.kv.description, "kv_base": self.kv.region.base, "dst_pages": h.dst_pages,
             })
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.deadline = now() + self.args.disaggregation_waiting_timeout

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import registered_endpoint
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
 from pdserve.disagg.common import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVManager, KVPoll, checked_pages, now
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
@@ -117,8 +118,10 @@ class PrefillScheduler(Scheduler):
         self.kv = KVManager(args, self.model_config, self.runner.pool, self.device)
         self.worker = TransferWorker(self.kv.engine, self.kv.channel.post)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-        register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
-            rank=0, control_endpoint=self.kv.channel.endpoint, transfer_session=self.kv.engine.session_id(),
+        advertise = args.disaggregation_advertise_host
+        register_prefill_rank(self.bootstrap.local_address, PrefillRankInfo(
+            rank=0, control_endpoint=registered_endpoint(self.kv.channel.endpoint, advertise),
+            transfer_session=registered_endpoint(self.kv.engine.session_id(), advertise),
             transfer_backend=self.kv.engine.name, kv_layout=self.runner.pool.layout.describe(),
             model=self.kv.description["model"], tp_size=args.tp_size,
         ))
