@@ -73,10 +73,11 @@ class Proc:
     port: int
     proc: subprocess.Popen | None = None
     log_path: str = ""
+    host: str = "127.0.0.1"  # where the test reaches it
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def launch(self) -> "Proc":
         fd, self.log_path = tempfile.mkstemp(prefix=f"pdserve-{self.name}-", suffix=".log")
@@ -164,15 +165,15 @@ def server(name: str, model: str, *extra: str, port: int | None = None) -> Proc:
     return Proc(name, argv, port)
 
 
-def prefill_server(model: str, backend: str, bootstrap_port: int, *extra: str) -> Proc:
+def prefill_server(model: str, backend: str, bootstrap_port: int, *extra: str, port: int | None = None) -> Proc:
     return server(f"prefill-{backend}", model, "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                  backend, "--disaggregation-bootstrap-port", str(bootstrap_port), *PD_TIMEOUTS, *extra)
+                  backend, "--disaggregation-bootstrap-port", str(bootstrap_port), *PD_TIMEOUTS, *extra, port=port)
 
 
-def decode_server(model: str, backend: str, *extra: str, name: str = "") -> Proc:
+def decode_server(model: str, backend: str, *extra: str, name: str = "", port: int | None = None) -> Proc:
     return server(name or f"decode-{backend}", model, "--disaggregation-mode", "decode",
                   "--disaggregation-transfer-backend", backend, "--num-reserved-decode-tokens", "64",
-                  *PD_TIMEOUTS, *extra)
+                  *PD_TIMEOUTS, *extra, port=port)
 
 
 def router(prefills: list[tuple[Proc, int]], decodes: list[Proc], *extra: str, name: str = "router") -> Proc:
