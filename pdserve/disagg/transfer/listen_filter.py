@@ -15,6 +15,8 @@ import os
 import socket
 import struct
 
+from pdserve.disagg.addressing import is_wildcard
+
 _SO_ATTACH_FILTER = 26
 _SKF_NET_OFF = -0x100000  # classic BPF: offsets from here address the network (IP) header
 # classic BPF opcodes
@@ -68,7 +70,7 @@ def restrict_new_listeners(before: dict[int, tuple[str, int]], host: str) -> lis
     program = destination_filter(host)
     ports = []
     for fd, (address, port) in listening_fds().items():
-        if before.get(fd) != (address, port) and address in ("0.0.0.0", "::"):
+        if before.get(fd) != (address, port) and is_wildcard(address):
             attach_filter(fd, program)
             ports.append(port)
     return ports
