@@ -140,3 +140,29 @@ def test_added_latency_keeps_output_correct(cluster: HostCluster, delayed_links,
     prompts = [PROMPTS[1], LONG_IDS]
     assert [generate_ids(cluster.router, p) for p in prompts] == expected_ids(offline_llm, prompts)
     wait_kv_free([cluster.prefill, cluster.decode])
+
+
+@pytest.mark.parametrize("name", ["tcp", "mooncake"])
+def test_decode_partitioned_before_its_first_token(name, clusters, network, offline_llm):
+    """The link goes down as the request is dispatched (handshake, prefill or KV transfer in flight): the request
+    ends with an error within the timeouts, the prefill frees its pages, and the cluster serves again."""
+    if name not in clusters:
+        pytest.skip("mooncake.engine cannot be imported")
+    cluster = clusters[name]
+    conn = HTTPConnection(cluster.router.host, cluster.router.port, timeout=60)
+    body = {"input_ids": LONG_IDS, "sampling_params": GREEDY}
+    try:
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        network.partition("decode", True)
+        cut_at = time.monotonic()
+        resp = conn.getresponse()
+        answer = resp.read()
+        elapsed = time.monotonic() - cut_at
+    finally:
+        network.partition("decode", False)
+        conn.close()
+    assert resp.status >= 500, answer
+    assert elapsed < PARTITION_DEADLINE_S, f"the partitioned request took {elapsed:.1f} s to end"
+    print(f"partitioned before the first token: {resp.status} after {elapsed:.2f} s: {answer[:200]}")
+    serves_again(cluster, expected_ids(offline_llm, [PROMPTS[0]])[0], within_s=30)
+    wait_kv_free([cluster.prefill, cluster.decode], timeout=60)
