@@ -66,7 +66,8 @@ def host_cluster(net: Network, model: str, backend: str, wildcard: bool, offset:
                                         "--prefill", prefill_url, "--prefill-bootstrap-ports", str(bootstrap),
                                         "--decode", decode_url, *ROUTER_ARGS], ROUTER_PORT + offset)
     for role, proc in zip(ROLES, (prefill, decode, router)):
-        proc.argv, proc.host = hosts[role].command(proc.argv), hosts[role].address
+        proc.argv = hosts[role].command(proc.argv)
+        proc.host = hosts[role].address  # the test reaches it on its host's address
         proc.name = f"{proc.name}-{'wildcard' if wildcard else 'own'}"
     return HostCluster(backend, "0.0.0.0" if wildcard else "own address", bootstrap, prefill, decode, router)
 

@@ -9,6 +9,7 @@ import json
 import subprocess
 import time
 from http.client import HTTPConnection
+from urllib.parse import urlsplit
 
 import pytest
 from cluster_util import Proc, http, wait_kv_free
@@ -57,7 +58,7 @@ def test_pd_across_hosts_equals_colocated(cluster: HostCluster, offline_llm):
 def test_bootstrap_route_names_the_prefill_host(cluster: HostCluster):
     """A route lookup from another host is answered with the prefill's address on the way to it, never a
     wildcard or loopback one (the prefill itself registered 0.0.0.0 in the wildcard cluster)."""
-    prefill_host = cluster.prefill.host
+    prefill_host = urlsplit(cluster.prefill.url).hostname
     route = http("GET", f"http://{prefill_host}:{cluster.bootstrap_port}/route").json()
     assert route["ranks"]["0"]["control_endpoint"].startswith(f"{prefill_host}:")
     assert route["ranks"]["0"]["transfer_session"].startswith(f"{prefill_host}:")
@@ -66,7 +67,7 @@ def test_bootstrap_route_names_the_prefill_host(cluster: HostCluster):
 def stream_until_partition(router: Proc, partition: callable) -> tuple[float, list]:
     """Streams a long generation; after its first token arrives, calls `partition`. Returns the seconds from the
     partition to the end of the response and its SSE events."""
-    conn = HTTPConnection(router.host, router.port, timeout=60)
+    conn = HTTPConnection(urlsplit(router.url).netloc, timeout=60)
     body = {"text": "Partition me", "stream": True, "return_logprob": True, "top_logprobs_num": 20,  # slower steps
             "sampling_params": {**GREEDY, "max_new_tokens": LONG_GENERATION}}
     conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
@@ -149,7 +150,7 @@ def test_decode_partitioned_before_its_first_token(name, clusters, network, offl
     if name not in clusters:
         pytest.skip("mooncake.engine cannot be imported")
     cluster = clusters[name]
-    conn = HTTPConnection(cluster.router.host, cluster.router.port, timeout=60)
+    conn = HTTPConnection(urlsplit(cluster.router.url).netloc, timeout=60)
     body = {"input_ids": LONG_IDS, "sampling_params": GREEDY}
     try:
         conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
