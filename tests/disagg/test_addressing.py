@@ -78,3 +78,16 @@ def test_mooncake_with_loopback_host_refuses_other_addresses():
             assert connects("127.0.0.1", port) and not connects("127.0.0.2", port)
     finally:
         engine.close()
+
+
+def test_control_socket_bound_to_ipv6_wildcard_is_reached_at_its_announced_endpoint():
+    from pdserve.disagg.transfer.channel import ControlClient, ControlServer
+
+    server = ControlServer("::", 0, lambda header, frames, reply: reply({"ok": True, "echo": header["n"]}), "test")
+    client = ControlClient(announced_endpoint(server.endpoint, None, "127.0.0.1"), timeout_s=5)
+    try:
+        client.send({"n": 7})
+        assert client.recv("echo")["echo"] == 7
+    finally:
+        client.close()
+        server.close()
