@@ -59,6 +59,7 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: TransferBackendName = "auto"
     disaggregation_ib_device: str | None = None
+    disaggregation_advertise_host: str | None = None
     num_reserved_decode_tokens: int = 512
     disaggregation_bootstrap_timeout: float = 60.0
     disaggregation_waiting_timeout: float = 60.0
@@ -111,6 +112,9 @@ class ServerArgs:
             raise ConfigError(
                 f"--disaggregation-bootstrap-port and --port are both {self.port}; give them different ports"
             )
+        if self.disaggregation_advertise_host is not None and self.disaggregation_advertise_host in ("", "0.0.0.0", "::"):
+            raise ConfigError("--disaggregation-advertise-host must name an address peers can reach, "
+                              f"not {self.disaggregation_advertise_host!r}")
         if self.disaggregation_layerwise_min_tokens < 0:
             raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
@@ -189,6 +193,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
     "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake."),
     "disaggregation_ib_device": ("disaggregation", "RDMA device(s) for mooncake, e.g. mlx5_0 or mlx5_0,mlx5_1."),
+    "disaggregation_advertise_host": ("disaggregation", "The address this server gives its PD peers (control channel, KV transfer engine) instead of --host: for NAT or several NICs. Unset: --host, or for 0.0.0.0 the address of the interface that routes to the peer."),
     "num_reserved_decode_tokens": ("disaggregation", "Decode: KV tokens reserved per request for its future output."),
     "disaggregation_bootstrap_timeout": ("disaggregation", "Seconds a request may wait for its peer's handshake."),
     "disaggregation_waiting_timeout": ("disaggregation", "Seconds the decode side waits for the KV to arrive."),

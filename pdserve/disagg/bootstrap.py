@@ -16,9 +16,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from aiohttp import web
+
+from pdserve.disagg.addressing import is_wildcard, join_endpoint, reachable_endpoint
 
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
 _TOPOLOGY_KEYS = ("model", "tp_size", "transfer_backend")
@@ -98,7 +100,12 @@ class BootstrapServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_endpoint(self.host, self.port)
+
+    @property
+    def local_address(self) -> str:
+        """The address this host's own processes reach the server at."""
+        return join_endpoint("127.0.0.1" if is_wildcard(self.host) else self.host, self.port)
 
     async def _put_route(self, request: web.Request) -> web.Response:
         try:
@@ -122,6 +129,8 @@ class BootstrapServer:
             ranks = dict(self._ranks)
         if len(ranks) < self.expected_ranks:
             return web.Response(status=503, text=f"not ready: {len(ranks)}/{self.expected_ranks} prefill ranks registered")
+        local = request.transport.get_extra_info("sockname")[0]  # the address this lookup reached us at
+        ranks = {r: reachable_rank(i, local) for r, i in ranks.items()}
         if "rank" in request.query:
             try:
                 info = ranks[int(request.query["rank"])]
@@ -139,6 +148,12 @@ class BootstrapServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+
+
+def reachable_rank(info: PrefillRankInfo, local_address: str) -> PrefillRankInfo:
+    """`info` with wildcard hosts replaced by `local_address`, the address the peer asking has reached."""
+    return replace(info, control_endpoint=reachable_endpoint(info.control_endpoint, local_address),
+                   transfer_session=reachable_endpoint(info.transfer_session, local_address))
 
 
 def describe(info: PrefillRankInfo) -> dict:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import announced_endpoint
 from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now
 from pdserve.disagg.role import DisaggScheduler
@@ -115,10 +116,12 @@ class DecodeScheduler(DisaggScheduler):
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
             h.peer_control = info["control_endpoint"]
+            advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
             self.channel.send(h.peer_control, {
-                "type": "transfer_request", "room": h.room, "rid": h.req.rid, "control": self.channel.endpoint,
-                "session": self.engine.session_id(), "peer": self.description, "kv_base": self.region.base,
-                "dst_pages": h.dst_pages,
+                "type": "transfer_request", "room": h.room, "rid": h.req.rid,
+                "control": announced_endpoint(self.channel.endpoint, advertise, peer_host),
+                "session": announced_endpoint(self.engine.session_id(), advertise, peer_host),
+                "peer": self.description, "kv_base": self.region.base, "dst_pages": h.dst_pages,
             })
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.deadline = now() + self.args.disaggregation_waiting_timeout

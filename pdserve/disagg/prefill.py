@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import registered_endpoint
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now
 from pdserve.disagg.role import DisaggScheduler
@@ -117,8 +118,10 @@ class PrefillScheduler(DisaggScheduler):
         super().__init__(args, tokenizer)
         self.worker = TransferWorker(self.engine, self.channel.post)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-        register_prefill_rank(self.bootstrap.address, PrefillRankInfo(
-            rank=0, control_endpoint=self.channel.endpoint, transfer_session=self.engine.session_id(),
+        advertise = args.disaggregation_advertise_host
+        register_prefill_rank(self.bootstrap.local_address, PrefillRankInfo(
+            rank=0, control_endpoint=registered_endpoint(self.channel.endpoint, advertise),
+            transfer_session=registered_endpoint(self.engine.session_id(), advertise),
             transfer_backend=self.engine.name, kv_layout=self.runner.pool.layout.describe(),
             model=self.description["model"], tp_size=args.tp_size,
         ))

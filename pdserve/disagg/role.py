@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 
 from pdserve.config import ServerArgs
+from pdserve.disagg.addressing import announced_host
 from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.protocol import Handoff, KVPoll, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
@@ -23,15 +24,15 @@ class DisaggScheduler(Scheduler):
 
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
-        host = args.host if args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         pool = self.runner.pool
         self.engine = make_transfer_engine(
-            args.disaggregation_transfer_backend, str(self.device), args.disaggregation_ib_device, host=host,
+            args.disaggregation_transfer_backend, str(self.device), args.disaggregation_ib_device, host=args.host,
             timeout_s=args.disaggregation_waiting_timeout,
+            advertise_host=announced_host(args.host, args.disaggregation_advertise_host),
         )
         self.engine.register(pool.data_ptr, pool.nbytes, str(self.device))
         self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.channel = ControlChannel(host, f"pd-{args.disaggregation_mode}")
+        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}")
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
         self.handlers: dict[str, Callable[[dict], None]] = {}

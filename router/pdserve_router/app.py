@@ -50,7 +50,8 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout_s)
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout)  # health checks, admin, aborts
-        self.upstream = UpstreamPool(self.config.connect_timeout_s)  # generation requests
+        self.upstream = UpstreamPool(self.config.connect_timeout_s,  # generation requests
+                                     unreachable_timeout_s=self.config.unreachable_timeout_s)
         self.dispatcher = Dispatcher(self.config, self.registry, self.session, self.metrics, self.upstream)
         self.event_loop = loop_name(asyncio.get_running_loop())
         self.health = HealthChecker(self.registry, self.session, self.auth)

@@ -27,6 +27,8 @@ _HELP: dict[str, str] = {
     "balance_rel_threshold": "... and max in-flight exceeds this times min in-flight.",
     "request_timeout_s": "Whole-request deadline in seconds (504 when hit).",
     "connect_timeout_s": "Seconds to open a connection to an instance.",
+    "unreachable_timeout_s": "Seconds without any packet from an instance, TCP keep-alive answers included, after "
+                             "which its connections count as cut (a partitioned host): their requests fail (at least 1).",
     "max_retries": "Retries, each with a new pair and a new room, after a connection failure or a 5xx that "
                    "arrives before the first byte reached the client.",
     "retry_backoff_s": "First retry backoff in seconds; doubles per retry, with jitter.",

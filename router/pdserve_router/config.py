@@ -40,6 +40,7 @@ class RouterConfig:
     # requests
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    unreachable_timeout_s: float = 30.0
     max_retries: int = 3
     retry_backoff_s: float = 0.02
     retry_max_backoff_s: float = 1.0
@@ -72,6 +73,8 @@ class RouterConfig:
             raise ConfigError("--api-key must be one line")
         if self.max_retries < 0 or self.request_timeout_s <= 0 or self.health_check_interval_s <= 0:
             raise ConfigError("--max-retries must be >= 0 and the timeouts/intervals > 0")
+        if self.unreachable_timeout_s < 1:
+            raise ConfigError("--unreachable-timeout-s must be at least 1 (TCP keep-alive counts whole seconds)")
         if min(self.health_failure_threshold, self.health_success_threshold, self.cb_failure_threshold,
                self.cb_success_threshold, self.cache_block_chars) < 1:
             raise ConfigError("thresholds and --cache-block-chars must be >= 1")

@@ -14,6 +14,7 @@ chunked transfer coding, or the connection's end; 1xx responses skipped; http an
 from __future__ import annotations
 
 import asyncio
+import math
 import socket
 import ssl
 import sys
@@ -210,6 +211,19 @@ class Exchange:
             self._waiter.set_exception(exc)
 
 
+def watch_reachability(sock: socket.socket, timeout_s: float) -> None:
+    """Close the connection with ETIMEDOUT once the peer has not acknowledged anything for `timeout_s`: TCP
+    keep-alive probes start after a quiet third of it, so a partitioned or powered-off host is told apart from
+    a slow but live one (whose kernel answers the probes) and its requests fail instead of waiting forever."""
+    idle = max(1, round(timeout_s / 3))
+    interval = max(1, round(timeout_s / 6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, math.ceil((timeout_s - idle) / interval)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(timeout_s * 1000))
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an instance; carries one exchange at a time. Responses are parsed by llhttp
     (`httptools`), whose callbacks feed the exchange as the bytes come."""
@@ -239,6 +253,7 @@ class _Connection(asyncio.Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                watch_reachability(sock, self.pool.unreachable_timeout_s)
             except OSError:
                 pass
 
@@ -368,8 +383,10 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Keep-alive connections per instance (most recently used first) and the requests sent over them."""
 
-    def __init__(self, connect_timeout_s: float, idle_timeout_s: float = 15.0, max_idle_per_instance: int = 1024):
+    def __init__(self, connect_timeout_s: float, idle_timeout_s: float = 15.0, max_idle_per_instance: int = 1024,
+                 unreachable_timeout_s: float = 30.0):
         self.connect_timeout_s = connect_timeout_s
+        self.unreachable_timeout_s = unreachable_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_idle = max_idle_per_instance
         self.idle: dict[str, deque[_Connection]] = {}

@@ -3,23 +3,10 @@ end-to-end tests, a colocated server and a tcp PD pair behind a router, all star
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cluster_util import (PDCluster, decode_server, free_port, prefill_server, router, server,  # noqa: E402
-                          start_all, stop_all)
-
-from pdserve.tools.make_model import make_model  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    return str(make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0))
+from cluster_util import PDCluster, decode_server, free_port, prefill_server, router, server, start_all, stop_all
 
 
 @pytest.fixture(scope="session")

@@ -41,14 +41,16 @@ def resolve_backend(name: str, device: str) -> str:
 
 
 def make_transfer_engine(
-    name: str, device: str, ib_device: str | None = None, host: str = "127.0.0.1", timeout_s: float = 30.0
+    name: str, device: str, ib_device: str | None = None, host: str = "127.0.0.1", timeout_s: float = 30.0,
+    advertise_host: str | None = None,
 ) -> TransferEngine:
-    """`device` is where the KV cache lives ("cpu", "cuda:0"); `host` is the address peers reach us at."""
+    """`device` is where the KV cache lives ("cpu", "cuda:0"); `host` is the address to bind, `advertise_host`
+    (default `host`) the one peers reach us at, for an engine that names itself by it (mooncake)."""
     name = resolve_backend(name, device)
     if name == "mooncake":
         from pdserve.disagg.transfer.mooncake import MooncakeTransferEngine
 
-        return MooncakeTransferEngine(host, str(device), ib_device)
+        return MooncakeTransferEngine(advertise_host or host, str(device), ib_device, bind_host=host)
     if name == "tcp":
         from pdserve.disagg.transfer.tcp import TcpTransferEngine
 

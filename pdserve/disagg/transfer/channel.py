@@ -30,6 +30,7 @@ class ControlServer:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IPV6, ":" in host)  # "::" listens on IPv4 and IPv6
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from pdserve.disagg.addressing import is_wildcard
 from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
+from pdserve.disagg.transfer.listen_filter import listening_fds, restrict_new_listeners
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +89,10 @@ def import_mooncake():
 class MooncakeTransferEngine(TransferEngine):
     name = "mooncake"
 
-    def __init__(self, host: str = "127.0.0.1", kv_device: str = "cpu", ib_device: str | None = None):
+    def __init__(self, host: str = "127.0.0.1", kv_device: str = "cpu", ib_device: str | None = None,
+                 bind_host: str | None = None):
+        """`host` is the address peers reach this engine at; mooncake listens on every interface, so unless
+        `bind_host` is a wildcard its listeners accept only connections addressed to `bind_host` (default `host`)."""
         super().__init__()
         mc = import_mooncake()
         if kv_device.startswith("cuda") and not getattr(mc, "SUPPORT_CUDA", False):
@@ -100,10 +105,15 @@ class MooncakeTransferEngine(TransferEngine):
         )
         os.environ.update(choice.env)
         self._engine = mc.TransferEngine()
+        listeners_before = listening_fds()
         protocol = "rdma" if choice.transport == "rdma" else "tcp"  # only picks Mooncake's buffer allocator
         if self._engine.initialize(host, "P2PHANDSHAKE", protocol, choice.device_name) != 0:
             raise TransferError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol}, {choice.device_name!r}) failed")
         self._transport = choice.transport
+        bind_host = host if bind_host is None else bind_host
+        if not is_wildcard(bind_host):
+            ports = restrict_new_listeners(listeners_before, bind_host)
+            logger.info("mooncake listeners on ports %s accept connections to %s only", ports, bind_host)
         self._session = f"{host}:{self._engine.get_rpc_port()}"
         logger.info("mooncake transfer engine %s uses %s (%s)", self._session, choice.transport, choice.reason)
 
