@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 from cluster_util import Proc, http, wait_kv_free
-from conftest import HostCluster
+from hosts import HostCluster
 
 from pdserve import SamplingParams
 
