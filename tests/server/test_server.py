@@ -8,13 +8,14 @@ import signal
 import time
 
 import aiohttp
-openai = pytest.importorskip("openai")  # the GPU image has no openai client; CI installs it
 import pytest
 from cluster_util import process_info
 from server_util import API_KEY, CONTEXT_LENGTH, MAX_BATCH_ITEMS, Reply, ServerProcess, parse_prometheus
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")  # the GPU image has no openai client; CI installs it
 
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
