@@ -144,8 +144,6 @@ class ServerArgs:
             raise ConfigError("--hicache-ratio must be positive; --hicache-size and --hicache-storage-size >= 0")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        if self.enable_hierarchical_cache and self.disable_radix_cache:
-            raise ConfigError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         extra = self.hicache_extra_config
         if self.hicache_storage_backend == "mooncake" and not extra.get("master_server_address"):
             raise ConfigError(
@@ -221,7 +219,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "page_size": ("memory", "Tokens per KV-cache page."),
     "disable_radix_cache": ("memory", "Turn off prefix reuse through the radix cache."),
     "schedule_conservativeness": ("memory", "Scale of the decode-token reservation used at admission (>1 admits fewer)."),
-    "enable_hierarchical_cache": ("hicache", "Keep KV pages evicted from the device in host memory (and storage) and load them back on a prefix hit."),
+    "enable_hierarchical_cache": ("hicache", "Keep KV pages evicted from the device in host memory (and storage) and load them back on a prefix hit (off with --disable-radix-cache and on the decode role)."),
     "hicache_ratio": ("hicache", "Host KV pool size as a multiple of the device KV pool."),
     "hicache_size": ("hicache", "Host KV pool size in GB; overrides --hicache-ratio when > 0."),
     "hicache_write_policy": ("hicache", "write_through (copy pages to the host as they enter the cache) or write_back (on device eviction)."),
