@@ -2,7 +2,8 @@
 
 `layer_first` mirrors the device layout, `[2, layers, slots, kv_heads, head_dim]`; `page_first` keeps each
 page's K and V of every layer contiguous, `[pages, 2, layers, page_size, kv_heads, head_dim]`, so one page is
-one contiguous block for storage I/O. Copies between the pools move runs of consecutive pages at once.
+one contiguous block for storage I/O and one copy across the bus per run. Copies between the pools move
+runs of consecutive pages at once.
 """
 
 from __future__ import annotations
@@ -45,15 +46,35 @@ class HostKVPool:
             return self.buffer[first : first + count]
         return self._page_view(self.buffer, first, count)
 
+    def _layer_slices(self, device: KVPool, dev: int, host: int, count: int):
+        """(host, device) slices of one K or V layer over a page run: contiguous on both sides (layer_first)."""
+        ps = self.page_size
+        for kv in range(2):
+            for layer in range(self.page_shape[1]):
+                yield (self.buffer[kv, layer, host * ps : (host + count) * ps],
+                       device.buffer[kv, layer, dev * ps : (dev + count) * ps])
+
     def save(self, device: KVPool, device_pages: list[int], host_pages: list[int]) -> None:
-        """Device pages → host pages (asynchronous on the current CUDA stream when the host pool is pinned)."""
+        """Device pages → host pages, asynchronous on the current CUDA stream (the host pool is pinned there).
+
+        Every copy across the bus is contiguous: per K/V layer slice (layer_first), or the whole run gathered
+        into one device buffer first (page_first)."""
         for dev, host, n in _runs(device_pages, host_pages):
-            self._host_run(host, n).copy_(self._page_view(device.buffer, dev, n), non_blocking=True)
+            if self.mem_layout == "page_first":
+                self.buffer[host : host + n].copy_(self._page_view(device.buffer, dev, n).contiguous(), non_blocking=True)
+                continue
+            for host_slice, device_slice in self._layer_slices(device, dev, host, n):
+                host_slice.copy_(device_slice, non_blocking=True)
 
     def load(self, device: KVPool, host_pages: list[int], device_pages: list[int]) -> None:
-        """Host pages → device pages (asynchronous on the current CUDA stream when the host pool is pinned)."""
+        """Host pages → device pages, asynchronous on the current CUDA stream."""
         for host, dev, n in _runs(host_pages, device_pages):
-            self._page_view(device.buffer, dev, n).copy_(self._host_run(host, n), non_blocking=True)
+            if self.mem_layout == "page_first":
+                staged = self.buffer[host : host + n].to(device.buffer.device, non_blocking=True)
+                self._page_view(device.buffer, dev, n).copy_(staged)
+                continue
+            for host_slice, device_slice in self._layer_slices(device, dev, host, n):
+                device_slice.copy_(host_slice, non_blocking=True)
 
     def read_page(self, host_page: int) -> bytes:
         page = self._host_run(host_page, 1).contiguous()
