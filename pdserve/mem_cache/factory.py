@@ -7,10 +7,11 @@ import logging
 import os
 
 from pdserve.config import ServerArgs
-from pdserve.mem_cache.hiradix_cache import HiCachePolicy, HiCacheStats, HiRadixCache, model_identity
+from pdserve.mem_cache.hiradix_cache import HiCachePolicy, HiRadixCache, model_identity
 from pdserve.mem_cache.host_pool import HostKVPool
 from pdserve.mem_cache.kv_pool import KVPool, PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache
+from pdserve.mem_cache.stats import HiCacheStats
 from pdserve.mem_cache.storage import StorageBackend, StorageError, create_storage
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import queue
-import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,16 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.mem_cache.host_pool import HostKVPool, MemLayout
+from pdserve.mem_cache.host_pool import HostKVPool
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool, PageAllocator
 from pdserve.mem_cache.radix_cache import RadixCache, _clock, _Node
+from pdserve.mem_cache.stats import HiCacheStats
 from pdserve.mem_cache.storage.base import (
-    BlockError, StorageBackend, StorageError, chain_hashes, decode_block, encode_block, root_hash,
+    BlockError, StorageBackend, chain_hashes, decode_block, encode_block, root_hash,
 )
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "storage")
 _MAX_PREFETCHES = 256
 
 
@@ -55,27 +54,6 @@ class _Prefetch:
     start: int  # page index of the first block looked up
     num_tokens: int
     future: Future  # -> list[(block hash, payload)], consecutive from `start`
-
-
-class HiCacheStats:
-    """Counters named like the Prometheus series they export to; per-tier ones are keyed by tier. Thread-safe."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.per_tier = {name: dict.fromkeys(TIERS, 0) for name in (
-            "pdserve_hicache_hit_tokens_total", "pdserve_hicache_miss_tokens_total",
-            "pdserve_hicache_loaded_bytes_total", "pdserve_hicache_stored_bytes_total",
-            "pdserve_hicache_load_seconds_total", "pdserve_hicache_loads_total",
-            "pdserve_hicache_backend_errors_total", "pdserve_hicache_corrupt_blocks_total",
-        )}
-
-    def add(self, name: str, tier: str, value: float) -> None:
-        with self._lock:
-            self.per_tier[f"pdserve_hicache_{name}"][tier] += value
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {name: dict(values) for name, values in self.per_tier.items()}
 
 
 class HiRadixCache(RadixCache):

@@ -6,6 +6,8 @@ import bisect
 from collections import Counter
 from typing import Any
 
+from pdserve.mem_cache.stats import METRIC_HELP
+
 PREFIX = "pdserve_"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -101,6 +103,8 @@ def _scheduler_gauges(stats: dict) -> list[str]:
     _metric(lines, "prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", hit)
     _metric(lines, "prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", query)
     _metric(lines, "prefix_cache_hit_rate", "gauge", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0)
+    for name, per_tier in stats.get("hicache", {}).items():  # counters of the hierarchical cache, by tier
+        _labelled(lines, name.removeprefix(PREFIX), "counter", METRIC_HELP[name], "tier", Counter(per_tier))
     return lines
 
 

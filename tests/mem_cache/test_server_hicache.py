@@ -35,6 +35,9 @@ def test_evicted_prefix_is_served_from_host_through_http(tiered_server, hf_greed
     stats = scheduler_stats(tiered_server)
     assert stats["hicache"]["pdserve_hicache_hit_tokens_total"]["host"] > 0
     assert stats["hicache"]["pdserve_hicache_backend_errors_total"]["storage"] == 0
+    metrics = tiered_server.get("/metrics").body.decode()
+    host_hits = next(line for line in metrics.splitlines() if line.startswith('pdserve_hicache_hit_tokens_total{tier="host"}'))
+    assert float(host_hits.split()[-1]) == stats["hicache"]["pdserve_hicache_hit_tokens_total"]["host"]
     wait_kv_free([tiered_server])
 
 

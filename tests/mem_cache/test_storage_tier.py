@@ -4,7 +4,6 @@ backends fall back to recompute with correct output."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket
