@@ -4,19 +4,22 @@ Configured by `--hicache-storage-backend-extra-config` (JSON): `master_server_ad
 `mooncake_master`) is required; `metadata_server` (default P2PHANDSHAKE), `local_hostname` (127.0.0.1),
 `protocol` (tcp; rdma where present), `device_name` (RDMA devices), `global_segment_size` (bytes this client
 contributes to the store, default 256 MiB) and `local_buffer_size` (default 64 MiB) have working defaults.
-The client connects in a background thread (the Mooncake client retries for a long time against a dead
-master); until it is up every lookup is a miss.
+The client connects in a background thread; until it is up every lookup is a miss. The master's port is
+probed first: the Mooncake client's setup retries for about 90 s against a dead master while holding the GIL,
+which would stall the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 
 from pdserve.mem_cache.storage.base import StorageBackend, StorageError
 
 logger = logging.getLogger(__name__)
 
+_PROBE_TIMEOUT = 3.0
 _DEFAULTS = {
     "metadata_server": "P2PHANDSHAKE",
     "local_hostname": "127.0.0.1",
@@ -49,6 +52,13 @@ class MooncakeStorage(StorageBackend):
             self._failed = f"mooncake is not installed ({exc})"
             return
         cfg = self.config
+        host, _, port = cfg["master_server_address"].rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=_PROBE_TIMEOUT).close()
+        except (OSError, ValueError) as exc:
+            self._failed = f"cannot reach the Mooncake master at {cfg['master_server_address']} ({exc})"
+            logger.warning("hicache: %s; storage lookups are misses", self._failed)
+            return
         store = MooncakeDistributedStore()
         rc = store.setup({
             "local_hostname": cfg["local_hostname"], "metadata_server": cfg["metadata_server"],
