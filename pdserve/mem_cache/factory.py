@@ -35,7 +35,8 @@ def create_prefix_cache(args: ServerArgs, allocator: PageAllocator, pool: KVPool
     storage = open_storage(args, extra, stats)
     logger.info("hierarchical cache: host tier %d pages (%.2f GB, %s), storage %s", host.allocator.capacity,
                 host.nbytes / 1e9, args.hicache_mem_layout, storage.name if storage else "off")
-    return HiRadixCache(allocator, pool, host, storage, model_identity(args.model_path, pool.layout), policy, stats)
+    identity = model_identity(args.model_path, pool.layout, args.random_seed if args.load_format == "dummy" else None)
+    return HiRadixCache(allocator, pool, host, storage, identity, policy, stats)
 
 
 def host_pages(args: ServerArgs, pool: KVPool) -> int:

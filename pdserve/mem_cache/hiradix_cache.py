@@ -460,9 +460,10 @@ class HiRadixCache(RadixCache):
         self.stats.add("loads_total", tier, 1)
 
 
-def model_identity(model_path: str, layout: KVLayout) -> bytes:
-    """What makes KV pages interchangeable: the model's config and weights (sampled) and the KV layout."""
-    digest = hashlib.sha256()
+def model_identity(model_path: str, layout: KVLayout, dummy_weights_seed: int | None = None) -> bytes:
+    """What makes KV pages interchangeable: the model's config and weights (sampled; the seed of random
+    weights with --load-format dummy) and the KV layout."""
+    digest = hashlib.sha256(b"" if dummy_weights_seed is None else f"dummy-weights:{dummy_weights_seed}".encode())
     with open(os.path.join(model_path, "config.json"), "rb") as f:
         digest.update(f.read())
     for name in sorted(os.listdir(model_path)):
