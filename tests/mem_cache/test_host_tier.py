@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import assert_pools_free, hicache, prompts, run, tiered_llm
 
+from pdserve.config import ConfigError, ServerArgs
+
 
 @pytest.mark.parametrize("write_policy, mem_layout", [("write_back", "layer_first"), ("write_through", "page_first")])
 def test_prefix_evicted_from_device_is_served_from_host(tiny_model, hf_greedy, write_policy, mem_layout):
@@ -34,3 +36,27 @@ def test_host_tier_evicts_its_own_lru_pages(tiny_model, hf_greedy):
         followup = prompt + [11]
         assert run(llm, followup).token_ids == hf_greedy(followup)
     assert_pools_free(llm)
+
+
+def test_flush_cache_empties_both_tiers(tiny_model):
+    llm = tiered_llm(tiny_model)
+    for prompt in prompts(64, 64, 64, seed=2):
+        run(llm, prompt)
+    radix = llm.scheduler.radix
+    assert radix.host.allocator.num_free < radix.host.allocator.capacity
+    assert llm.scheduler.flush_cache()
+    assert radix.num_pages == 0 and radix.host.allocator.num_free == radix.host.allocator.capacity
+    assert_pools_free(llm)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
+    ({"hicache_storage_backend": "file"}, "needs --enable-hierarchical-cache"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"}, "master_server_address"),
+    ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+      "hicache_storage_backend_extra_config": "[1]"}, "JSON object"),
+    ({"hicache_ratio": 0.0}, "--hicache-ratio"),
+])
+def test_bad_hicache_flags_are_refused(tiny_model, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        ServerArgs(model_path=tiny_model, **flags)
