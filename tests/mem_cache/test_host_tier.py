@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_pools_free, hicache, prompts, run, tiered_llm
+from hicache_util import assert_pools_free, hicache, prompts, run, tiered_llm
 
 from pdserve.config import ConfigError, ServerArgs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 import time
 
-from conftest import MAX_NEW, PAGE_SIZE, greedy, prompts
+from hicache_util import MAX_NEW, PAGE_SIZE, greedy, prompts
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.decode import DecodeScheduler

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cluster_util import scheduler_stats, server, start_all, stop_all, wait_kv_free
-from conftest import MAX_NEW, PAGE_SIZE, SMALL_POOL_TOKENS, prompts
+from hicache_util import MAX_NEW, PAGE_SIZE, SMALL_POOL_TOKENS, prompts
 
 
 @pytest.fixture(scope="module")

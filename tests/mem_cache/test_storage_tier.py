@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import PAGE_SIZE, assert_pools_free, hicache, prompts, run, tiered_llm
+from hicache_util import PAGE_SIZE, assert_pools_free, hicache, prompts, run, tiered_llm
 
 from pdserve.mem_cache.storage.base import chain_hashes
 from pdserve.mem_cache.storage.file import FileStorage
