@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -37,8 +38,10 @@ def test_hash_chain_depends_on_identity_and_the_whole_prefix():
 
 def test_file_backend_survives_reopen_and_evicts_lru_past_its_bound(tmp_path):
     store = FileStorage(str(tmp_path), capacity_bytes=10_000)
+    long_ago = time.time() - 1000
     for i in range(5):
         store.put(f"key{i}", bytes(1000))
+        os.utime(store._path(f"key{i}"), (long_ago + i, long_ago + i))  # a use order that timestamps cannot tie
     assert store.get("key0") == bytes(1000)  # refreshes key0
     for i in range(5, 12):
         store.put(f"key{i}", bytes(1000))
