@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from cluster_util import scheduler_stats, server, start_all, stop_all, wait_kv_free
+from cluster_util import scheduler_stats, server, start_all, wait_kv_free
 from hicache_util import MAX_NEW, PAGE_SIZE, SMALL_POOL_TOKENS, prompts
 
 
@@ -14,7 +14,7 @@ def tiered_server(tiny_model, tmp_path_factory):
                   "--hicache-storage-dir", str(tmp_path_factory.mktemp("hicache")))
     start_all([proc])
     yield proc
-    stop_all([proc])
+    proc.stop()
 
 
 def generate(proc, ids: list[int]) -> dict:
