@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -40,6 +41,17 @@ class ServerArgs:
     page_size: int = 16
     disable_radix_cache: bool = False
     schedule_conservativeness: float = 1.0
+    # hierarchical KV cache
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
+    hicache_mem_layout: str = "layer_first"
+    hicache_storage_backend: str | None = None
+    hicache_storage_backend_extra_config: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_size: float = 0.0
+    hicache_storage_prefetch_policy: str = "best_effort"
     # kernels
     attention_backend: str = "auto"
     cuda_graph_max_bs: int = 256
@@ -119,6 +131,39 @@ class ServerArgs:
             raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 0..65535")
+        self._validate_hicache()
+
+    def _validate_hicache(self) -> None:
+        choices = {
+            "hicache_write_policy": ("write_through", "write_back"),
+            "hicache_mem_layout": ("layer_first", "page_first"),
+            "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
+            "hicache_storage_backend": (None, "file", "mooncake"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                names = ", ".join(a for a in allowed if a)
+                raise ConfigError(f"--{_flag(name)} must be one of {names}, got {getattr(self, name)!r}")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0 or self.hicache_storage_size < 0:
+            raise ConfigError("--hicache-ratio must be positive; --hicache-size and --hicache-storage-size >= 0")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ConfigError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        extra = self.hicache_extra_config
+        if self.hicache_storage_backend == "mooncake" and not extra.get("master_server_address"):
+            raise ConfigError(
+                "--hicache-storage-backend mooncake needs master_server_address in "
+                "--hicache-storage-backend-extra-config, e.g. '{\"master_server_address\": \"10.0.0.1:50051\"}'"
+            )
+
+    @property
+    def hicache_extra_config(self) -> dict:
+        try:
+            extra = json.loads(self.hicache_storage_backend_extra_config or "{}")
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--hicache-storage-backend-extra-config is not valid JSON: {exc}") from exc
+        if not isinstance(extra, dict):
+            raise ConfigError("--hicache-storage-backend-extra-config must be a JSON object")
+        return extra
 
     @property
     def is_pd(self) -> bool:
@@ -178,6 +223,16 @@ _HELP: dict[str, tuple[str, str]] = {
     "page_size": ("memory", "Tokens per KV-cache page."),
     "disable_radix_cache": ("memory", "Turn off prefix reuse through the radix cache."),
     "schedule_conservativeness": ("memory", "Scale of the decode-token reservation used at admission (>1 admits fewer)."),
+    "enable_hierarchical_cache": ("hicache", "Keep KV pages evicted from the device in host memory (and storage) and load them back on a prefix hit (off with --disable-radix-cache and on the decode role)."),
+    "hicache_ratio": ("hicache", "Host KV pool size as a multiple of the device KV pool."),
+    "hicache_size": ("hicache", "Host KV pool size in GB; overrides --hicache-ratio when > 0."),
+    "hicache_write_policy": ("hicache", "write_through (copy pages to the host as they enter the cache) or write_back (on device eviction)."),
+    "hicache_mem_layout": ("hicache", "Host pool layout: layer_first (like the device pool) or page_first (each page contiguous)."),
+    "hicache_storage_backend": ("hicache", "Tier 3 shared by instances: file or mooncake (none when not given)."),
+    "hicache_storage_backend_extra_config": ("hicache", "JSON settings of the storage backend (mooncake: master_server_address, ...; prefetch_timeout_base, prefetch_timeout_per_ki_token)."),
+    "hicache_storage_dir": ("hicache", "Directory of the file backend (env SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR; default /tmp/hicache)."),
+    "hicache_storage_size": ("hicache", "Bound of the file backend in GB, LRU-evicted past it (0: unbounded)."),
+    "hicache_storage_prefetch_policy": ("hicache", "How long admission waits for a storage prefetch: best_effort, wait_complete or timeout."),
     "attention_backend": ("kernels", "torch_native, sdpa, triton or auto (fastest present)."),
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),

@@ -1,0 +1,1 @@
+"""KV memory: the device pool and allocator, the radix prefix cache and its host and storage tiers."""

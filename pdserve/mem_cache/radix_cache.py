@@ -23,6 +23,9 @@ class _Node:
     key: tuple[int, ...]
     children: dict[tuple[int, ...], "_Node"] = field(default_factory=dict)
     last_access: int = 0
+    host_page: int = -1  # tier 2 (HiRadixCache); page is -1 while only the host holds the node
+    block_hash: bytes = b""  # tier-3 key of this page, computed when first needed
+    stored: bool = False  # tier 3 holds this page
 
 
 class RadixCache:
@@ -38,8 +41,10 @@ class RadixCache:
         ps = self.page_size
         return (tuple(token_ids[i * ps : (i + 1) * ps]) for i in range(num_pages))
 
-    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[int]:
-        """Pages caching the longest full-page prefix of token_ids[:max_tokens]; the caller gets a reference to each."""
+    def match_prefix(self, token_ids: list[int], max_tokens: int, rid: str | None = None) -> list[int]:
+        """Pages caching the longest full-page prefix of token_ids[:max_tokens]; the caller gets a reference to each.
+
+        `rid` names the request (a hierarchical cache pairs it with the prefetch started for it)."""
         pages: list[int] = []
         node, now = self.root, next(_clock)
         for key in self._page_keys(token_ids, max_tokens // self.page_size):
@@ -64,12 +69,30 @@ class RadixCache:
         for i, key in enumerate(self._page_keys(token_ids, num_full)):
             child = node.children.get(key)
             if child is None:
-                child = _Node(page=pages[i], parent=node, key=key)
+                child = _Node(page=-1, parent=node, key=key)
                 node.children[key] = child
+            if child.page < 0:  # new, or held only by a lower tier: the request's page becomes the cached one
+                child.page = pages[i]
                 self.allocator.incref([pages[i]])
                 self.num_pages += 1
+                self._on_cached(child)
             child.last_access = now
             node = child
+
+    def _on_cached(self, node: _Node) -> None:
+        """Hook: node's device page just entered the tree (the hierarchical cache writes it through)."""
+
+    def prefetch(self, rid: str, token_ids: list[int]) -> None:
+        """Hook: a request was queued; a hierarchical cache starts fetching its prefix from storage."""
+
+    def wait_for_loads(self) -> None:
+        """Hook: called before a forward pass; a hierarchical cache makes it wait for host→device loads."""
+
+    def tier_stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Release threads and connections (a hierarchical cache flushes its pending storage writes)."""
 
     def evictable_pages(self) -> int:
         return sum(1 for n in self._nodes() if self.allocator.refcount(n.page) == 1)

@@ -16,8 +16,8 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from pdserve.mem_cache.factory import create_prefix_cache
 from pdserve.mem_cache.kv_pool import PageAllocator
-from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.messages import TokenOut
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
@@ -38,7 +38,7 @@ class Scheduler(OverlapMixin):
         self.page_size = args.page_size
         self.context_len = self.runner.context_len
         self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
-        self.radix = None if args.disable_radix_cache else RadixCache(self.allocator, self.page_size)
+        self.radix = create_prefix_cache(args, self.allocator, self.runner.pool)
         self.sampler = Sampler(self.device, args.random_seed)
         self.stop_checker = StopChecker(args, self.model_config, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
@@ -76,6 +76,8 @@ class Scheduler(OverlapMixin):
     def add_request(self, req: Req) -> None:
         self.validate(req)
         self.reqs[req.rid] = req
+        if self.radix is not None:
+            self.radix.prefetch(req.rid, req.input_ids)
         self.accept(req)
 
     def accept(self, req: Req) -> None:
@@ -156,6 +158,7 @@ class Scheduler(OverlapMixin):
             "prefix_query_tokens": self.radix.query_tokens if self.radix else 0,
             "prefix_hit_tokens": self.radix.hit_tokens if self.radix else 0,
             "num_retracted": self.num_retracted,
+            **(self.radix.tier_stats() if self.radix else {}),
         }
 
     # ---- scheduling -------------------------------------------------------------------------------------------
@@ -200,7 +203,7 @@ class Scheduler(OverlapMixin):
             limit = len(fill) - 1
             if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
                 limit = min(limit, max(req.logprob_start_len - 1, 0))
-            req.pages = self.radix.match_prefix(fill, limit)
+            req.pages = self.radix.match_prefix(fill, limit, req.rid)
             req.num_cached_tokens = len(req.pages) * self.page_size
             req.num_prefix_hit = max(req.num_prefix_hit, req.num_cached_tokens)
         need = math.ceil(len(fill) / self.page_size) - len(req.pages) + self._decode_reserve(req)
@@ -247,6 +250,8 @@ class Scheduler(OverlapMixin):
 
     def _run_extend(self, items: list[ExtendItem]) -> None:
         batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
+        if self.radix is not None:
+            self.radix.wait_for_loads()  # host pages of matched prefixes are on the device before the forward
         logits = self.runner.forward(batch.forward_batch, self.layer_hook(items))
         for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req

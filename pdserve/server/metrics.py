@@ -11,6 +11,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.mem_cache.stats import METRIC_HELP
+
 PREFIX = "pdserve_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -41,7 +43,19 @@ class _ScrapeState:
             CounterMetricFamily(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
                                 query),
             _gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0),
+            *_hicache_counters(stats.get("hicache", {})),
         ]
+
+
+def _hicache_counters(counters: dict[str, dict[str, float]]) -> list[Metric]:
+    """The hierarchical cache's counters, one family per name with a `tier` label."""
+    families = []
+    for name, per_tier in counters.items():
+        family = CounterMetricFamily(name, METRIC_HELP[name], labels=["tier"])
+        for tier, value in per_tier.items():
+            family.add_metric([tier], value)
+        families.append(family)
+    return families
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -1,0 +1,103 @@
+"""TTFT of a prompt whose prefix is recomputed, on the host tier, or in storage; host→device load rate
+against one contiguous copy of the same bytes (the copy ceiling).
+
+python -m pdserve.bench.hicache --model-path DIR --input-len 16384 [--repeats 3] [--out FILE] \
+    [engine flags, e.g. --hicache-storage-backend file --hicache-storage-dir /nvme/hicache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from random import Random
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.bench.offline import parse_engine_flags
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ttft(llm: LLM, prompt: list[int]) -> float:
+    _sync()
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+    _sync()
+    return time.perf_counter() - start
+
+
+def copy_ceiling(nbytes: int, device: torch.device) -> float:
+    """Bytes per second of one pinned host→device copy (host memcpy on CPU)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src)
+    _sync()
+    start = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    _sync()
+    return nbytes / (time.perf_counter() - start)
+
+
+def measure(llm: LLM, prompt: list[int], tier: str, run: int) -> dict:
+    """Time `prompt` plus one token: with nothing cached (`recompute`: a prompt never seen), or after its
+    prefix was computed and moved to `tier` alone."""
+    sched, radix = llm.scheduler, llm.scheduler.radix
+    sched.flush_cache()
+    if tier == "recompute":
+        prompt = [t + 1 + run for t in prompt]  # shares no page with anything computed before
+    else:
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
+        radix.wait_for_writes(timeout=600)
+        if tier == "host":
+            radix.evict(radix.num_pages)
+        else:
+            sched.flush_cache()
+    loaded_before = sum(radix.tier_stats()["hicache"]["pdserve_hicache_loaded_bytes_total"].values())
+    seconds = ttft(llm, prompt + [prompt[0]])
+    loaded = sum(radix.tier_stats()["hicache"]["pdserve_hicache_loaded_bytes_total"].values()) - loaded_before
+    return {"tier": tier, "ttft_ms": seconds * 1e3, "loaded_bytes": loaded}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--input-len", type=int, default=16384)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    args, engine_flags = parser.parse_known_args(argv)
+    flags = {"enable_hierarchical_cache": True, **parse_engine_flags(engine_flags)}
+    llm = LLM(args.model_path, **flags)
+    rng = Random(0)
+    vocab = llm.scheduler.model_config.vocab_size
+    prompt = [rng.randrange(3, min(vocab, 30000) - args.repeats) for _ in range(args.input_len)]
+    tiers = ["recompute", "host"] + (["storage"] if llm.scheduler.radix.storage is not None else [])
+    result: dict = {"input_len": args.input_len, "device": str(llm.scheduler.device), "tiers": {}}
+    for tier in tiers:
+        runs = [measure(llm, prompt, tier, run) for run in range(args.repeats)]
+        result["tiers"][tier] = {"ttft_ms": statistics.median(r["ttft_ms"] for r in runs), "runs": runs}
+    host = result["tiers"]["host"]
+    nbytes = host["runs"][0]["loaded_bytes"]
+    if nbytes:
+        ceiling = copy_ceiling(nbytes, llm.scheduler.device)
+        # the host TTFT also includes the one-token extend, so this rate is a lower bound of the load rate
+        result.update(copy_ceiling_gbps=ceiling / 1e9, host_load_gbps_lower_bound=nbytes / host["ttft_ms"] * 1e3 / 1e9)
+    for tier, r in result["tiers"].items():
+        print(f"{tier:10s} TTFT {r['ttft_ms']:9.1f} ms (median of {args.repeats}, {args.input_len}-token prompt)")
+    if nbytes:
+        print(f"host→device: {result['host_load_gbps_lower_bound']:.2f} GB/s or more vs copy ceiling "
+              f"{result['copy_ceiling_gbps']:.2f} GB/s ({nbytes / 1e6:.1f} MB)")
+    llm.scheduler.radix.close()
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
