@@ -198,6 +198,6 @@ def test_a_forward_observer_counts_the_work_of_every_pass(llm):
     assert work.decode_kv_tokens_read == sum((11 + i) + (7 + i) for i in range(steps))
 
 
-def test_context_length_past_the_model_positions_is_refused(qwen3_tiny):
+def test_context_length_past_the_model_positions_is_refused(tiny_model):
     with pytest.raises(ConfigError, match=r"max_position_embeddings \(4096\)"):
-        LLM(qwen3_tiny, device="cpu", context_length=5000)
+        LLM(tiny_model, device="cpu", context_length=5000)
