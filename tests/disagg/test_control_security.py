@@ -3,15 +3,16 @@ control messages, floods of early claims, forged KV writes and route registratio
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 
 import pytest
 import torch
-from test_pd_schedulers import make_pair, pd_req, run
+from test_pd_schedulers import check_pd_equals_colocated, make_pair, pd_req, run
 
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.disagg.auth import AuthError, ClusterAuth
 from pdserve.disagg.bootstrap import PrefillRankInfo, _request
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.early_requests import MAX_EARLY_REQUESTS
@@ -190,14 +191,23 @@ def test_damaged_kv_pages_fail_the_request_with_502_when_checksums_are_on(tiny_m
         assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
 
 
-def test_checksummed_output_equals_the_unchecked_one(tiny_model, open_pair):
-    prompt = list(range(100, 170))
-    with running_pair(tiny_model, disaggregation_enable_kv_checksum=True) as (prefill, decode, port):
-        for s in (prefill, decode):
-            s.add_request(pd_req("sum", prompt, port, room=601))
-        checked = run([prefill, decode])
-    p, d, p_port = open_pair
-    for s in (p, d):
-        s.add_request(pd_req("plain", prompt, p_port, room=602))
-    plain = run([p, d])
-    assert checked[(1, "sum")]["ids"] == plain[(1, "plain")]["ids"] and len(plain[(1, "plain")]["ids"]) == 8
+def test_checksummed_output_equals_colocated(tiny_model):
+    with running_pair(tiny_model, disaggregation_enable_kv_checksum=True) as pair:
+        check_pd_equals_colocated(tiny_model, pair, (3, 31, 70), seed=7, first_room=700)
+
+
+def test_stale_and_forged_signatures_are_refused(monkeypatch):
+    auth = ClusterAuth(SECRET)
+    old = auth.sign({"type": "abort", "room": 1})
+    token = auth.token("PUT", "/route", b"{}")
+    auth.verify_token(token, "PUT", "/route", b"{}")
+    with pytest.raises(AuthError, match="replayed"):
+        auth.verify_token(token, "PUT", "/route", b"{}")
+    with pytest.raises(AuthError, match="bad cluster-secret MAC"):
+        auth.verify_token(auth.token("PUT", "/route", b"{}"), "PUT", "/route", b'{"rank": 0}')
+    with pytest.raises(AuthError, match="bad cluster-secret MAC"):
+        auth.verify({**old, "room": 2})
+    now = time.time()
+    monkeypatch.setattr(time, "time", lambda: now + 31)
+    with pytest.raises(AuthError, match="outside the 30s window"):
+        auth.verify(old)
