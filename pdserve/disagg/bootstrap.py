@@ -170,10 +170,15 @@ def check_compatible(prefill: dict, decode: dict, sides: tuple[str, str] = ("pre
     for key in _TOPOLOGY_KEYS:
         if prefill.get(key) != decode.get(key):
             raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}")
-    pl, dl = prefill.get("kv_layout") or {}, decode.get("kv_layout") or {}
+    pl, dl = _layout(prefill), _layout(decode)
     for key in _LAYOUT_KEYS:
         if pl.get(key) != dl.get(key):
             raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}")
+
+
+def _layout(side: dict) -> dict:
+    layout = side.get("kv_layout")
+    return layout if isinstance(layout, dict) else {}  # a malformed layout then mismatches by name
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
+from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_healthy, check_compatible,
+                                      fetch_prefill_route)
 from pdserve.disagg.control_messages import Abort, Failed, FirstToken, KVDone, Message, PeerDead, TransferRequest
 from pdserve.disagg.kv_checksum import pages_checksum
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now
@@ -116,7 +117,7 @@ class DecodeScheduler(DisaggScheduler):
                 break  # FIFO: later requests wait behind this one
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
-            h.peer_control = info["control_endpoint"]
+            h.peer_control = info.control_endpoint
             self.channel.send(h.peer_control, TransferRequest(
                 h.room, h.req.rid, self.channel.endpoint, self.engine.session_id(), self.description,
                 self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum,
@@ -125,10 +126,12 @@ class DecodeScheduler(DisaggScheduler):
             h.deadline = now() + self.args.disaggregation_waiting_timeout
             reserved += self._decode_reserve(h.req)
 
-    def _check_route(self, route: Future) -> dict:
+    def _check_route(self, route: Future) -> PrefillRankInfo:
         topology = route.result()
+        if not isinstance(topology, dict) or not isinstance(topology.get("ranks"), dict):
+            raise ValueError("the bootstrap server's route is not a map with 'ranks'")
         check_compatible(topology, self.description)
-        return topology["ranks"]["0"]
+        return PrefillRankInfo.from_json(topology["ranks"].get("0"))
 
     # ---- control messages ---------------------------------------------------------------------------------
 
@@ -232,9 +235,10 @@ class DecodeScheduler(DisaggScheduler):
 def _control_endpoint(route: Future) -> str | None:
     """The prefill rank's control endpoint, when the route lookup itself succeeded (so it can be told to stop)."""
     try:
-        return route.result()["ranks"]["0"]["control_endpoint"]
+        endpoint = route.result()["ranks"]["0"]["control_endpoint"]
     except Exception:  # the lookup failed or the answer is malformed: nobody to tell
         return None
+    return endpoint if isinstance(endpoint, str) else None
 
 
 def bootstrap_addr(req: Req) -> str:

@@ -3,10 +3,13 @@ control messages, floods of early claims, forged KV writes and route registratio
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -61,6 +64,19 @@ def refused(endpoint: str, *messages: dict, auth: ClusterAuth | None = None) -> 
     return errors
 
 
+def delivered(endpoint: str, *messages: dict) -> None:
+    """Send well-formed messages (which get no reply) and return once the receiver has queued them all."""
+    client = ControlClient(endpoint, timeout_s=30.0)
+    try:
+        for msg in messages:
+            client.send(msg)
+        client.send({"type": "abort"})  # malformed: its refusal comes after every message before it was queued
+        with pytest.raises(TransferError, match="Abort"):
+            client.recv("refusal")
+    finally:
+        client.close()
+
+
 def serves_a_pd_request(pair, rid: str, room: int) -> None:
     prefill, decode, port = pair
     for s in (prefill, decode):
@@ -105,18 +121,51 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
     serves_a_pd_request(open_pair, "after-garbage", room=4001)
 
 
+@contextmanager
+def fake_bootstrap(route: object) -> Iterator[int]:
+    """A bootstrap server that answers every GET with `route` as JSON; yields its port."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(route).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
+    prefill, decode, _ = open_pair
+    routes = [[1, 2], {**decode.description, "ranks": {"0": {"control_endpoint": 5}}},
+              {**decode.description, "kv_layout": [1], "ranks": {}}]
+    for i, route in enumerate(routes):
+        with fake_bootstrap(route) as port:
+            decode.add_request(pd_req(f"bad-route-{i}", [5, 6, 7], port, room=4200 + i))
+            finish = run([decode])[(0, f"bad-route-{i}")]["finish"]
+        assert finish["status_code"] == PEER_FAILED and "prefill handshake failed" in finish["message"]
+    prefill.add_request(pd_req("bad-layout", [5, 6, 7], 1, room=4300))
+    delivered(prefill.channel.endpoint, transfer_request(4300, peer={**decode.description, "kv_layout": [1]}))
+    finish = run([prefill])[(0, "bad-layout")]["finish"]
+    assert finish["status_code"] == PEER_FAILED and "decode peer refused: num_layers mismatch" in finish["message"]
+    serves_a_pd_request(open_pair, "after-bad-peers", room=4301)
+
+
 def test_early_claims_for_unknown_rooms_stay_bounded(open_pair):
     prefill, _, _ = open_pair
     pool_pages = prefill.runner.pool.layout.num_pages
-    client = ControlClient(prefill.channel.endpoint, timeout_s=30.0)
-    try:
-        for room in range(10_000, 12_000):
-            client.send(transfer_request(room, dst_pages=list(range(1, 201))))
-        client.send({"type": "abort"})  # answered after every claim before it was queued
-        with pytest.raises(TransferError):
-            client.recv("refusal")
-    finally:
-        client.close()
+    delivered(prefill.channel.endpoint, *(transfer_request(room, dst_pages=list(range(1, 201)))
+                                          for room in range(10_000, 12_000)))
     prefill.prepare_step()
     assert 0 < len(prefill.early_requests) <= MAX_EARLY_REQUESTS
     assert prefill.early_requests.pages <= pool_pages and len(prefill.early_requests) <= pool_pages // 200

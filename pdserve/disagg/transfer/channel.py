@@ -84,7 +84,7 @@ class ControlServer:
 
 class ControlClient:
     def __init__(self, endpoint: str, timeout_s: float, auth: ClusterAuth | None = None):
-        if endpoint.count(":") != 1:
+        if not isinstance(endpoint, str) or endpoint.count(":") != 1:
             raise TransferError(f"peer session {endpoint!r} is not host:port")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
