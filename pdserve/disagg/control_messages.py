@@ -12,6 +12,7 @@ refused from the network.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import typing
@@ -141,9 +142,13 @@ def from_wire(data: object, remote: bool = True) -> Message:
     return _build(cls, {k: v for k, v in data.items() if k != "type"})
 
 
+@functools.cache
+def _schema(cls: type) -> tuple[dict[str, Any], frozenset[str]]:
+    return typing.get_type_hints(cls), frozenset(f.name for f in fields(cls))
+
+
 def _build(cls: type, data: dict) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
+    hints, names = _schema(cls)
     unknown = set(data) - names
     if unknown:
         raise ControlMessageError(f"{cls.__name__}: unexpected fields {sorted(map(str, unknown))[:8]}")
@@ -173,6 +178,8 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise ControlMessageError(f"{where} must be a list")
+        if args[0] is int and all(type(v) is int for v in value):  # page ids: the common case, checked at once
+            return value
         return [_checked(v, args[0], f"{where}[]") for v in value]
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
