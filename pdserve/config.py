@@ -78,6 +78,8 @@ class ServerArgs:
     disaggregation_heartbeat_interval: float = 2.0
     disaggregation_heartbeat_failures: int = 3
     disaggregation_layerwise_min_tokens: int = 512
+    disaggregation_secret: str | None = None
+    disaggregation_enable_kv_checksum: bool = False
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
 
@@ -255,6 +257,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_heartbeat_interval": ("disaggregation", "Seconds between decode heartbeats to each prefill bootstrap server."),
     "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
+    "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (or env PDSERVE_DISAGGREGATION_SECRET): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
+    "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a CRC32 of each request's KV pages and fail the request (502) on a mismatch."),
 }
 
 _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}

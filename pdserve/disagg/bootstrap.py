@@ -6,6 +6,9 @@ Routes (aiohttp on its own thread and event loop):
                {"model", "tp_size", "transfer_backend", "kv_layout", "ranks": {"0": info, ...}};
                `?rank=N` answers that rank alone (404 if unknown)
   GET /health  200 "OK" (the decode side's heartbeat target)
+
+With a cluster secret, both /route methods need a valid `X-PD-Auth` token (see auth.py) or answer 401: no one
+without the secret can register a rank (a route hijack) or read the ranks' endpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from aiohttp import web
 
 from pdserve.disagg.addressing import is_wildcard, join_endpoint, reachable_endpoint
+from pdserve.disagg.auth import HEADER, AuthError, ClusterAuth
 
 _LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
 _TOPOLOGY_KEYS = ("model", "tp_size", "transfer_backend")
@@ -60,8 +64,9 @@ class PrefillRankInfo:
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int, expected_ranks: int = 1):
+    def __init__(self, host: str, port: int, expected_ranks: int = 1, auth: ClusterAuth | None = None):
         self.expected_ranks = expected_ranks
+        self._auth = auth
         self._ranks: dict[int, PrefillRankInfo] = {}
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -90,7 +95,7 @@ class BootstrapServer:
         self._loop.close()
 
     async def _start(self, host: str, port: int) -> None:
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=1 << 20, middlewares=[self._check_auth] if self._auth else [])
         app.add_routes([web.put("/route", self._put_route), web.get("/route", self._get_route),
                         web.get("/health", self._health)])
         self._runner = web.AppRunner(app, access_log=None)
@@ -106,6 +111,16 @@ class BootstrapServer:
     def local_address(self) -> str:
         """The address this host's own processes reach the server at."""
         return join_endpoint("127.0.0.1" if is_wildcard(self.host) else self.host, self.port)
+
+    @web.middleware
+    async def _check_auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.path != "/health":
+            try:
+                self._auth.verify_token(request.headers.get(HEADER), request.method, request.path_qs,
+                                        await request.read())
+            except AuthError as exc:
+                return web.Response(status=401, text=f"refused: {exc}")
+        return await handler(request)
 
     async def _put_route(self, request: web.Request) -> web.Response:
         try:
@@ -169,19 +184,29 @@ def check_compatible(prefill: dict, decode: dict, sides: tuple[str, str] = ("pre
     for key in _TOPOLOGY_KEYS:
         if prefill.get(key) != decode.get(key):
             raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}")
-    pl, dl = prefill.get("kv_layout") or {}, decode.get("kv_layout") or {}
+    pl, dl = _layout(prefill), _layout(decode)
     for key in _LAYOUT_KEYS:
         if pl.get(key) != dl.get(key):
             raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}")
+
+
+def _layout(side: dict) -> dict:
+    layout = side.get("kv_layout")
+    return layout if isinstance(layout, dict) else {}  # a malformed layout then mismatches by name
 
 
 # ---------------------------------------------------------------------------------------------------
 # blocking client
 
 
-def _request(method: str, url: str, body: dict | None, timeout_s: float) -> tuple[int, bytes]:
+def _request(method: str, url: str, body: dict | None, timeout_s: float,
+             auth: ClusterAuth | None = None) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        path = "/" + url.split("/", 3)[3]
+        headers[HEADER] = auth.token(method, path, data or b"")
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, resp.read()
@@ -189,12 +214,13 @@ def _request(method: str, url: str, body: dict | None, timeout_s: float) -> tupl
         return exc.code, exc.read()
 
 
-def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s: float = 30.0) -> None:
+def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s: float = 30.0,
+                          auth: ClusterAuth | None = None) -> None:
     """PUT /route, retrying while the server is not up yet; a 4xx answer (bad or incompatible) is final."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            status, body = _request("PUT", f"http://{bootstrap_addr}/route", asdict(info), timeout_s)
+            status, body = _request("PUT", f"http://{bootstrap_addr}/route", asdict(info), timeout_s, auth)
         except OSError as exc:
             status, body = 0, str(exc).encode()
         if status == 200:
@@ -204,13 +230,14 @@ def register_prefill_rank(bootstrap_addr: str, info: PrefillRankInfo, timeout_s:
         time.sleep(0.2)
 
 
-def fetch_prefill_route(bootstrap_addr: str, timeout_s: float = 30.0, rank: int | None = None) -> dict:
+def fetch_prefill_route(bootstrap_addr: str, timeout_s: float = 30.0, rank: int | None = None,
+                        auth: ClusterAuth | None = None) -> dict:
     """GET /route, waiting through 503 "not ready" and connection refusals until `timeout_s`."""
     url = f"http://{bootstrap_addr}/route" + (f"?rank={rank}" if rank is not None else "")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            status, body = _request("GET", url, None, max(deadline - time.monotonic(), 0.1))
+            status, body = _request("GET", url, None, max(deadline - time.monotonic(), 0.1), auth)
         except OSError as exc:
             status, body = 0, str(exc).encode()
         if status == 200:

@@ -1,4 +1,9 @@
-"""The control channel of a PD server: peers' messages arrive on a background thread, the scheduler reads them."""
+"""The control channel of a PD server: peers' messages arrive on a background thread, the scheduler reads them.
+
+Every message from a peer is checked (its cluster-secret signature when one is configured, then its schema,
+see control_messages) on the receiving thread; a bad one is logged and dropped there, so handlers only ever
+see well-formed typed messages.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,16 @@ import os
 import queue
 import threading
 
+import zmq
+
+from pdserve.disagg.auth import ClusterAuth
+from pdserve.disagg.control_messages import Message, from_wire, to_wire
+from pdserve.disagg.transfer.base import TransferError
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients
 
 logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 16 << 20  # a transfer_request for a million pages is ~5 MB
 
 
 class ControlChannel:
@@ -19,23 +31,26 @@ class ControlChannel:
     its request socket and this fd together instead of polling.
     """
 
-    def __init__(self, host: str, name: str):
-        self.inbox: queue.SimpleQueue[dict] = queue.SimpleQueue()
+    def __init__(self, host: str, name: str, auth: ClusterAuth | None = None):
+        self.auth = auth
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.wakeup_fd, self._wakeup_write_fd = os.pipe()
         os.set_blocking(self.wakeup_fd, False)
         os.set_blocking(self._wakeup_write_fd, False)
         self._wakeup_lock = threading.Lock()  # a late wake-up (a route lookup ending) never writes to a closed fd
         self._closed = False
-        self.server = ControlServer(host, 0, self._on_message, name)
+        self.server = ControlServer(host, 0, self._on_message, name, auth, MAX_MESSAGE_BYTES)
         self.endpoint = self.server.endpoint
-        self.peers = PeerClients(timeout_s=5.0)  # used from the scheduler thread only
+        self.peers = self.new_peer_clients()  # used from the scheduler thread only
+
+    def new_peer_clients(self) -> PeerClients:
+        """Clients that sign what they send with the cluster secret (one set per sending thread)."""
+        return PeerClients(timeout_s=5.0, auth=self.auth)
 
     def _on_message(self, header: dict, frames, reply) -> None:
-        if not isinstance(header.get("type"), str) or not isinstance(header.get("room"), int):
-            raise ValueError(f"control message without type/room: {sorted(header)}")
-        self.post(header)
+        self.post(from_wire(header, remote=True))  # a ControlMessageError is logged and dropped by the server
 
-    def post(self, msg: dict) -> None:
+    def post(self, msg: Message) -> None:
         """Queue a message for the scheduler thread (from any thread) and wake it."""
         self.inbox.put(msg)
         self.wake()
@@ -49,19 +64,24 @@ class ControlChannel:
             except BlockingIOError:  # the pipe is full of unread wake-ups: the scheduler is awake anyway
                 pass
 
-    def send(self, endpoint: str, msg: dict) -> None:
-        self.peers.get(endpoint).send(msg)
+    def send(self, endpoint: str, msg: Message) -> None:
+        """Fire and forget; an endpoint a peer gave us that cannot be reached is logged, never raised."""
+        try:
+            self.peers.get(endpoint).send(to_wire(msg))
+        except (TransferError, zmq.ZMQError) as exc:
+            logger.warning("cannot send %s to %r: %s", msg.tag, endpoint, exc)
+            self.peers.drop(endpoint)
 
     def dispatch(self, handlers: dict) -> None:
-        """Run the handler of every queued message."""
+        """Run the handler of every queued message (keyed by message class)."""
         for msg in self.drain():
-            handler = handlers.get(msg["type"])
+            handler = handlers.get(type(msg))
             if handler is None:
-                logger.warning("ignoring unknown control message %r", msg["type"])
+                logger.warning("ignoring control message %s: this role does not handle it", msg.tag)
                 continue
             handler(msg)
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[Message]:
         try:
             while os.read(self.wakeup_fd, 4096):
                 pass

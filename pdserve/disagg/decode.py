@@ -17,7 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_endpoint
-from pdserve.disagg.bootstrap import BootstrapError, IncompatiblePeer, bootstrap_healthy, check_compatible, fetch_prefill_route
+from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_healthy, check_compatible,
+                                      fetch_prefill_route)
+from pdserve.disagg.control_messages import Abort, Failed, FirstToken, KVDone, Message, PeerDead, TransferRequest
+from pdserve.disagg.kv_checksum import pages_checksum
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now
 from pdserve.disagg.role import DisaggScheduler
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
@@ -34,7 +37,7 @@ class DecodeScheduler(DisaggScheduler):
         self.dead_peers: set[str] = set()
         self.heartbeat = Heartbeat(args, self.channel.post)
         self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
-        self.handlers = {"kv_done": self._on_kv_done, "failed": self._on_peer_failed, "peer_dead": self._on_peer_dead}
+        self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead}
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -50,7 +53,7 @@ class DecodeScheduler(DisaggScheduler):
             self.dead_peers.discard(addr)
         if addr not in self.routes:
             timeout = self.args.disaggregation_bootstrap_timeout
-            self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout)
+            self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout, auth=self.auth)
             self.routes[addr].add_done_callback(lambda _: self.channel.wake())
         self.heartbeat.watch(addr)
 
@@ -61,7 +64,7 @@ class DecodeScheduler(DisaggScheduler):
             self._finish(req, FinishReason("abort", message="KV cache full"))
             return
         req.pages = pages
-        self._commit(Handoff(req, req.bootstrap_room, deadline=now()), req.input_ids[-1], {})
+        self._commit(Handoff(req, req.bootstrap_room, deadline=now()), FirstToken(0, req.input_ids[-1]))
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.quarantine)
@@ -115,59 +118,62 @@ class DecodeScheduler(DisaggScheduler):
                 break  # FIFO: later requests wait behind this one
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
-            h.peer_control = info["control_endpoint"]
+            h.peer_control = info.control_endpoint
             advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
-            self.channel.send(h.peer_control, {
-                "type": "transfer_request", "room": h.room, "rid": h.req.rid,
-                "control": announced_endpoint(self.channel.endpoint, advertise, peer_host),
-                "session": announced_endpoint(self.engine.session_id(), advertise, peer_host),
-                "peer": self.description, "kv_base": self.region.base, "dst_pages": h.dst_pages,
-            })
+            self.channel.send(h.peer_control, TransferRequest(
+                h.room, h.req.rid, announced_endpoint(self.channel.endpoint, advertise, peer_host),
+                announced_endpoint(self.engine.session_id(), advertise, peer_host), self.description,
+                self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum,
+            ))
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.deadline = now() + self.args.disaggregation_waiting_timeout
             reserved += self._decode_reserve(h.req)
 
-    def _check_route(self, route: Future) -> dict:
+    def _check_route(self, route: Future) -> PrefillRankInfo:
         topology = route.result()
+        if not isinstance(topology, dict) or not isinstance(topology.get("ranks"), dict):
+            raise ValueError("the bootstrap server's route is not a map with 'ranks'")
         check_compatible(topology, self.description)
-        return topology["ranks"]["0"]
+        return PrefillRankInfo.from_json(topology["ranks"].get("0"))
 
     # ---- control messages ---------------------------------------------------------------------------------
 
-    def _on_kv_done(self, msg: dict) -> None:
-        room = msg["room"]
+    def _on_kv_done(self, msg: KVDone) -> None:
+        room = msg.room
         if room in self.quarantine:
             self._release_quarantine(room)
             return
         h = self.handoffs.get(room)
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
-        aux = msg.get("aux")
         try:
-            token = self._checked_aux(aux, room)
+            self._check_first_token(msg.aux, h)
         except ValueError as exc:
             self._fail(h, f"bad first-token record from prefill: {exc}", tell_prefill=False)
             return
-        self._commit(h, token, aux)
+        self._commit(h, msg.aux)
 
-    def _checked_aux(self, aux, room: int) -> int:
-        if not isinstance(aux, dict) or aux.get("room") != room:
-            raise ValueError(f"room echo {aux.get('room') if isinstance(aux, dict) else None} != {room}")
-        token = aux.get("first_token")
-        if type(token) is not int or not 0 <= token < self.model_config.vocab_size:
-            raise ValueError(f"first token {token!r} is outside the vocabulary")
-        return token
+    def _check_first_token(self, aux: FirstToken, h: Handoff) -> None:
+        vocab = self.model_config.vocab_size
+        if aux.room != h.room:
+            raise ValueError(f"room echo {aux.room} != {h.room}")
+        if not 0 <= aux.first_token < vocab:
+            raise ValueError(f"first token {aux.first_token} is outside the vocabulary")
+        if not all(0 <= t < vocab for t, _ in aux.top_logprobs or ()):
+            raise ValueError("a top-logprob token is outside the vocabulary")
+        if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != pages_checksum(self.runner.pool,
+                                                                                             h.dst_pages):
+            raise ValueError("KV checksum mismatch: the pages did not arrive intact")
 
-    def _commit(self, h: Handoff, token: int, aux: dict) -> None:
+    def _commit(self, h: Handoff, aux: FirstToken) -> None:
         req = h.req
         self.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
         req.num_cached_tokens = len(req.input_ids)
-        req.output_ids.append(token)
-        if req.return_logprob and isinstance(aux.get("logprob"), float):
-            req.output_logprobs.append(aux["logprob"])
-            tops = aux.get("top_logprobs") or []
-            req.output_top_logprobs.append([(int(t), float(v)) for t, v in tops][: req.top_logprobs_num])
+        req.output_ids.append(aux.first_token)
+        if req.return_logprob and aux.logprob is not None:
+            req.output_logprobs.append(aux.logprob)
+            req.output_top_logprobs.append(list(aux.top_logprobs or [])[: req.top_logprobs_num])
         req.first_token_time = time.time()
         self._changed[req.rid] = req
         reason = self.check_stop(req)
@@ -177,16 +183,16 @@ class DecodeScheduler(DisaggScheduler):
             req.status = ReqStatus.RUNNING
             self.running.append(req)
 
-    def _on_peer_failed(self, msg: dict) -> None:
-        room = msg["room"]
+    def _on_peer_failed(self, msg: Failed) -> None:
+        room = msg.room
         if room in self.quarantine:
             self._release_quarantine(room)
         h = self.handoffs.get(room)
         if h is not None:
-            self._fail(h, f"prefill server failed the request: {msg.get('error')}", tell_prefill=False)
+            self._fail(h, f"prefill server failed the request: {msg.error}", tell_prefill=False)
 
-    def _on_peer_dead(self, msg: dict) -> None:
-        addr = msg["addr"]
+    def _on_peer_dead(self, msg: PeerDead) -> None:
+        addr = msg.addr
         self.dead_peers.add(addr)
         for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", tell_prefill=False)
@@ -209,7 +215,7 @@ class DecodeScheduler(DisaggScheduler):
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.channel.send(h.peer_control, {"type": "abort", "room": h.room})
+            self.channel.send(h.peer_control, Abort(h.room))
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace)
@@ -232,9 +238,10 @@ class DecodeScheduler(DisaggScheduler):
 def _control_endpoint(route: Future) -> str | None:
     """The prefill rank's control endpoint, when the route lookup itself succeeded (so it can be told to stop)."""
     try:
-        return route.result()["ranks"]["0"]["control_endpoint"]
+        endpoint = route.result()["ranks"]["0"]["control_endpoint"]
     except Exception:  # the lookup failed or the answer is malformed: nobody to tell
         return None
+    return endpoint if isinstance(endpoint, str) else None
 
 
 def bootstrap_addr(req: Req) -> str:
@@ -246,7 +253,7 @@ def bootstrap_addr(req: Req) -> str:
 class Heartbeat:
     """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the control inbox."""
 
-    def __init__(self, args: ServerArgs, post: Callable[[dict], None]):
+    def __init__(self, args: ServerArgs, post: Callable[[Message], None]):
         self.interval = args.disaggregation_heartbeat_interval
         self.max_failures = args.disaggregation_heartbeat_failures
         self.post = post
@@ -272,7 +279,7 @@ class Heartbeat:
                     if dead:
                         del self.failures[addr]
                 if dead:
-                    self.post({"type": "peer_dead", "room": -1, "addr": addr})
+                    self.post(PeerDead(addr))
 
     def close(self) -> None:
         self.stop.set()

@@ -21,9 +21,13 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import registered_endpoint
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
+from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, TransferRequest,
+                                             WriteDone, WriteFailed, to_wire)
+from pdserve.disagg.early_requests import EarlyRequests
+from pdserve.disagg.kv_checksum import pages_checksum
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now
 from pdserve.disagg.role import DisaggScheduler
-from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, layout_from_description
+from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
@@ -38,7 +42,7 @@ class WriteJob:
     spans: tuple[list[int], list[int], list[int]]
     final: bool
     computed: torch.cuda.Event | None  # recorded after the kernels that filled the pages (None on CPU)
-    notify: tuple[str, dict] | None = None  # (peer control endpoint, message) to send once the write landed
+    notify: tuple[str, KVDone] | None = None  # (peer control endpoint, message) to send once the write landed
     count: int = 1  # jobs merged into this one
 
     def ready(self) -> bool:
@@ -58,12 +62,12 @@ class TransferWorker:
     Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
     pushes become fewer, larger writes whenever the link is slower than the forward."""
 
-    def __init__(self, engine, post: Callable[[dict], None]):
+    def __init__(self, engine, post: Callable[[Message], None], peers: PeerClients):
         self.engine = engine
         self.post = post
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self.cancelled: set[int] = set()
-        self.peers = PeerClients(timeout_s=5.0)  # used from the writer thread only
+        self.peers = peers  # used from the writer thread only
         self.thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
         self.thread.start()
 
@@ -93,19 +97,18 @@ class TransferWorker:
                 and pending[0].peer_session == job.peer_session and pending[0].ready():
             job.absorb(pending.popleft())
 
-    def _write(self, job: WriteJob) -> dict:
+    def _write(self, job: WriteJob) -> WriteDone | WriteFailed:
         if job.room in self.cancelled:
-            return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
+            return WriteDone(job.room, job.final, job.count)
         try:
             if job.spans[2]:
                 self.engine.write(job.peer_session, *job.spans)
             if job.notify is not None:
                 endpoint, msg = job.notify
-                self.peers.get(endpoint).send(msg)
+                self.peers.get(endpoint).send(to_wire(msg))
         except Exception as exc:  # any engine failure fails this room only
-            return {"type": "write_failed", "room": job.room, "count": job.count,
-                    "error": f"{type(exc).__name__}: {exc}"}
-        return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
+            return WriteFailed(job.room, job.count, f"{type(exc).__name__}: {exc}")
+        return WriteDone(job.room, job.final, job.count)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -116,18 +119,18 @@ class TransferWorker:
 class PrefillScheduler(DisaggScheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
-        self.worker = TransferWorker(self.engine, self.channel.post)
-        self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
+        self.worker = TransferWorker(self.engine, self.channel.post, self.channel.new_peer_clients())
+        self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth=self.auth)
         advertise = args.disaggregation_advertise_host
         register_prefill_rank(self.bootstrap.local_address, PrefillRankInfo(
             rank=0, control_endpoint=registered_endpoint(self.channel.endpoint, advertise),
             transfer_session=registered_endpoint(self.engine.session_id(), advertise),
             transfer_backend=self.engine.name, kv_layout=self.runner.pool.layout.describe(),
             model=self.description["model"], tp_size=args.tp_size,
-        ))
-        self.early_requests: dict[int, tuple[dict, float]] = {}  # transfer_requests that beat their HTTP request
-        self.handlers = {"transfer_request": self._on_transfer_request, "abort": self._on_peer_abort,
-                         "write_done": self._on_write_done, "write_failed": self._on_write_failed}
+        ), auth=self.auth)
+        self.early_requests = EarlyRequests(self.runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
+        self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
+                         WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -137,9 +140,9 @@ class PrefillScheduler(DisaggScheduler):
             return
         h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
         self.handoffs[h.room] = h
-        early = self.early_requests.pop(h.room, None)
+        early = self.early_requests.pop(h.room)
         if early is not None:
-            self._on_transfer_request(early[0])
+            self._on_transfer_request(early)
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
@@ -204,8 +207,12 @@ class PrefillScheduler(DisaggScheduler):
         spans = kv_write_requests(self.region, h.peer_region, runs) if runs else ([], [], [])
         notify = None
         if final:
-            notify = (h.peer_control, {"type": "kv_done", "room": h.room, "rid": h.req.rid, "aux": _aux_record(h)})
+            notify = (h.peer_control, KVDone(h.room, h.req.rid, self._first_token(h)))
         self._submit(h, spans, final, self._record_event(), notify)
+
+    def _first_token(self, h: Handoff) -> FirstToken:
+        checksum = pages_checksum(self.runner.pool, h.req.pages[: len(h.dst_pages)]) if h.kv_checksum else None
+        return _first_token_record(h, checksum)
 
     def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
         """Coalesced page runs from the first unsent page up to `upto_page`, now counted as sent."""
@@ -225,52 +232,53 @@ class PrefillScheduler(DisaggScheduler):
 
     # ---- control messages ---------------------------------------------------------------------------------
 
-    def _on_transfer_request(self, msg: dict) -> None:
-        room = msg["room"]
+    def _on_transfer_request(self, msg: TransferRequest) -> None:
+        room = msg.room
         h = self.handoffs.get(room)
         if h is None:
-            self.early_requests[room] = (msg, now() + self.args.disaggregation_bootstrap_timeout)
+            if not self.early_requests.add(msg, now()):
+                logger.warning("room %d: dropping an early transfer_request for %d pages", room, len(msg.dst_pages))
             return
         if h.poll != KVPoll.BOOTSTRAPPING:
             return
         try:
-            h.peer_control = _str(msg, "control")
-            check_compatible(self.description, msg.get("peer") or {})
-            layout = layout_from_description((msg.get("peer") or {}).get("kv_layout"))
-            h.dst_pages = checked_pages(msg.get("dst_pages"), layout.num_pages,
+            h.peer_control = msg.control
+            check_compatible(self.description, msg.peer)
+            layout = layout_from_description(msg.peer.get("kv_layout"))
+            h.dst_pages = checked_pages(msg.dst_pages, layout.num_pages,
                                         math.ceil(len(h.req.input_ids) / self.page_size))
-            h.peer_session = _str(msg, "session")
-            base = msg.get("kv_base")
-            if type(base) is not int or base <= 0:
-                raise ValueError(f"bad kv_base {base!r}")
-            h.peer_region = KVRegion(base, layout)
-        except (IncompatiblePeer, ValueError, TypeError) as exc:
+            h.peer_session = msg.session
+            if msg.kv_base <= 0:
+                raise ValueError(f"bad kv_base {msg.kv_base!r}")
+            h.peer_region = KVRegion(msg.kv_base, layout)
+            h.kv_checksum = msg.kv_checksum
+        except (IncompatiblePeer, ValueError, TypeError, TransferError) as exc:
             logger.warning("room %d: refusing decode peer: %s", room, exc)
             self._fail(h, f"decode peer refused: {exc}")
             return
         h.advance(KVPoll.WAITING_FOR_INPUT)
         self.waiting.append(h.req)
 
-    def _on_peer_abort(self, msg: dict) -> None:
-        h = self.handoffs.get(msg["room"])
+    def _on_peer_abort(self, msg: Abort) -> None:
+        h = self.handoffs.get(msg.room)
         if h is not None:
             self._fail(h, "aborted by the decode server")
 
-    def _on_write_done(self, msg: dict) -> None:
-        h = self.handoffs.get(msg["room"])
+    def _on_write_done(self, msg: WriteDone) -> None:
+        h = self.handoffs.get(msg.room)
         if h is None:
             return
-        h.writes_in_flight -= msg["count"]
-        if msg.get("final") and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
+        h.writes_in_flight -= msg.count
+        if msg.final and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
             h.advance(KVPoll.SUCCESS)
             self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
 
-    def _on_write_failed(self, msg: dict) -> None:
-        h = self.handoffs.get(msg["room"])
+    def _on_write_failed(self, msg: WriteFailed) -> None:
+        h = self.handoffs.get(msg.room)
         if h is not None:
-            h.writes_in_flight -= msg["count"]
-            self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
+            h.writes_in_flight -= msg.count
+            self._fail(h, f"KV transfer to the decode server failed: {msg.error}")
 
     def expire_handoffs(self) -> None:
         t = now()
@@ -278,9 +286,7 @@ class PrefillScheduler(DisaggScheduler):
             if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
                               f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
-        for room, (_, deadline) in list(self.early_requests.items()):
-            if t > deadline:
-                del self.early_requests[room]
+        self.early_requests.expire(t)
 
     def _fail(self, h: Handoff, error: str, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort); pages stay held until no
@@ -310,7 +316,7 @@ class PrefillScheduler(DisaggScheduler):
         self.worker.cancelled.discard(h.room)
         self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
-            self.channel.send(h.peer_control, {"type": "failed", "room": h.room, "error": h.error})
+            self.channel.send(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
 
     def server_info(self) -> dict:
         return {**super().server_info(), "bootstrap": self.bootstrap.address}
@@ -321,18 +327,12 @@ class PrefillScheduler(DisaggScheduler):
         super().close()
 
 
-def _aux_record(h: Handoff) -> dict:
+def _first_token_record(h: Handoff, kv_checksum: int | None) -> FirstToken:
     req = h.req
-    return {
-        "room": h.room,
-        "first_token": req.output_ids[0],
-        "logprob": req.output_logprobs[0] if req.output_logprobs else None,
-        "top_logprobs": [list(t) for t in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
-    }
-
-
-def _str(msg: dict, key: str) -> str:
-    value = msg.get(key)
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"control message field {key!r} must be a non-empty string")
-    return value
+    return FirstToken(
+        room=h.room,
+        first_token=req.output_ids[0],
+        logprob=req.output_logprobs[0] if req.output_logprobs else None,
+        top_logprobs=[tuple(t) for t in req.output_top_logprobs[0]] if req.output_top_logprobs else None,
+        kv_checksum=kv_checksum,
+    )

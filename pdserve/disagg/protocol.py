@@ -2,9 +2,9 @@
 
 Torch-free, so the HTTP server imports it without loading the engine.
 
-Control messages (msgpack dicts over ZMQ, keyed by `bootstrap_room`):
-  decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages}
-  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs}}
+Control messages (typed, see control_messages; keyed by `bootstrap_room`):
+  decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum}
+  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}}
   decode -> prefill  abort {room}
   prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
 """
@@ -49,6 +49,7 @@ class Handoff:
     dst_pages: list[int] = field(default_factory=list)
     pages_sent: int = 0
     writes_in_flight: int = 0
+    kv_checksum: bool = False  # the decode asked for a checksum of the pages with the first token
 
     def advance(self, state: KVPoll, error: str | None = None) -> None:
         if self.poll == KVPoll.FAILED:

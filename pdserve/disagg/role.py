@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_host
+from pdserve.disagg.auth import make_auth
 from pdserve.disagg.control_channel import ControlChannel
+from pdserve.disagg.control_messages import Message
 from pdserve.disagg.protocol import Handoff, KVPoll, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.mem_cache.kv_pool import KVPool
@@ -25,17 +27,21 @@ class DisaggScheduler(Scheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
         pool = self.runner.pool
+        self.auth = make_auth(args.disaggregation_secret)
+        if self.auth is None:
+            logger.warning("no --disaggregation-secret: the bootstrap server, control channel and KV transfer port "
+                           "accept any peer that reaches them; they bind %s like the HTTP server", args.host)
         self.engine = make_transfer_engine(
             args.disaggregation_transfer_backend, str(self.device), args.disaggregation_ib_device, host=args.host,
-            timeout_s=args.disaggregation_waiting_timeout,
+            timeout_s=args.disaggregation_waiting_timeout, auth=self.auth,
             advertise_host=announced_host(args.host, args.disaggregation_advertise_host),
         )
         self.engine.register(pool.data_ptr, pool.nbytes, str(self.device))
         self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}")
+        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}", self.auth)
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
-        self.handlers: dict[str, Callable[[dict], None]] = {}
+        self.handlers: dict[type[Message], Callable] = {}
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)
 

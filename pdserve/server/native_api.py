@@ -142,7 +142,7 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
-    server_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("api_key", "ipc_dir")}
+    server_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("api_key", "disaggregation_secret", "ipc_dir")}
     stats = await _scheduler_stats(tm)
     return json_response({**server_args, "model_info": tm.model_info, "scheduler": stats,
                               "requests_in_flight": len(tm.states), "time": time.time()})

@@ -6,6 +6,7 @@ import argparse
 import logging
 from dataclasses import fields
 
+from .cluster_auth import configured_secret
 from .config import DEFAULT_BOOTSTRAP_PORT, EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
 
 
@@ -14,6 +15,8 @@ _HELP: dict[str, str] = {
     "port": "HTTP port.",
     "api_key": "Sent to every instance as 'Authorization: Bearer KEY' and required from clients on all routes "
                "but /health.",
+    "disaggregation_secret": "Cluster secret shared with the PD servers (or env PDSERVE_DISAGGREGATION_SECRET): "
+                             "signs each request's bootstrap fields so the servers accept them only from the router.",
     "log_level": "debug, info, warning or error.",
     "event_loop": "auto: uvloop when it is installed (pip install 'pdserve-router[fast]'), else asyncio; uvloop: "
                   "require it; asyncio: the standard loop even when uvloop is installed.",
@@ -81,6 +84,7 @@ def config_from_args(ns: argparse.Namespace) -> RouterConfig:
         raise ConfigError("bootstrap ports must be in 1..65535")
     mode = ns.mode or ("regular" if ns.worker else "pd")
     knobs = {name: getattr(ns, name) for name in _HELP}
+    knobs["disaggregation_secret"] = configured_secret(ns.disaggregation_secret)
     return RouterConfig(mode=mode, prefill_urls=tuple(ns.prefill), bootstrap_ports=ports, decode_urls=tuple(ns.decode),
                         worker_urls=tuple(ns.worker), **knobs)
 

@@ -26,6 +26,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    disaggregation_secret: str | None = None
     log_level: str = "info"
     event_loop: str = "auto"
     # policies

@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from .cluster_auth import RequestSigner
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
-from .payload import (BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids, bootstrap_fields,
-                      encode_body, error_body, error_response, merge_json_response, prefill_items_by_index,
-                      routing_key)
+from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
+                      bootstrap_fields, encode_body, error_body, error_response, merge_json_response,
+                      prefill_items_by_index, routing_key)
 from .policies import make_policy
 from .upstream import Exchange, UpstreamPool, timeout
 from .workers import NoHealthyWorker, Worker, WorkerRegistry
@@ -154,6 +155,7 @@ class Dispatcher:
         self.needs_key = any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
+        self.signer = RequestSigner(config.disaggregation_secret) if config.disaggregation_secret else None
         self.background: set[asyncio.Task] = set()
 
     async def handle(self, request: web.Request, path: str, body: dict, raw: bytes | None = None) -> web.StreamResponse:
@@ -161,6 +163,8 @@ class Dispatcher:
         request_id = request.headers.get("X-Request-Id") or f"{random.getrandbits(128):032x}"
         if "\r" in request_id or "\n" in request_id:
             raise BadRequest("X-Request-Id must be one line")
+        if any(key in body for key in BOOTSTRAP_KEYS):  # the rendezvous is the router's to choose, never a client's
+            body, raw = {k: v for k, v in body.items() if k not in BOOTSTRAP_KEYS}, None
         ctx = RequestContext(request, path, body, raw, request_id, started, bool(body.get("stream")),
                              batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
         try:
@@ -226,8 +230,9 @@ class Dispatcher:
         if attempt.body_rid is not None:
             extra["rid"] = attempt.body_rid
         data = encode_body(ctx.raw, ctx.body, extra)
+        signature = self.signer.header_line(ctx.path, data) if self.signer and attempt.side else b""
         fields = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ",
-                           attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line))
+                           attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line, signature))
         main = attempt.main
         main.in_flight += 1
         attempt.main_ex = exchange = self.upstream.send(main.url, ctx.path, fields, data, whole=not ctx.stream)

@@ -15,6 +15,7 @@ from .workers import Worker
 MAX_BATCH_ITEMS = 4096
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 SSE_DONE = b"data: [DONE]"
+BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class BadRequest(ValueError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from pdserve.disagg.auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
     KVRegion,
     MemoryRegion,
@@ -43,9 +44,11 @@ def resolve_backend(name: str, device: str) -> str:
 def make_transfer_engine(
     name: str, device: str, ib_device: str | None = None, host: str = "127.0.0.1", timeout_s: float = 30.0,
     advertise_host: str | None = None,
+    auth: ClusterAuth | None = None,
 ) -> TransferEngine:
     """`device` is where the KV cache lives ("cpu", "cuda:0"); `host` is the address to bind, `advertise_host`
-    (default `host`) the one peers reach us at, for an engine that names itself by it (mooncake)."""
+    (default `host`) the one peers reach us at, for an engine that names itself by it (mooncake). With `auth`, the
+    tcp and nccl engines accept only writes signed with the cluster secret."""
     name = resolve_backend(name, device)
     if name == "mooncake":
         from pdserve.disagg.transfer.mooncake import MooncakeTransferEngine
@@ -54,11 +57,11 @@ def make_transfer_engine(
     if name == "tcp":
         from pdserve.disagg.transfer.tcp import TcpTransferEngine
 
-        return TcpTransferEngine(host, timeout_s=timeout_s)
+        return TcpTransferEngine(host, timeout_s=timeout_s, auth=auth)
     if name == "nccl":
         from pdserve.disagg.transfer.nccl import NcclTransferEngine
 
-        return NcclTransferEngine(str(device), host, timeout_s=timeout_s)
+        return NcclTransferEngine(str(device), host, timeout_s=timeout_s, auth=auth)
     if name == "fake":
         from pdserve.disagg.transfer.fake import FakeTransferEngine
 

@@ -1,7 +1,8 @@
-"""The request/reply control channel shared by the tcp and nccl engines.
+"""The request/reply control channel shared by the tcp and nccl engines and the PD control channel.
 
 Wire format (ZMQ multipart, never pickle): frame 0 is a msgpack header dict, further frames are raw
-payload. The server is a ROUTER socket served by one thread; a handler gets (header, payload frames,
+payload. With a cluster secret (`auth`), every header a client sends is signed and the server refuses
+any header whose signature does not verify before its handler sees it. The server is a ROUTER socket served by one thread; a handler gets (header, payload frames,
 reply) and may call `reply(dict)` more than once (nccl answers "ready" before posting receives, then
 "done"). The client is one DEALER socket per peer, used from one thread.
 """
@@ -15,6 +16,7 @@ from typing import Callable
 import msgpack
 import zmq
 
+from pdserve.disagg.auth import ClusterAuth
 from pdserve.disagg.transfer.base import TransferError
 
 logger = logging.getLogger(__name__)
@@ -26,11 +28,14 @@ _POLL_MS = 100
 
 
 class ControlServer:
-    def __init__(self, host: str, port: int, handler: Handler, name: str):
+    def __init__(self, host: str, port: int, handler: Handler, name: str, auth: ClusterAuth | None = None,
+                 max_message_bytes: int = -1):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IPV6, ":" in host)  # "::" listens on IPv4 and IPv6
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # a larger frame drops the sender's connection
+        self._auth = auth
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -65,6 +70,8 @@ class ControlServer:
             header = msgpack.unpackb(frames[1].buffer, raw=False)
             if not isinstance(header, dict):
                 raise TransferError("header is not a map")
+            if self._auth is not None:
+                header = self._auth.verify(header)
             self._handler(header, frames[2:], reply)
         except Exception as exc:  # a bad message fails that request, never the server thread
             logger.warning("refused control message: %s", exc)
@@ -77,16 +84,19 @@ class ControlServer:
 
 
 class ControlClient:
-    def __init__(self, endpoint: str, timeout_s: float):
-        if endpoint.count(":") != 1:
+    def __init__(self, endpoint: str, timeout_s: float, auth: ClusterAuth | None = None):
+        if not isinstance(endpoint, str) or endpoint.count(":") != 1:
             raise TransferError(f"peer session {endpoint!r} is not host:port")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self._auth = auth
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(f"tcp://{endpoint}")
 
     def send(self, header: dict, payload: list = (), copy: bool = True) -> None:
+        if self._auth is not None:
+            header = self._auth.sign(header)
         self._sock.send_multipart([msgpack.packb(header), *payload], copy=copy)
 
     def recv(self, what: str) -> dict:
@@ -107,14 +117,15 @@ class PeerClients:
     """One ControlClient per peer session. A client that saw an error is dropped, so a late reply to a
     timed-out request can never be read as the answer to the next one."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, auth: ClusterAuth | None = None):
         self.timeout_s = timeout_s
+        self.auth = auth
         self._clients: dict[str, ControlClient] = {}
 
     def get(self, peer_session: str) -> ControlClient:
         client = self._clients.get(peer_session)
         if client is None:
-            client = self._clients[peer_session] = ControlClient(peer_session, self.timeout_s)
+            client = self._clients[peer_session] = ControlClient(peer_session, self.timeout_s, self.auth)
         return client
 
     def drop(self, peer_session: str) -> None:

@@ -27,6 +27,7 @@ from typing import Mapping
 import torch
 
 from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
+from pdserve.disagg.auth import ClusterAuth
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients, parse_spans
 
 logger = logging.getLogger(__name__)
@@ -157,7 +158,7 @@ class NcclTransferEngine(TransferEngine):
     name = "nccl"
 
     def __init__(self, device: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
-                 library: NcclLibrary | None = None):
+                 library: NcclLibrary | None = None, auth: ClusterAuth | None = None):
         super().__init__()
         self.device = torch.device(device)
         if self.device.type != "cuda":
@@ -170,8 +171,8 @@ class NcclTransferEngine(TransferEngine):
         self._recv_stream = torch.cuda.Stream(self.device)
         self._send_comms: dict[str, int] = {}  # peer session -> comm (we are rank 0)
         self._recv_comms: dict[str, _PendingComm] = {}  # sender session -> comm (we are rank 1)
-        self._peers = PeerClients(timeout_s)
-        self._server = ControlServer(host, port, self._handle, "nccl")
+        self._peers = PeerClients(timeout_s, auth)
+        self._server = ControlServer(host, port, self._handle, "nccl", auth)
         self._closed = False
         logger.info("nccl transfer engine %s on %s (%s, version %d)", self.session_id(), self.device,
                     self._nccl.path, self._nccl.version)

@@ -4,6 +4,8 @@ A write is one multipart message: a msgpack header {"op": "write", "dst": [[ptr,
 payload frame per span. The receiver thread checks every destination span against its registered
 regions, copies the frames into place (memoryview copy for host memory, one H2D copy plus device-side
 scatter for CUDA memory), synchronizes, then acks. The writer blocks until the ack or the timeout.
+With a cluster secret the header is signed (see channel.py): an unsigned write is refused before any byte
+is copied.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import torch
 import zmq
 
+from pdserve.disagg.auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
     MemoryRegion,
     TransferEngine,
@@ -27,12 +30,13 @@ from pdserve.disagg.transfer.channel import ControlServer, PeerClients, parse_sp
 class TcpTransferEngine(TransferEngine):
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                 auth: ClusterAuth | None = None):
         super().__init__()
         self._lock = threading.Lock()  # guards the region-tensor cache shared by both threads
         self._region_tensors: dict[int, torch.Tensor] = {}
-        self._peers = PeerClients(timeout_s)
-        self._server = ControlServer(host, port, self._handle, "tcp")
+        self._peers = PeerClients(timeout_s, auth)
+        self._server = ControlServer(host, port, self._handle, "tcp", auth)
         self._closed = False
 
     def session_id(self) -> str:

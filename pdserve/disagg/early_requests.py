@@ -1,0 +1,47 @@
+"""The prefill's store of transfer_requests that arrived before their own HTTP request, bounded and expiring.
+
+A decode may claim a room a moment before the router's request reaches the prefill, so the claim is kept until
+the request comes. Anyone who reaches the control port can send claims for rooms that never come, so the store
+holds at most `max_count` claims and `max_pages` destination pages in all, each for `ttl_s`; when full, the
+oldest claims make room.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pdserve.disagg.control_messages import TransferRequest
+
+MAX_EARLY_REQUESTS = 1024
+
+
+class EarlyRequests:
+    def __init__(self, max_pages: int, ttl_s: float, max_count: int = MAX_EARLY_REQUESTS):
+        self.max_pages, self.ttl_s, self.max_count = max_pages, ttl_s, max_count
+        self._kept: OrderedDict[int, tuple[TransferRequest, float]] = OrderedDict()  # room -> (claim, deadline)
+        self.pages = 0
+
+    def add(self, msg: TransferRequest, now: float) -> bool:
+        """Keep `msg` until `now + ttl_s`; False (dropped) when it alone needs more pages than the store holds."""
+        if len(msg.dst_pages) > self.max_pages:
+            return False
+        self.pop(msg.room)
+        while self._kept and (len(self._kept) >= self.max_count or self.pages + len(msg.dst_pages) > self.max_pages):
+            self.pop(next(iter(self._kept)))
+        self._kept[msg.room] = (msg, now + self.ttl_s)
+        self.pages += len(msg.dst_pages)
+        return True
+
+    def pop(self, room: int) -> TransferRequest | None:
+        entry = self._kept.pop(room, None)
+        if entry is None:
+            return None
+        self.pages -= len(entry[0].dst_pages)
+        return entry[0]
+
+    def expire(self, now: float) -> None:
+        while self._kept and next(iter(self._kept.values()))[1] < now:
+            self.pop(next(iter(self._kept)))
+
+    def __len__(self) -> int:
+        return len(self._kept)
