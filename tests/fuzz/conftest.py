@@ -1,0 +1,27 @@
+"""Fixtures for the fuzz suite: one colocated server and one tcp prefill + decode pair behind a router, real
+processes on loopback, shared by every fuzz test of the session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from cluster_util import Proc, decode_server, free_port, prefill_server, router, server, start_all, stop_all
+from fuzz_util import Targets
+
+
+@pytest.fixture(scope="session")
+def targets(tiny_model) -> Iterator[Targets]:
+    bootstrap = free_port()
+    colocated = server("colocated", tiny_model)
+    prefill, decode = prefill_server(tiny_model, "tcp", bootstrap), decode_server(tiny_model, "tcp")
+    servers: list[Proc] = [colocated, prefill, decode]
+    start_all(servers)
+    pd_router = router([(prefill, bootstrap)], [decode])
+    try:
+        start_all([pd_router])
+    except BaseException:
+        stop_all(servers)
+        raise
+    yield Targets(colocated, prefill, decode, pd_router)
+    stop_all([pd_router, *servers])
