@@ -9,11 +9,13 @@ import pytest
 from cluster_util import Proc, decode_server, free_port, prefill_server, router, server, start_all, stop_all
 from fuzz_util import Targets
 
+MAX_BATCH_ITEMS = 4096  # large batches, so that tokenizing one takes seconds (tests/fuzz/test_event_loop.py)
+
 
 @pytest.fixture(scope="session")
 def targets(tiny_model) -> Iterator[Targets]:
     bootstrap = free_port()
-    colocated = server("colocated", tiny_model)
+    colocated = server("colocated", tiny_model, "--max-batch-items", str(MAX_BATCH_ITEMS))
     prefill, decode = prefill_server(tiny_model, "tcp", bootstrap), decode_server(tiny_model, "tcp")
     servers: list[Proc] = [colocated, prefill, decode]
     start_all(servers)
