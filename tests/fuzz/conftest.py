@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_util import Proc, decode_server, free_port, prefill_server, router, server, start_all, stop_all
-from fuzz_util import Targets
+from fuzz_util import Targets, generate_greedy
 
 MAX_BATCH_ITEMS = 4096  # large batches, so that tokenizing one takes seconds (tests/fuzz/test_event_loop.py)
 
@@ -25,5 +25,7 @@ def targets(tiny_model) -> Iterator[Targets]:
     except BaseException:
         stop_all(servers)
         raise
-    yield Targets(colocated, prefill, decode, pd_router)
+    reference = generate_greedy(colocated)["text"]  # before any abuse
+    yield Targets(colocated, prefill, decode, pd_router, reference)
     stop_all([pd_router, *servers])
+

@@ -24,6 +24,7 @@ class Targets:
     prefill: Proc
     decode: Proc
     router: Proc
+    reference_text: str  # greedy output of the normal request, taken before any abuse
 
     def by_name(self, name: str) -> Proc:
         return getattr(self, name)
@@ -76,9 +77,10 @@ def generate_greedy(proc: Proc, max_new_tokens: int = 8) -> dict:
     return reply.json()
 
 
-def assert_serves_correctly(targets: Targets, expected_text: str) -> None:
+def assert_serves_correctly(targets: Targets) -> None:
     """After the abuse: every process is alive, greedy output through the colocated server and through the PD pair
-    equals `expected_text`, and every KV pool is fully free once the prefix caches are flushed."""
+    is the reference, and every KV pool is fully free once the prefix caches are flushed."""
+    expected_text = targets.reference_text
     for proc in [*targets.servers, targets.router]:
         proc.check_alive()
     assert generate_greedy(targets.colocated)["text"] == expected_text
