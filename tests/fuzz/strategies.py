@@ -46,6 +46,46 @@ def cheap(body: dict) -> dict:
     return body
 
 
+def plausible_bodies(route: str, served_model: str) -> st.SearchStrategy[dict]:
+    """Bodies a real client would send (a prompt, a few sane sampling fields), so that the fuzz also reaches the
+    accepting paths: generation, streaming, logprobs, batches, stops."""
+    prompt = st.text(st.characters(codec="utf-8"), min_size=1, max_size=40)
+    sampling = st.fixed_dictionaries({}, optional={
+        "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
+        "min_p": st.floats(0, 1), "stop": st.lists(st.text(max_size=4), max_size=2),
+        "stop_token_ids": st.lists(st.integers(0, 300), max_size=3), "ignore_eos": st.booleans(),
+        "repetition_penalty": st.floats(0.5, 2), "frequency_penalty": st.floats(-2, 2),
+        "presence_penalty": st.floats(-2, 2),
+    })
+    common = {"stream": st.booleans()}
+    if route == "/generate":
+        prompts = st.one_of(prompt, st.lists(prompt, min_size=1, max_size=3),
+                            st.lists(st.integers(0, 300), min_size=1, max_size=20))
+        fields = st.fixed_dictionaries({"text": prompts, "sampling_params": sampling}, optional={
+            **common, "return_logprob": st.booleans(), "top_logprobs_num": st.integers(0, 3)})
+    else:
+        base = {"model": st.just(served_model), "max_tokens": st.integers(1, CHEAP_TOKENS)}
+        if route == "/v1/completions":
+            base["prompt"] = st.one_of(prompt, st.lists(prompt, min_size=1, max_size=3))
+            extra = {"logprobs": st.integers(0, 3)}
+        else:
+            message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                                             "content": prompt})
+            base["messages"] = st.lists(message, min_size=1, max_size=3)
+            extra = {"logprobs": st.booleans()}
+        fields = st.tuples(st.fixed_dictionaries(base, optional={**common, **extra, "n": st.integers(1, 3)}),
+                           sampling).map(lambda pair: {**pair[1], **pair[0]})
+    return fields.map(_input_ids_apart)
+
+
+def _input_ids_apart(body: dict) -> dict:
+    """/generate takes token ids in `input_ids`, not in `text`."""
+    text = body.get("text")
+    if isinstance(text, list) and text and isinstance(text[0], int):
+        body = {**body, "input_ids": body.pop("text")}
+    return body
+
+
 def encoded(body: dict) -> bytes:
     return json.dumps(body).encode()
 
@@ -66,9 +106,12 @@ def hostile(body: dict, choice: int, value: bytes) -> bytes:
     return raw[:index] + bytes([raw[index] ^ 0xFF]) + raw[index + 1 :]
 
 
-def request_bodies(model: type[BaseModel], served_model: str | None) -> st.SearchStrategy[bytes]:
-    """Valid bodies, hostile variants of them, and arbitrary bytes."""
+def request_bodies(model: type[BaseModel], served_model: str | None,
+                   plausible: st.SearchStrategy[dict] | None = None) -> st.SearchStrategy[bytes]:
+    """Bodies from the schema and plausible ones, hostile variants of them, and arbitrary bytes."""
     bodies = schema_bodies(model, served_model)
+    if plausible is not None:
+        bodies = st.one_of(bodies, plausible)
     variants = st.builds(hostile, bodies, st.integers(0, 10**6), st.sampled_from(HOSTILE_VALUES))
     return st.one_of(bodies.map(encoded), variants, st.binary(max_size=256))
 
