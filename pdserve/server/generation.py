@@ -47,6 +47,16 @@ def check_batch_size(args: Any, size: int) -> None:
         raise ApiError(400, f"batch of {size} prompts exceeds --max-batch-items {args.max_batch_items}")
 
 
+def check_prompt_sizes(tm: TokenizerManager, prompts: list[str | list[int]]) -> None:
+    """Each prompt fits the context by its length alone: characters of a text, ids of a token list."""
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            tm.check_prompt_chars(len(prompt))
+        elif prompt is not None and len(prompt) > tm.context_length:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {tm.context_length}",
+                           "context_length_exceeded")
+
+
 def check_unique_rids(tm: TokenizerManager, requests: list[GenerateRequest]) -> None:
     rids = [r.rid for r in requests]
     if len(set(rids)) != len(rids):

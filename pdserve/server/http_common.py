@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -34,6 +35,9 @@ _ERROR_TYPES = {
 }
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+# The only way a lone surrogate gets into a parsed body (the UTF-8 decoder refuses encoded ones); a body without
+# one is not walked.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ApiError(Exception):
@@ -96,15 +100,48 @@ def auth_middleware(api_key: str) -> Any:
 
 
 async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:
-    raw = await request.read()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from exc
+    data = parse_json(await request.read())
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise ApiError(400, _validation_message(exc)) from exc
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: no NaN or Infinity, no lone UTF-16 surrogate (it is not text the tokenizer could encode), a
+    bounded nesting depth and integers of bounded length; any of these is the client's 400."""
+    try:
+        data = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError as exc:
+        raise ApiError(400, "malformed JSON body: nested too deeply") from exc
+    except ValueError as exc:  # also invalid UTF-8 and integers past Python's digit limit
+        raise ApiError(400, f"malformed JSON body: {exc}") from exc
+    surrogate = _lone_surrogate(data) if _SURROGATE_ESCAPE.search(raw) else None
+    if surrogate is not None:
+        raise ApiError(400, f"malformed JSON body: the lone UTF-16 surrogate {surrogate!r} is not a character")
+    return data
+
+
+def _refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The first string (value or key) holding a lone surrogate, anywhere in the parsed body."""
+    pending = [data]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode()
+            except UnicodeEncodeError as exc:
+                return item[exc.start:exc.end]
+    return None
 
 
 def _validation_message(exc: ValidationError) -> str:

@@ -13,7 +13,8 @@ from aiohttp import web
 
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.server.generation import Generation, check_batch_size, check_bootstrap, check_unique_rids, collect
+from pdserve.server.generation import Generation, check_batch_size, check_bootstrap, check_prompt_sizes
+from pdserve.server.generation import check_unique_rids, collect
 from pdserve.server.generation import new_rid, sampling_error, with_logprobs
 from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, json_response, parse_body
 from pdserve.server.http_common import stream_with_early_errors
@@ -27,7 +28,7 @@ HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
 async def generate(request: web.Request) -> web.StreamResponse:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
     body = await parse_body(request, GenerateReqInput)
-    requests, is_batch = build_generate_requests(args, tm, body)
+    requests, is_batch = await build_generate_requests(args, tm, body)
     check_unique_rids(tm, requests)
     streams = [tm.generate(r) for r in requests]
     with_text = body.return_text_in_logprobs
@@ -51,7 +52,10 @@ async def _generate_events(
             yield event
 
 
-def build_generate_requests(args: Any, tm: TokenizerManager, body: GenerateReqInput) -> tuple[list[GenerateRequest], bool]:
+async def build_generate_requests(
+    args: Any, tm: TokenizerManager, body: GenerateReqInput
+) -> tuple[list[GenerateRequest], bool]:
+    """Sizes are checked before any tokenization, which runs off the event loop."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids")
     size = body.batch_size
@@ -61,8 +65,10 @@ def build_generate_requests(args: Any, tm: TokenizerManager, body: GenerateReqIn
         check_batch_size(args, size)
     rids = _per_item(body.rid, len(prompts), "rid")
     nested = _per_item(body.sampling_params, len(prompts), "sampling_params")
+    check_prompt_sizes(tm, prompts)
+    all_input_ids = await tm.encode_prompts([[] if prompt is None else prompt for prompt in prompts])
     requests = []
-    for index, prompt in enumerate(prompts):
+    for index, input_ids in enumerate(all_input_ids):
         try:
             params = sglang_sampling_params(body, nested[index])
             host, port, room = bootstrap_for(body, index)
@@ -70,13 +76,12 @@ def build_generate_requests(args: Any, tm: TokenizerManager, body: GenerateReqIn
             raise sampling_error(exc) from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        input_ids = tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt or [])
-        tm.check_prompt(input_ids, params)
         req = GenerateRequest(rids[index] or new_rid(), input_ids, params,
                               bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
         with_logprobs(req, body.return_logprob, body.top_logprobs_num, body.logprob_start_len)
         check_bootstrap(args, req)
         requests.append(req)
+    await tm.check_requests(requests)
     return requests, is_batch
 
 

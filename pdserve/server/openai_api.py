@@ -15,6 +15,7 @@ from pdserve.server.generation import (
     Generation,
     check_batch_size,
     check_bootstrap,
+    check_prompt_sizes,
     check_unique_rids,
     collect,
     new_rid,
@@ -32,9 +33,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
     body = await parse_body(request, CompletionRequest)
     _check_common(args, body)
-    prompts = [_prompt_ids(tm, p) for p in _prompt_list(body.prompt)]
+    texts = _prompt_list(body.prompt)
+    check_batch_size(args, len(texts) * body.n)
+    check_prompt_sizes(tm, texts)
+    prompts = await tm.encode_prompts(texts)
     top_n = body.logprobs
-    requests = _requests(args, tm, body, prompts, body.max_tokens, top_n, "cmpl")
+    requests = await _requests(args, tm, body, prompts, body.max_tokens, top_n, "cmpl")
     return await _respond(request, body, requests, CompletionFormat(args.model_name, requests))
 
 
@@ -44,9 +48,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_common(args, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
-    input_ids = tm.apply_chat_template([m.to_template() for m in body.messages], body.chat_template_kwargs)
+    check_batch_size(args, body.n)
+    input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.chat_template_kwargs)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    requests = _requests(args, tm, body, [input_ids], body.output_limit, top_n, "chatcmpl")
+    requests = await _requests(args, tm, body, [input_ids], body.output_limit, top_n, "chatcmpl")
     return await _respond(request, body, requests, ChatFormat(args.model_name, requests))
 
 
@@ -86,17 +91,12 @@ def _prompt_list(prompt: Any) -> list:
     return prompt
 
 
-def _prompt_ids(tm: TokenizerManager, prompt: str | list[int]) -> list[int]:
-    return tm.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-def _requests(
+async def _requests(
     args: Any, tm: TokenizerManager, body: OpenAIRequestBase, prompts: list[list[int]],
     max_tokens: int | None, top_n: int | None, prefix: str,
 ) -> list[GenerateRequest]:
     """n requests per prompt, in OpenAI's choice order (prompt-major)."""
     total = len(prompts) * body.n
-    check_batch_size(args, total)
     base = body.rid or f"{prefix}-{new_rid()}"
     requests = []
     for index in range(total):
@@ -109,13 +109,13 @@ def _requests(
             raise sampling_error(exc) from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        tm.check_prompt(input_ids, params)
         rid = base if total == 1 else f"{base}-{index}"
         req = GenerateRequest(rid, input_ids, params,
                               bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
         with_logprobs(req, top_n is not None, top_n or 0, -1)
         check_bootstrap(args, req)
         requests.append(req)
+    await tm.check_requests(requests)
     check_unique_rids(tm, requests)
     return requests
 

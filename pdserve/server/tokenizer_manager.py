@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -100,6 +101,10 @@ class TokenizerManager:
         self.args = args
         self.metrics = metrics
         self.tokenizer = tokenizer
+        # Tokenization runs on its own thread (the Rust tokenizer releases the GIL), so a big prompt or batch
+        # never stalls the event loop; one thread, so the tokenizer is never used by two at once.
+        self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.model_info: dict = {}
         self.states: dict[str, ReqState] = {}
         self._control_ids = itertools.count()
@@ -139,6 +144,7 @@ class TokenizerManager:
         self._receiver.close(linger=0)
         self._sync_ctx.term()
         self._async_ctx.term()
+        self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
     # --- model facts ---------------------------------------------------------------------------
 
@@ -151,6 +157,35 @@ class TokenizerManager:
         return int(self.model_info["vocab_size"])
 
     # --- tokenization --------------------------------------------------------------------------
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters past which a prompt cannot fit the context: no token spans more characters than the
+        vocabulary's longest entry, so a longer text has more tokens than the context holds."""
+        return self.context_length * self._longest_token_chars
+
+    def check_prompt_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing it, a prompt too long for the context whatever its tokens."""
+        if chars > self.max_prompt_chars:
+            raise RequestRejected(
+                f"the prompt has {chars} characters; the context of {self.context_length} tokens holds at most "
+                f"{self.max_prompt_chars} with this tokenizer", code="context_length_exceeded",
+            )
+
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (text is tokenized, ids are kept), off the event loop."""
+        return await self._off_loop(lambda: [self.tokenize(p) if isinstance(p, str) else list(p) for p in prompts])
+
+    async def check_requests(self, requests: list[GenerateRequest]) -> None:
+        """`check_prompt` for each request, off the event loop: it reads every token id."""
+        await self._off_loop(lambda: [self.check_prompt(r.input_ids, r.sampling_params) for r in requests])
+
+    async def encode_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages))
+        return await self._off_loop(lambda: self.apply_chat_template(messages, template_kwargs))
+
+    async def _off_loop(self, work: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_thread, work)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -79,7 +79,8 @@ class Router:
                 body = json.loads(raw)  # bytes: UTF-8 (or a UTF-16/32 body, which spliceable() then rejects)
             else:
                 body, raw = json.loads(raw.decode(charset)), None
-        except (ValueError, LookupError) as exc:  # UnicodeDecodeError is a ValueError; LookupError: unknown charset
+        except (ValueError, LookupError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError;
+            # LookupError: an unknown charset; RecursionError: nesting deeper than the parser goes
             self.metrics.errors.labels(kind="bad_request").inc()
             return error_response(400, f"malformed JSON body: {exc}", request.headers.get("X-Request-Id"))
         try:
@@ -171,7 +172,7 @@ class Router:
 
     async def add_worker(self, request: web.Request) -> web.Response:
         try:
-            spec = await request.json()
+            spec = await json_body(request)
             if not isinstance(spec, dict) or not isinstance(spec.get("url"), str):
                 raise ConfigError('expected a JSON object {"url": ..., "role": ..., "bootstrap_port": ...}')
             role = spec.get("role", "regular" if self.config.mode == "regular" else None)
@@ -188,7 +189,7 @@ class Router:
         url = request.query.get("url")
         if url is None and request.can_read_body:
             try:
-                spec = await request.json()
+                spec = await json_body(request)
             except ValueError:
                 spec = None
             url = spec.get("url") if isinstance(spec, dict) else None
@@ -205,6 +206,28 @@ class Router:
 ROUTER = web.AppKey("router", Router)
 
 
+async def json_body(request: web.Request) -> object:
+    """The parsed body of an admin request; any malformed body (nesting too deep included) is a ValueError."""
+    try:
+        return await request.json()
+    except RecursionError as exc:
+        raise ValueError("malformed JSON body: nested too deeply") from exc
+
+
+@web.middleware
+async def json_errors_middleware(request: web.Request, handler):
+    """Every error the router answers itself is JSON: unknown routes and methods, oversized bodies, its own bugs."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.reason, request.headers.get("X-Request-Id"))
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return error_response(500, "internal router error", request.headers.get("X-Request-Id"))
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[ROUTER].config.api_key
@@ -217,7 +240,7 @@ async def auth_middleware(request: web.Request, handler):
 
 def create_app(config: RouterConfig) -> web.Application:
     router = Router(config)
-    middlewares = [auth_middleware] if config.api_key else []  # no middleware frames per request without a key
+    middlewares = [json_errors_middleware, *([auth_middleware] if config.api_key else [])]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = router
     app.on_startup.append(router.start)
