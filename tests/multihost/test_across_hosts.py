@@ -12,7 +12,7 @@ from http.client import HTTPConnection
 from urllib.parse import urlsplit
 
 import pytest
-from cluster_util import Proc, http, wait_kv_free
+from cluster_util import CONTEXT_LENGTH, Proc, http, wait_kv_free
 from hosts import HostCluster
 
 from pdserve import SamplingParams
@@ -151,7 +151,8 @@ def test_decode_partitioned_before_its_first_token(name, clusters, network, offl
         pytest.skip("mooncake.engine cannot be imported")
     cluster = clusters[name]
     conn = HTTPConnection(urlsplit(cluster.router.url).netloc, timeout=60)
-    body = {"input_ids": LONG_IDS, "sampling_params": GREEDY}
+    # the longest answer the context allows (412 tokens), so the request is still in flight when the link goes down
+    body = {"input_ids": LONG_IDS, "sampling_params": {**GREEDY, "max_new_tokens": CONTEXT_LENGTH - len(LONG_IDS)}}
     try:
         conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
         network.partition("decode", True)
