@@ -12,6 +12,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class TransferWorker:
     def _write(self, job: WriteJob) -> dict:
         if job.room in self.cancelled:
             return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
+        started = time.perf_counter()
         try:
             if job.spans[2]:
                 self.engine.write(job.peer_session, *job.spans)
@@ -104,7 +106,8 @@ class TransferWorker:
         except Exception as exc:  # any engine failure fails this room only
             return {"type": "write_failed", "room": job.room, "count": job.count,
                     "error": f"{type(exc).__name__}: {exc}"}
-        return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count}
+        return {"type": "write_done", "room": job.room, "final": job.final, "count": job.count,
+                "bytes": sum(job.spans[2]), "seconds": time.perf_counter() - started}
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -142,7 +145,7 @@ class PrefillScheduler(DisaggScheduler):
         req = self.reqs.get(rid)
         h = self.handoff_of(req) if req is not None else None
         if h is not None:
-            self._fail(h, message, status=None)
+            self._fail(h, message, reason="aborted", status=None)
         else:
             super().abort_request(rid, message)
 
@@ -243,7 +246,7 @@ class PrefillScheduler(DisaggScheduler):
             h.peer_region = KVRegion(base, layout)
         except (IncompatiblePeer, ValueError, TypeError) as exc:
             logger.warning("room %d: refusing decode peer: %s", room, exc)
-            self._fail(h, f"decode peer refused: {exc}")
+            self._fail(h, f"decode peer refused: {exc}", reason="peer_refused")
             return
         h.advance(KVPoll.WAITING_FOR_INPUT)
         self.waiting.append(h.req)
@@ -251,15 +254,18 @@ class PrefillScheduler(DisaggScheduler):
     def _on_peer_abort(self, msg: dict) -> None:
         h = self.handoffs.get(msg["room"])
         if h is not None:
-            self._fail(h, "aborted by the decode server")
+            self._fail(h, "aborted by the decode server", reason="peer_aborted")
 
     def _on_write_done(self, msg: dict) -> None:
         h = self.handoffs.get(msg["room"])
         if h is None:
             return
         h.writes_in_flight -= msg["count"]
+        self.transfer_stats.moved(msg.get("bytes", 0))
+        h.write_seconds += msg.get("seconds", 0.0)
         if msg.get("final") and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
             h.advance(KVPoll.SUCCESS)
+            self.transfer_stats.completed(h.write_seconds)
             self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
 
@@ -267,23 +273,25 @@ class PrefillScheduler(DisaggScheduler):
         h = self.handoffs.get(msg["room"])
         if h is not None:
             h.writes_in_flight -= msg["count"]
-            self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}")
+            self._fail(h, f"KV transfer to the decode server failed: {msg.get('error')}", reason="write_failed")
 
     def expire_handoffs(self) -> None:
         t = now()
         for h in self.bootstrap_queue():
             if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
-                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
+                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s", reason="bootstrap_timeout",
+                           status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.early_requests.items()):
             if t > deadline:
                 del self.early_requests[room]
 
-    def _fail(self, h: Handoff, error: str, status: int | None = PEER_FAILED) -> None:
-        """End the request (answered with HTTP `status`; None for a client's abort); pages stay held until no
-        write for the room is in flight."""
+    def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
+        """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
+        metric); pages stay held until no write for the room is in flight."""
         if h.poll == KVPoll.FAILED:
             return
+        self.transfer_stats.failed(reason)
         h.advance(KVPoll.FAILED, error)
         self.worker.cancelled.add(h.room)
         req = h.req

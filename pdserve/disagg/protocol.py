@@ -49,6 +49,8 @@ class Handoff:
     dst_pages: list[int] = field(default_factory=list)
     pages_sent: int = 0
     writes_in_flight: int = 0
+    write_seconds: float = 0.0  # prefill: time its KV writes took so far
+    pages_sent_at: float | None = None  # decode: when the page ids went to the prefill
 
     def advance(self, state: KVPoll, error: str | None = None) -> None:
         if self.poll == KVPoll.FAILED:

@@ -23,6 +23,7 @@ from pdserve.messages import (
     decode,
     encode,
 )
+from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest
@@ -139,6 +140,27 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["pdserve_kv_cache_usage_ratio"] == 0.25
     assert samples["pdserve_prefix_cache_hit_rate"] == 0.25
     assert samples["pdserve_generation_tokens_total"] == 4
+
+
+def test_kv_transfer_metrics_render_from_the_roles_stats():
+    stats = TransferStats("decode")
+    stats.moved(4096)
+    stats.completed(0.003)
+    stats.completed(2.0)
+    stats.failed("peer_dead")
+    text = ServerMetrics().render({"kv_transfer": stats.snapshot({"bootstrap": 2, "transfer": 1})}, in_flight=0)
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert values[("pdserve_kv_transfer_bytes_total", (("role", "decode"),))] == 4096
+    assert values[("pdserve_kv_transfers_total", (("role", "decode"),))] == 2
+    assert families["pdserve_kv_transfer_duration_seconds"].type == "histogram"
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "0.0025"), ("role", "decode")))] == 0
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "0.005"), ("role", "decode")))] == 1
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "+Inf"), ("role", "decode")))] == 2
+    assert values[("pdserve_kv_transfer_duration_seconds_sum", (("role", "decode"),))] == 2.003
+    assert values[("pdserve_kv_transfer_failures_total", (("reason", "peer_dead"), ("role", "decode")))] == 1
+    assert values[("pdserve_pd_queue_requests", (("queue", "bootstrap"), ("role", "decode")))] == 2
+    assert values[("pdserve_pd_queue_requests", (("queue", "transfer"), ("role", "decode")))] == 1
 
 
 def test_metrics_parse_with_the_prometheus_parser():
