@@ -218,7 +218,7 @@ class DecodeScheduler(DisaggScheduler):
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.channel.send(h.peer_control, {"type": "abort", "room": h.room})
+            self.channel.send(h.peer_control, {"type": "abort", "room": h.room, "error": error})
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace)

@@ -29,6 +29,7 @@ from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
+MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
 
 
 @dataclass(slots=True)
@@ -253,8 +254,10 @@ class PrefillScheduler(DisaggScheduler):
 
     def _on_peer_abort(self, msg: dict) -> None:
         h = self.handoffs.get(msg["room"])
-        if h is not None:
-            self._fail(h, "aborted by the decode server", reason="peer_aborted")
+        if h is not None:  # the decode's reason, so that the client reads the same cause from either half
+            error = msg.get("error")
+            cause = f": {error[:MAX_PEER_ERROR_CHARS]}" if isinstance(error, str) and error else ""
+            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
 
     def _on_write_done(self, msg: dict) -> None:
         h = self.handoffs.get(msg["room"])

@@ -5,7 +5,7 @@ Torch-free, so the HTTP server imports it without loading the engine.
 Control messages (msgpack dicts over ZMQ, keyed by `bootstrap_room`):
   decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages}
   prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs}}
-  decode -> prefill  abort {room}
+  decode -> prefill  abort {room, error}
   prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
 """
 

@@ -217,6 +217,43 @@ def test_bootstrap_fields_per_item_and_range():
         bootstrap_for(GenerateReqInput.model_validate({"text": "a", "bootstrap_room": 2**63}), 0)
 
 
+def test_a_scalar_room_gives_each_item_its_own_room():
+    body = GenerateReqInput.model_validate({"text": ["a", "b", "c"], "bootstrap_room": 2**63 - 2})
+    assert [bootstrap_for(body, i)[2] for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    with pytest.raises(ValueError):
+        bootstrap_for(GenerateReqInput.model_validate({"text": ["a", "b"], "bootstrap_room": -1}), 1)
+
+
+def test_sglang_fields_are_accepted_at_their_neutral_value():
+    body = GenerateReqInput.model_validate({
+        "text": "a", "lora_path": None, "return_routed_experts": False, "custom_logit_processor": None,
+        "image_data": [], "routed_dp_rank": 0, "session_id": "s", "priority": None, "log_metrics": False,
+        "lora_id": [None, None], "return_logprob": None, "logprob_start_len": None,
+        "sampling_params": {"n": 1, "regex": None, "spaces_between_special_tokens": True, "stream_interval": 4}})
+    assert body.unsupported_feature() is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lora_path", "my-adapter"), ("lora_path", [None, "a"]), ("return_routed_experts", True),
+    ("custom_logit_processor", "{}"), ("image_data", "http://x/cat.png"), ("routed_dp_rank", 1), ("priority", 3),
+    ("return_hidden_states", True), ("session_params", {"id": "s"}),
+])
+def test_sglang_fields_asking_for_a_missing_feature_are_named(field, value):
+    body = GenerateReqInput.model_validate({"text": "a", field: value})
+    assert body.unsupported_feature() == f"{field}={value!r}"
+
+
+def test_sglang_sampling_fields_asking_for_a_missing_feature_are_named():
+    body = GenerateReqInput.model_validate({"text": "a", "sampling_params": [{}, {"regex": "[ab]+"}]})
+    assert body.unsupported_feature() == "regex='[ab]+'"
+    assert GenerateReqInput.model_validate({"text": "a", "sampling_params": {"n": 2}}).unsupported_feature() == "n=2"
+
+
+def test_unknown_fields_are_still_refused():
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        GenerateReqInput.model_validate({"text": "a", "lora_pth": None})
+
+
 def test_pd_server_requires_bootstrap_fields():
     request = GenerateRequest("r", [1], SamplingParams())
     check_bootstrap(ServerArgs(model_path="m"), request)  # colocated: fine without them
