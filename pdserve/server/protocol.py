@@ -21,9 +21,8 @@ MAX_ROOM = 2**63 - 1
 
 def _absent(value: Any) -> bool:
     """None, False, an empty value, or a per-item list of those: a field that asks for nothing."""
-    if isinstance(value, list):
-        return all(_absent(v) for v in value)
-    return value is None or value is False or value in ("", {})
+    items = value if isinstance(value, list) else [value]
+    return all(v is None or v is False or (isinstance(v, (str, dict, list)) and not v) for v in items)
 
 
 def _rank_zero(value: Any) -> bool:
