@@ -21,13 +21,17 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
+from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser
 from pdserve.launcher import (ClusterError, Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags,
                               router_argv, server_argv, stop_all, wait_healthy)
 
 WATCH_POLL_SECONDS = 0.5
 EXIT_OK = 0
 EXIT_FAILED = 1
+EXIT_CONFIG_ERROR = 2  # argparse's own code for a bad command line
+PROG = "pdserve-cluster"
 EXAMPLE_PROMPT = "The capital of France is"
 BACKENDS = ("auto", "mooncake", "nccl", "tcp", "fake")
 
@@ -44,8 +48,19 @@ class ChildSpec:
 # ---- command line ---------------------------------------------------------------------------------------------
 
 
+class LaunchConfigError(ValueError):
+    """A bad flag, flag value or model path: reported as one line, before anything starts."""
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Reports a bad command line as a LaunchConfigError instead of printing the usage and exiting."""
+
+    def error(self, message: str):
+        raise LaunchConfigError(message)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m pdserve.launch_cluster",
         description="Start a pdserve router with prefill and decode servers (or colocated workers) on this machine. "
                     "Flags after `--` go to every server, e.g. `-- --max-total-tokens 8192 --page-size 16`.",
@@ -91,7 +106,32 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if clash:
         parser.error(f"{', '.join(clash)} after `--` would override what the cluster launcher sets; "
                      "use the launcher's own flags (--model-path, --host, --device, --transfer-backend)")
+    if ns.model_path is not None:
+        check_model_path(ns.model_path)
+    check_engine_args(ns.model_path or "unchecked", engine_args)
     return ns, engine_args
+
+
+def check_model_path(path: str) -> None:
+    if not os.path.isdir(path):
+        raise LaunchConfigError(f"--model-path {path}: no such directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise LaunchConfigError(f"--model-path {path}: no config.json there (an HF-format model folder is needed)")
+
+
+def check_engine_args(model_path: str, engine_args: list[str]) -> None:
+    """The flags after `--` as every server will parse them, so that a bad one fails here and not in N servers."""
+    parser = build_server_arg_parser()
+    parser.error = _engine_flag_error
+    ns = parser.parse_args(["--model-path", model_path, *engine_args])
+    try:
+        ServerArgs.from_namespace(ns)
+    except ConfigError as exc:
+        raise LaunchConfigError(f"after `--`: {exc}") from exc
+
+
+def _engine_flag_error(message: str) -> NoReturn:
+    raise LaunchConfigError(f"after `--`: {message}")
 
 
 # ---- planning -------------------------------------------------------------------------------------------------
@@ -175,11 +215,17 @@ class Cluster:
         self.stop_requested = threading.Event()
 
     def start(self, specs: list[ChildSpec], deadline: float) -> list[Proc]:
-        """Launch the children, then wait until each answers /health."""
+        """Launch the children, then wait until each answers /health, with a line for each one that does."""
         procs = [Proc(s.name, list(s.argv), s.url, log_path=self.log_path(s.name)) for s in specs]
         for proc in procs:
             self.children.append(proc.launch())
-        wait_healthy(procs, deadline, self.stop_requested.is_set)
+        started, ready = time.monotonic(), iter(range(1, len(procs) + 1))
+
+        def report(proc: Proc) -> None:
+            print(f"{PROG}: {proc.name} ready after {time.monotonic() - started:.0f} s "
+                  f"({next(ready)}/{len(procs)})", flush=True)
+
+        wait_healthy(procs, deadline, self.stop_requested.is_set, report)
         return procs
 
     def log_path(self, name: str) -> str:
@@ -199,7 +245,7 @@ class Cluster:
 def default_model_path() -> str:
     from pdserve.tools.make_model import default_model_dir
 
-    print("pdserve-cluster: no --model-path; using the tiny random-weight qwen3 model (built once, cached)",
+    print(f"{PROG}: no --model-path; using the tiny random-weight qwen3 model (built once, cached)",
           flush=True)
     return str(default_model_dir("qwen3-tiny"))
 
@@ -241,23 +287,27 @@ def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
         model_path = ns.model_path or default_model_path()
         server_specs, router_spec = plan_cluster(ns, model_path, device, engine_args, PortPicker(ns.host))
         deadline = time.monotonic() + ns.startup_timeout
-        print(f"pdserve-cluster: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
+        print(f"{PROG}: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
         servers = cluster.start(server_specs, deadline)
         router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
         print(describe(ns, device, [*server_specs, router_spec], [*servers, *router]), flush=True)
         cluster.watch()
-        print("pdserve-cluster: stopping", flush=True)
+        print(f"{PROG}: stopping", flush=True)
         return EXIT_OK
     except ClusterError as exc:
-        print(f"pdserve-cluster: {exc}", file=sys.stderr, flush=True)
-        print("pdserve-cluster: stopping everything", file=sys.stderr, flush=True)
+        print(f"{PROG}: {exc}", file=sys.stderr, flush=True)
+        print(f"{PROG}: stopping everything", file=sys.stderr, flush=True)
         return EXIT_FAILED
     finally:
         cluster.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        ns, engine_args = parse_args(sys.argv[1:] if argv is None else argv)
+    except LaunchConfigError as exc:
+        print(f"{PROG}: error: {exc} (--help lists the flags)", file=sys.stderr, flush=True)
+        return EXIT_CONFIG_ERROR
     return run(ns, engine_args)
 
 

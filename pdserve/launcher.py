@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 HEALTH_POLL_SECONDS = 0.25
@@ -152,12 +152,19 @@ class Proc:
             os.unlink(self.log_path)
 
 
-def wait_healthy(procs: Iterable[Proc], deadline: float, interrupted=lambda: False) -> None:
-    """Until every process answers /health; ClusterError when one dies, at `deadline` (monotonic) or when
-    `interrupted()` says so."""
+def wait_healthy(procs: Iterable[Proc], deadline: float, interrupted=lambda: False,
+                 on_ready: Callable[[Proc], None] = lambda proc: None) -> None:
+    """Until every process answers /health, calling `on_ready` for each as it does; ClusterError when one dies, at
+    `deadline` (monotonic) or when `interrupted()` says so."""
     pending = list(procs)
     while pending:
-        pending = [p for p in pending if not p.healthy()]
+        waiting = []
+        for proc in pending:
+            if proc.healthy():
+                on_ready(proc)
+            else:
+                waiting.append(proc)
+        pending = waiting
         if not pending:
             return
         if interrupted():

@@ -1,30 +1,17 @@
-"""Attention backends, chosen by --attention-backend."""
+"""Attention backends, chosen by --attention-backend (see `selection.py`)."""
 
 from __future__ import annotations
 
 import importlib
 
 from pdserve.attention.base import AttentionBackend
+from pdserve.attention.selection import resolve_backend_name
 
 _BACKENDS = {
     "torch_native": "pdserve.attention.torch_native:TorchNativeBackend",
     "triton": "pdserve.attention.triton_backend:TritonAttnBackend",
     "sdpa": "pdserve.attention.sdpa_backend:SdpaAttnBackend",
 }
-
-
-def resolve_backend_name(name: str, device_type: str) -> str:
-    if name != "auto":
-        if name not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
-        return name
-    if device_type != "cuda":
-        return "torch_native"
-    try:
-        importlib.import_module("pdserve.attention.sdpa_backend")
-        return "sdpa"  # torch SDPA for long prompts without a cached prefix, Triton for everything else
-    except ImportError:
-        return "torch_native"
 
 
 def create_backend(name: str, **kwargs) -> AttentionBackend:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.attention.base import AttentionBackend
+from pdserve.attention.selection import TRITON_HEAD_DIMS
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kernels.attention import (
     decode_attention,
@@ -55,7 +56,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, device, dtype,
                  max_context_len: int):
-        assert num_heads % num_kv_heads == 0 and head_dim in (64, 128)
+        assert num_heads % num_kv_heads == 0 and head_dim in TRITON_HEAD_DIMS
         assert page_size >= 1 and page_size & (page_size - 1) == 0
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

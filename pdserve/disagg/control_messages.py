@@ -84,9 +84,10 @@ class KVDone(Message):
 
 @control("abort", remote=True)
 class Abort(Message):
-    """The decode gave the request up."""
+    """The decode gave the request up (`error`: why, so the client reads the same cause from either half)."""
 
     room: int
+    error: str | None = None
 
 
 @control("failed", remote=True)
@@ -99,11 +100,13 @@ class Failed(Message):
 
 @control("write_done", remote=False)
 class WriteDone(Message):
-    """The prefill's writer finished `count` queued writes of the room."""
+    """The prefill's writer finished `count` queued writes of the room: `nbytes` in `seconds`."""
 
     room: int
     final: bool
     count: int
+    nbytes: int = 0
+    seconds: float = 0.0
 
 
 @control("write_failed", remote=False)

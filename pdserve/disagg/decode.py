@@ -91,7 +91,7 @@ class DecodeScheduler(DisaggScheduler):
         req = self.reqs.get(rid)
         h = self.handoff_of(req) if req is not None else None
         if h is not None:
-            self._fail(h, message, tell_prefill=True, status=None)
+            self._fail(h, message, reason="aborted", tell_prefill=True, status=None)
         else:
             super().abort_request(rid, message)
 
@@ -109,7 +109,8 @@ class DecodeScheduler(DisaggScheduler):
             except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
                 logger.warning("room %d: refusing prefill %s: %s", h.room, bootstrap_addr(h.req), exc)
                 h.peer_control = _control_endpoint(route)
-                self._fail(h, f"prefill handshake failed: {exc}", tell_prefill=h.peer_control is not None)
+                self._fail(h, f"prefill handshake failed: {exc}", reason="handshake_failed",
+                           tell_prefill=h.peer_control is not None)
                 continue
             need = math.ceil(len(h.req.input_ids) / self.page_size)
             reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
@@ -126,7 +127,8 @@ class DecodeScheduler(DisaggScheduler):
                 self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum,
             ))
             h.advance(KVPoll.WAITING_FOR_INPUT)
-            h.deadline = now() + self.args.disaggregation_waiting_timeout
+            h.pages_sent_at = now()
+            h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
             reserved += self._decode_reserve(h.req)
 
     def _check_route(self, route: Future) -> PrefillRankInfo:
@@ -149,7 +151,7 @@ class DecodeScheduler(DisaggScheduler):
         try:
             self._check_first_token(msg.aux, h)
         except ValueError as exc:
-            self._fail(h, f"bad first-token record from prefill: {exc}", tell_prefill=False)
+            self._fail(h, f"bad first-token record from prefill: {exc}", reason="bad_first_token", tell_prefill=False)
             return
         self._commit(h, msg.aux)
 
@@ -169,6 +171,10 @@ class DecodeScheduler(DisaggScheduler):
         req = h.req
         self.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
+        if h.pages_sent_at is not None:  # not a fake-transfer request
+            layout = self.region.layout
+            self.transfer_stats.moved(len(req.pages) * layout.page_bytes * 2 * layout.num_layers)
+            self.transfer_stats.completed(now() - h.pages_sent_at)
         req.num_cached_tokens = len(req.input_ids)
         req.output_ids.append(aux.first_token)
         if req.return_logprob and aux.logprob is not None:
@@ -189,33 +195,39 @@ class DecodeScheduler(DisaggScheduler):
             self._release_quarantine(room)
         h = self.handoffs.get(room)
         if h is not None:
-            self._fail(h, f"prefill server failed the request: {msg.error}", tell_prefill=False)
+            self._fail(h, f"prefill server failed the request: {msg.error}", reason="peer_failed",
+                       tell_prefill=False)
 
     def _on_peer_dead(self, msg: PeerDead) -> None:
         addr = msg.addr
         self.dead_peers.add(addr)
         for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
-            self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", tell_prefill=False)
+            self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", reason="peer_dead",
+                       tell_prefill=False)
 
     def expire_handoffs(self) -> None:
         t = now()
         for h in list(self.handoffs.values()):
             if t > h.deadline:
-                what = "handshake" if h.poll == KVPoll.BOOTSTRAPPING else "KV transfer"
-                self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}", tell_prefill=True,
+                handshaking = h.poll == KVPoll.BOOTSTRAPPING
+                what = "handshake" if handshaking else "KV transfer"
+                self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}",
+                           reason="handshake_timeout" if handshaking else "transfer_timeout", tell_prefill=True,
                            status=PEER_TIMEOUT)
         for room, (_, deadline) in list(self.quarantine.items()):
             if t > deadline:
                 self._release_quarantine(room)
 
-    def _fail(self, h: Handoff, error: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
-        """End the request (answered with HTTP `status`; None for a client's abort). If the prefill may still
-        write into its pages, they wait in quarantine."""
+    def _fail(self, h: Handoff, error: str, reason: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
+        """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
+        metric). If the prefill may still write into its pages, they wait in quarantine."""
         self.handoffs.pop(h.room, None)
+        if h.poll != KVPoll.FAILED:
+            self.transfer_stats.failed(reason)
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.channel.send(h.peer_control, Abort(h.room))
+            self.channel.send(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace)

@@ -12,6 +12,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 
 logger = logging.getLogger(__name__)
+MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ class TransferWorker:
     def _write(self, job: WriteJob) -> WriteDone | WriteFailed:
         if job.room in self.cancelled:
             return WriteDone(job.room, job.final, job.count)
+        started = time.perf_counter()
         try:
             if job.spans[2]:
                 self.engine.write(job.peer_session, *job.spans)
@@ -108,7 +111,7 @@ class TransferWorker:
                 self.peers.get(endpoint).send(to_wire(msg))
         except Exception as exc:  # any engine failure fails this room only
             return WriteFailed(job.room, job.count, f"{type(exc).__name__}: {exc}")
-        return WriteDone(job.room, job.final, job.count)
+        return WriteDone(job.room, job.final, job.count, sum(job.spans[2]), time.perf_counter() - started)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -148,7 +151,7 @@ class PrefillScheduler(DisaggScheduler):
         req = self.reqs.get(rid)
         h = self.handoff_of(req) if req is not None else None
         if h is not None:
-            self._fail(h, message, status=None)
+            self._fail(h, message, reason="aborted", status=None)
         else:
             super().abort_request(rid, message)
 
@@ -254,23 +257,27 @@ class PrefillScheduler(DisaggScheduler):
             h.kv_checksum = msg.kv_checksum
         except (IncompatiblePeer, ValueError, TypeError, TransferError) as exc:
             logger.warning("room %d: refusing decode peer: %s", room, exc)
-            self._fail(h, f"decode peer refused: {exc}")
+            self._fail(h, f"decode peer refused: {exc}", reason="peer_refused")
             return
         h.advance(KVPoll.WAITING_FOR_INPUT)
         self.waiting.append(h.req)
 
     def _on_peer_abort(self, msg: Abort) -> None:
         h = self.handoffs.get(msg.room)
-        if h is not None:
-            self._fail(h, "aborted by the decode server")
+        if h is not None:  # the decode's reason, so that the client reads the same cause from either half
+            cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
+            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
 
     def _on_write_done(self, msg: WriteDone) -> None:
         h = self.handoffs.get(msg.room)
         if h is None:
             return
         h.writes_in_flight -= msg.count
+        self.transfer_stats.moved(msg.nbytes)
+        h.write_seconds += msg.seconds
         if msg.final and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
             h.advance(KVPoll.SUCCESS)
+            self.transfer_stats.completed(h.write_seconds)
             self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
 
@@ -278,21 +285,23 @@ class PrefillScheduler(DisaggScheduler):
         h = self.handoffs.get(msg.room)
         if h is not None:
             h.writes_in_flight -= msg.count
-            self._fail(h, f"KV transfer to the decode server failed: {msg.error}")
+            self._fail(h, f"KV transfer to the decode server failed: {msg.error}", reason="write_failed")
 
     def expire_handoffs(self) -> None:
         t = now()
         for h in self.bootstrap_queue():
             if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
-                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s", status=PEER_TIMEOUT)
+                              f"{self.args.disaggregation_bootstrap_timeout:.0f}s", reason="bootstrap_timeout",
+                           status=PEER_TIMEOUT)
         self.early_requests.expire(t)
 
-    def _fail(self, h: Handoff, error: str, status: int | None = PEER_FAILED) -> None:
-        """End the request (answered with HTTP `status`; None for a client's abort); pages stay held until no
-        write for the room is in flight."""
+    def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
+        """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
+        metric); pages stay held until no write for the room is in flight."""
         if h.poll == KVPoll.FAILED:
             return
+        self.transfer_stats.failed(reason)
         h.advance(KVPoll.FAILED, error)
         self.worker.cancelled.add(h.room)
         req = h.req

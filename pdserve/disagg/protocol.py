@@ -5,7 +5,7 @@ Torch-free, so the HTTP server imports it without loading the engine.
 Control messages (typed, see control_messages; keyed by `bootstrap_room`):
   decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum}
   prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}}
-  decode -> prefill  abort {room}
+  decode -> prefill  abort {room, error}
   prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
 """
 
@@ -50,6 +50,8 @@ class Handoff:
     pages_sent: int = 0
     writes_in_flight: int = 0
     kv_checksum: bool = False  # the decode asked for a checksum of the pages with the first token
+    write_seconds: float = 0.0  # prefill: time its KV writes took so far
+    pages_sent_at: float | None = None  # decode: when the page ids went to the prefill
 
     def advance(self, state: KVPoll, error: str | None = None) -> None:
         if self.poll == KVPoll.FAILED:

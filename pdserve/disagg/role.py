@@ -12,6 +12,7 @@ from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.control_messages import Message
 from pdserve.disagg.protocol import Handoff, KVPoll, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
+from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import Req
@@ -42,6 +43,7 @@ class DisaggScheduler(Scheduler):
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
         self.handlers: dict[type[Message], Callable] = {}
+        self.transfer_stats = TransferStats(args.disaggregation_mode)
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)
 
@@ -60,6 +62,12 @@ class DisaggScheduler(Scheduler):
     def bootstrap_queue(self) -> list[Handoff]:
         """The handoffs still waiting for their peer (BOOTSTRAPPING), oldest first."""
         return [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]
+
+    def stats(self) -> dict:
+        polls = [h.poll for h in self.handoffs.values()]
+        queues = {"bootstrap": polls.count(KVPoll.BOOTSTRAPPING),
+                  "transfer": polls.count(KVPoll.WAITING_FOR_INPUT) + polls.count(KVPoll.TRANSFERRING)}
+        return {**super().stats(), "kv_transfer": self.transfer_stats.snapshot(queues)}
 
     def wakeup_fds(self) -> list[int]:
         return [self.channel.wakeup_fd]

@@ -45,7 +45,8 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy")
         self.pool = KVPool(self._kv_layout(), self.device)
-        self.backend_name = resolve_backend_name(args.attention_backend, self.device.type)
+        self.backend_name = resolve_backend_name(args.attention_backend, self.device.type, model_config.head_dim,
+                                                 args.page_size)
         self.backend = create_backend(
             self.backend_name,
             num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,

@@ -49,12 +49,22 @@ def setup_logging(level: str) -> None:
     logging.getLogger("torch").setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
+def no_process_shared_locks() -> None:
+    """The server's processes end with `os._exit` (`exit_now`), so a multiprocessing semaphore made in one is never
+    unlinked and Python's resource tracker warns "leaked semaphore objects" at shutdown. tqdm makes one for its
+    first progress bar (the weight loader's) unless it was given a lock: give it a thread lock."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def child_setup(role: str, log_level: str) -> None:
     """Common start of every child: logging, leave Ctrl-C to the parent, die with the parent."""
     import multiprocessing
 
     multiprocessing.current_process().name = role
     setup_logging(log_level)
+    no_process_shared_locks()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     parent = os.getppid()

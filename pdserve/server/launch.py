@@ -24,7 +24,7 @@ from aiohttp import web
 
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
-from pdserve.server.ipc import setup_logging
+from pdserve.server.ipc import no_process_shared_locks, setup_logging
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process
 from pdserve.server.tokenizer_manager import TokenizerManager
@@ -46,6 +46,7 @@ EXIT_START_FAILED = 1
 def launch_server(args: ServerArgs) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or a child's death (exit code 1)."""
     setup_logging(args.log_level)
+    no_process_shared_locks()
     try:
         _check_port_free(args.host, args.port)
     except OSError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from pdserve.mem_cache.stats import METRIC_HELP
 
@@ -44,6 +44,7 @@ class _ScrapeState:
                                 query),
             _gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0),
             *_hicache_counters(stats.get("hicache", {})),
+            *_kv_transfer_metrics(stats.get("kv_transfer")),
         ]
 
 
@@ -56,6 +57,37 @@ def _hicache_counters(counters: dict[str, dict[str, float]]) -> list[Metric]:
             family.add_metric([tier], value)
         families.append(family)
     return families
+
+
+def _kv_transfer_metrics(transfer: dict | None) -> list[Metric]:
+    """A PD role's KV-transfer families (`role` label: prefill or decode); a colocated server has none."""
+    if transfer is None:
+        return []
+    role = [transfer["role"]]
+    moved = CounterMetricFamily(PREFIX + "kv_transfer_bytes", "KV-cache bytes handed over to or from the peer.",
+                                labels=["role"])
+    moved.add_metric(role, transfer["bytes"])
+    done = CounterMetricFamily(PREFIX + "kv_transfers", "Requests whose KV handoff completed.", labels=["role"])
+    done.add_metric(role, transfer["transfers"])
+    duration = HistogramMetricFamily(
+        PREFIX + "kv_transfer_duration_seconds",
+        "Transfer time of one request's KV (prefill: its writes; decode: page ids sent to first token received).",
+        labels=["role"])
+    duration.add_metric(role, [(_le(le), n) for le, n in transfer["duration_buckets"]], transfer["duration_sum"])
+    failures = CounterMetricFamily(PREFIX + "kv_transfer_failures", "KV handoffs that failed, by reason.",
+                                   labels=["role", "reason"])
+    for reason, n in sorted(transfer["failures"].items()):
+        failures.add_metric([*role, reason], n)
+    queues = GaugeMetricFamily(PREFIX + "pd_queue_requests",
+                               "PD requests in the handshake (bootstrap) or waiting for their KV (transfer).",
+                               labels=["role", "queue"])
+    for queue, n in sorted(transfer["queues"].items()):
+        queues.add_metric([*role, queue], n)
+    return [moved, done, duration, failures, queues]
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -58,6 +58,9 @@ async def build_generate_requests(
     """Sizes are checked before any tokenization, which runs off the event loop."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "give exactly one of text and input_ids")
+    feature = body.unsupported_feature()
+    if feature is not None:
+        raise ApiError(400, f"{feature} is not supported by this server")
     size = body.batch_size
     is_batch = size is not None
     prompts: list = (body.text if body.text is not None else body.input_ids) if is_batch else [body.text or body.input_ids]
@@ -78,7 +81,8 @@ async def build_generate_requests(
             raise ApiError(400, str(exc)) from exc
         req = GenerateRequest(rids[index] or new_rid(), input_ids, params,
                               bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
-        with_logprobs(req, body.return_logprob, body.top_logprobs_num, body.logprob_start_len)
+        with_logprobs(req, bool(body.return_logprob), body.top_logprobs_num or 0,
+                      -1 if body.logprob_start_len is None else body.logprob_start_len)
         check_bootstrap(args, req)
         requests.append(req)
     await tm.check_requests(requests)
@@ -192,8 +196,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/generate", generate)
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
-    app.router.add_get("/get_model_info", get_model_info)
-    app.router.add_get("/get_server_info", get_server_info)
+    for prefix in ("/get_", "/"):  # SGLang serves both spellings
+        app.router.add_get(f"{prefix}model_info", get_model_info)
+        app.router.add_get(f"{prefix}server_info", get_server_info)
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)

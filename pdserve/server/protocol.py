@@ -1,15 +1,17 @@
 """Request bodies of the HTTP API (pydantic), and their translation to `SamplingParams`.
 
-`/generate` follows SGLang's `GenerateReqInput` (unknown fields are errors); the OpenAI routes follow
+`/generate` follows SGLang's `GenerateReqInput`: every SGLang field is accepted, those pdserve does not implement
+only at a value that asks for nothing (`unsupported_feature`), unknown fields are errors. The OpenAI routes follow
 OpenAI's schema plus the usual vLLM/SGLang sampling extensions, ignore unknown fields as OpenAI
 clients expect, and refuse the OpenAI features this server does not implement.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from pdserve.sampling_params import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
 
@@ -17,8 +19,19 @@ MAX_N = 16
 MAX_ROOM = 2**63 - 1
 
 
-class SamplingFields(BaseModel):
-    """SGLang's sampling_params object; every field optional so that set fields can be merged."""
+def _absent(value: Any) -> bool:
+    """None, False, an empty value, or a per-item list of those: a field that asks for nothing."""
+    items = value if isinstance(value, list) else [value]
+    return all(v is None or v is False or (isinstance(v, (str, dict, list)) and not v) for v in items)
+
+
+def _rank_zero(value: Any) -> bool:
+    return value is None or value == 0  # pdserve runs one data-parallel rank
+
+
+class EngineSamplingFields(BaseModel):
+    """The fields of SGLang's sampling_params object that pdserve implements; every field optional so that set
+    fields can be merged."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -38,14 +51,42 @@ class SamplingFields(BaseModel):
     sampling_seed: int | None = None
 
 
+# sampling_params fields of SGLang that pdserve does not implement, with the test of a value that asks for nothing
+NEUTRAL_SGLANG_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params",
+                     "no_stop_trim"), _absent),
+    "n": lambda value: value in (None, 1),
+    "spaces_between_special_tokens": lambda value: value in (None, True),
+}
+
+
+class SamplingFields(EngineSamplingFields):
+    """SGLang's whole sampling_params object."""
+
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    stop_regex: Any = None
+    logit_bias: Any = None
+    custom_params: Any = None
+    no_stop_trim: Any = None
+    n: Any = None
+    spaces_between_special_tokens: Any = None
+    stream_interval: int | None = None  # streaming cadence: pdserve streams every token
+
+    def unsupported_feature(self) -> str | None:
+        return first_unsupported(self, NEUTRAL_SGLANG_SAMPLING_FIELDS)
+
+
 _SGLANG_TO_ENGINE = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
 
 
 def sglang_sampling_params(top_level: SamplingFields, nested: SamplingFields | None) -> SamplingParams:
     """Fields set in `sampling_params` win over the same fields given at the top level of the body."""
-    values = _set_fields(top_level, SamplingFields)
+    values = _set_fields(top_level, EngineSamplingFields)
     if nested is not None:
-        values.update(_set_fields(nested, SamplingFields))
+        values.update(_set_fields(nested, EngineSamplingFields))
     return SamplingParams(**{_SGLANG_TO_ENGINE.get(k, k): v for k, v in values.items()})
 
 
@@ -61,18 +102,63 @@ class BootstrapFields(BaseModel):
     bootstrap_room: int | list[int] | None = None
 
 
-class GenerateReqInput(SamplingFields, BootstrapFields):
+# SGLang `GenerateReqInput` fields that pdserve accepts but does not implement, each with the test of a value that
+# asks for nothing; any other value is refused with a 400 naming the field.
+NEUTRAL_SGLANG_FIELDS: dict[str, Callable[[Any], bool]] = {
+    **dict.fromkeys((
+        "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes", "mm_content_hashes",
+        "use_audio_in_video", "video_config", "token_ids_logprob", "return_sampling_mask",
+        "return_flat_raw_top_logprobs", "return_flat_raw_top_logprobs_b64", "return_hidden_states",
+        "return_routed_experts", "return_indexer_topk", "modalities", "session_params", "lora_path", "lora_id",
+        "custom_logit_processor", "positional_embed_overrides", "kv_router_hint", "background", "require_reasoning",
+        "max_thinking_tokens", "priority", "extra_key", "cache_salt", "custom_labels", "return_bytes",
+        "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs", "num_items_assigned",
+        "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
+        "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices",
+    ), _absent),
+    **dict.fromkeys(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"), _rank_zero),
+}
+# SGLang fields that only describe the request (identity, routing hints, tracing, logging): accepted and ignored
+INFORMATIONAL_SGLANG_FIELDS = (
+    "session_id", "log_metrics", "routed_experts_start_len", "bootstrap_pair_key", "decode_tp_size",
+    "routing_key", "conversation_id", "http_worker_ipc", "no_logs", "external_trace_header", "received_time",
+)
+
+
+def first_unsupported(model: BaseModel, neutral_fields: dict[str, Callable[[Any], bool]]) -> str | None:
+    """The first of `neutral_fields` whose value in `model` asks for something pdserve lacks, with that value."""
+    for name, neutral in neutral_fields.items():
+        value = getattr(model, name)
+        if not neutral(value):
+            return f"{name}={value!r}"[:200]
+    return None
+
+
+# the rest of SGLang's `GenerateReqInput`, so that SGLang's own clients (bench_serving, its router) send their bodies
+SGLangOnlyFields = create_model(
+    "SGLangOnlyFields", __config__=ConfigDict(extra="forbid"),
+    **{name: (Any, None) for name in (*NEUTRAL_SGLANG_FIELDS, *INFORMATIONAL_SGLANG_FIELDS)},
+)
+
+
+class GenerateReqInput(SamplingFields, BootstrapFields, SGLangOnlyFields):
     model_config = ConfigDict(extra="forbid")
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: SamplingFields | list[SamplingFields] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
-    logprob_start_len: int = Field(default=-1, ge=-1, le=MAX_INT32)
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     return_text_in_logprobs: bool = True
     rid: str | list[str] | None = None
+
+    def unsupported_feature(self) -> str | None:
+        nested = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
+        found = [first_unsupported(self, NEUTRAL_SGLANG_FIELDS), SamplingFields.unsupported_feature(self),
+                 *(fields.unsupported_feature() for fields in nested if fields is not None)]
+        return next((feature for feature in found if feature is not None), None)
 
     @property
     def batch_size(self) -> int | None:
@@ -196,7 +282,8 @@ class AbortRequestInput(BaseModel):
 
 
 def bootstrap_for(fields: BootstrapFields, index: int) -> tuple[str | None, int | None, int | None]:
-    """Item `index`'s (host, port, room): a list gives one per prompt, a scalar is shared."""
+    """Item `index`'s (host, port, room): a list gives one per prompt; a scalar host or port is shared and a scalar
+    room r gives item i the room r + i (as SGLang does), so no two items of a batch share a room."""
 
     def pick(value: Any) -> Any:
         if isinstance(value, list):
@@ -208,6 +295,8 @@ def bootstrap_for(fields: BootstrapFields, index: int) -> tuple[str | None, int 
     host, port, room = pick(fields.bootstrap_host), pick(fields.bootstrap_port), pick(fields.bootstrap_room)
     if room is not None and not 0 <= room <= MAX_ROOM:
         raise ValueError(f"bootstrap_room must be in [0, 2^63), got {room}")
+    if room is not None and not isinstance(fields.bootstrap_room, list):
+        room = (room + index) % (MAX_ROOM + 1)  # SGLang's rule: a scalar room gives item i the room + i
     if port is not None and not 0 < port < 65536:
         raise ValueError(f"bootstrap_port must be in 1..65535, got {port}")
     return host, port, room

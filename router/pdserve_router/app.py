@@ -250,8 +250,9 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", router.health_route)
     app.router.add_get("/health_generate", router.health_generate)
     app.router.add_route("*", "/flush_cache", router.flush_cache)
-    app.router.add_get("/get_server_info", router.server_info)
-    app.router.add_get("/get_model_info", router.proxy_first)
+    for prefix in ("/get_", "/"):  # SGLang serves both spellings
+        app.router.add_get(f"{prefix}server_info", router.server_info)
+        app.router.add_get(f"{prefix}model_info", router.proxy_first)
     app.router.add_get("/v1/models", router.proxy_first)
     app.router.add_get("/metrics", router.metrics_route)
     app.router.add_get("/workers", router.list_workers)

@@ -33,7 +33,8 @@ def error_response(status: int, message: str, request_id: str | None = None) -> 
 
 
 def batch_size(path: str, body: dict) -> int | None:
-    """Items in a batched /generate, or `n` for OpenAI routes when n > 1; None for a single request."""
+    """Items in a batched /generate, or for OpenAI routes `n` times the prompts (several only in /v1/completions);
+    None for a single request."""
     if path == "/generate":
         text, ids = body.get("text"), body.get("input_ids")
         if isinstance(text, list):
@@ -46,11 +47,20 @@ def batch_size(path: str, body: dict) -> int | None:
         size = body.get("n", 1)
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise BadRequest("'n' must be a positive integer")
+        if path == "/v1/completions":
+            size *= completion_prompts(body.get("prompt"))
         if size == 1:
             return None
     if not 1 <= size <= MAX_BATCH_ITEMS:
         raise BadRequest(f"batch size must be between 1 and {MAX_BATCH_ITEMS}, got {size}")
     return size
+
+
+def completion_prompts(prompt: Any) -> int:
+    """Prompts in a /v1/completions `prompt`: a list of strings or of token lists is one per entry."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 def routing_key(path: str, body: dict) -> RoutingKey | None:

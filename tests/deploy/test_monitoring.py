@@ -19,12 +19,7 @@ from deploy_util import DEPLOY
 
 PROMETHEUS = shutil.which("prometheus")
 DASHBOARD = DEPLOY / "grafana" / "pdserve.json"
-# PD transfer metrics the dashboard shows before the servers export them; each leaves this list once exported
-PENDING_METRICS = {"pdserve_kv_transfer_bytes_total", "pdserve_kv_transfers_total",
-                   "pdserve_kv_transfer_duration_seconds", "pdserve_kv_transfer_failures_total",
-                   "pdserve_pd_queue_requests"}
 METRIC_NAME = re.compile(r"\bpdserve_[a-z0-9_]+\b")
-HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 SCRAPE_TIMEOUT = 60.0
 
 
@@ -41,14 +36,6 @@ def exported_names(metrics_text: str) -> set[str]:
     series = {re.split(r"[{ ]", line, maxsplit=1)[0] for line in metrics_text.splitlines()
               if line and not line.startswith("#")}
     return families | series
-
-
-def pending_family(series: str) -> str:
-    """A pending histogram's _bucket/_sum/_count series stands for the histogram."""
-    for suffix in HISTOGRAM_SERIES:
-        if series.endswith(suffix) and series[:-len(suffix)] in PENDING_METRICS:
-            return series[:-len(suffix)]
-    return series
 
 
 def cluster_names(cluster) -> set[str]:
@@ -69,14 +56,11 @@ def test_dashboard_loads_as_a_grafana_dashboard():
 
 
 def test_every_dashboard_query_names_an_exported_metric(systemd_cluster):
-    known = cluster_names(systemd_cluster) | PENDING_METRICS
-    used = set()
+    known = cluster_names(systemd_cluster)
     for title, expr in dashboard_targets():
-        names = {pending_family(name) for name in METRIC_NAME.findall(expr)}
+        names = set(METRIC_NAME.findall(expr))
         assert names, f"{title}: {expr} names no pdserve metric"
         assert names <= known, f"{title}: {sorted(names - known)} is exported by neither the router nor a server"
-        used |= names
-    assert PENDING_METRICS <= used, "a pending metric the dashboard no longer shows: drop it from PENDING_METRICS"
 
 
 @pytest.fixture

@@ -75,6 +75,7 @@ def test_incompatible_decode_is_refused(tcp_cluster, extra_decodes, failure_rout
 def test_unclaimed_room_times_out_on_prefill(tcp_cluster, stream):
     """A request the router sent to the prefill but that no decode server ever claims: a 504 before any byte,
     streamed or not, so a router can retry it on another pair."""
+    timeouts_before = bootstrap_timeouts(tcp_cluster.prefill)
     started = time.monotonic()
     reply = tcp_cluster.prefill.post("/generate", {
         "text": PROMPT, "sampling_params": {"max_new_tokens": 8}, "bootstrap_host": "127.0.0.1", "stream": stream,
@@ -82,7 +83,15 @@ def test_unclaimed_room_times_out_on_prefill(tcp_cluster, stream):
     assert time.monotonic() - started < FAIL_WITHIN_S
     assert reply.status == 504, reply.body
     assert f"no decode server claimed bootstrap_room {4242 + stream}" in reply.json()["error"]["message"]
+    assert bootstrap_timeouts(tcp_cluster.prefill) == timeouts_before + 1
     wait_kv_free([tcp_cluster.prefill])
+
+
+def bootstrap_timeouts(prefill: Proc) -> float:
+    """The prefill's `pdserve_kv_transfer_failures_total{reason="bootstrap_timeout"}`."""
+    series = 'pdserve_kv_transfer_failures_total{reason="bootstrap_timeout",role="prefill"} '
+    lines = [line for line in prefill.get("/metrics").body.decode().splitlines() if line.startswith(series)]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 def test_decode_killed_mid_stream(tcp_cluster, extra_decodes, failure_router):

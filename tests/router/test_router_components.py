@@ -84,6 +84,16 @@ def test_first_event_merger_handles_split_chunks():
     assert events[1]["meta_info"] == {} and out.endswith(b"data: [DONE]\n\n")
 
 
+def test_batch_size_counts_every_completion_item():
+    from pdserve_router.payload import batch_size
+
+    assert batch_size("/v1/completions", {"prompt": "a"}) is None
+    assert batch_size("/v1/completions", {"prompt": [1, 2, 3]}) is None  # one prompt of token ids
+    assert batch_size("/v1/completions", {"prompt": ["a", "b", "c"]}) == 3
+    assert batch_size("/v1/completions", {"prompt": [[1], [2]], "n": 2}) == 4
+    assert batch_size("/v1/chat/completions", {"messages": [], "n": 2}) == 2
+
+
 def test_encode_body_appends_fields_to_the_client_bytes():
     from pdserve_router.payload import encode_body, spliceable
 

@@ -23,6 +23,7 @@ from pdserve.messages import (
     decode,
     encode,
 )
+from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
 from pdserve.server.protocol import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest
@@ -141,6 +142,27 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["pdserve_generation_tokens_total"] == 4
 
 
+def test_kv_transfer_metrics_render_from_the_roles_stats():
+    stats = TransferStats("decode")
+    stats.moved(4096)
+    stats.completed(0.003)
+    stats.completed(2.0)
+    stats.failed("peer_dead")
+    text = ServerMetrics().render({"kv_transfer": stats.snapshot({"bootstrap": 2, "transfer": 1})}, in_flight=0)
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert values[("pdserve_kv_transfer_bytes_total", (("role", "decode"),))] == 4096
+    assert values[("pdserve_kv_transfers_total", (("role", "decode"),))] == 2
+    assert families["pdserve_kv_transfer_duration_seconds"].type == "histogram"
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "0.0025"), ("role", "decode")))] == 0
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "0.005"), ("role", "decode")))] == 1
+    assert values[("pdserve_kv_transfer_duration_seconds_bucket", (("le", "+Inf"), ("role", "decode")))] == 2
+    assert values[("pdserve_kv_transfer_duration_seconds_sum", (("role", "decode"),))] == 2.003
+    assert values[("pdserve_kv_transfer_failures_total", (("reason", "peer_dead"), ("role", "decode")))] == 1
+    assert values[("pdserve_pd_queue_requests", (("queue", "bootstrap"), ("role", "decode")))] == 2
+    assert values[("pdserve_pd_queue_requests", (("queue", "transfer"), ("role", "decode")))] == 1
+
+
 def test_metrics_parse_with_the_prometheus_parser():
     metrics = ServerMetrics()
     metrics.http_error(400)
@@ -193,6 +215,43 @@ def test_bootstrap_fields_per_item_and_range():
     assert bootstrap_for(body, 1) == ("10.0.0.1", 8999, 2)
     with pytest.raises(ValueError):
         bootstrap_for(GenerateReqInput.model_validate({"text": "a", "bootstrap_room": 2**63}), 0)
+
+
+def test_a_scalar_room_gives_each_item_its_own_room():
+    body = GenerateReqInput.model_validate({"text": ["a", "b", "c"], "bootstrap_room": 2**63 - 2})
+    assert [bootstrap_for(body, i)[2] for i in range(3)] == [2**63 - 2, 2**63 - 1, 0]
+    with pytest.raises(ValueError):
+        bootstrap_for(GenerateReqInput.model_validate({"text": ["a", "b"], "bootstrap_room": -1}), 1)
+
+
+def test_sglang_fields_are_accepted_at_their_neutral_value():
+    body = GenerateReqInput.model_validate({
+        "text": "a", "lora_path": None, "return_routed_experts": False, "custom_logit_processor": None,
+        "image_data": [], "routed_dp_rank": 0, "session_id": "s", "priority": None, "log_metrics": False,
+        "lora_id": [None, None], "return_logprob": None, "logprob_start_len": None,
+        "sampling_params": {"n": 1, "regex": None, "spaces_between_special_tokens": True, "stream_interval": 4}})
+    assert body.unsupported_feature() is None
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lora_path", "my-adapter"), ("lora_path", [None, "a"]), ("return_routed_experts", True),
+    ("custom_logit_processor", "{}"), ("image_data", "http://x/cat.png"), ("routed_dp_rank", 1), ("priority", 3),
+    ("return_hidden_states", True), ("session_params", {"id": "s"}),
+])
+def test_sglang_fields_asking_for_a_missing_feature_are_named(field, value):
+    body = GenerateReqInput.model_validate({"text": "a", field: value})
+    assert body.unsupported_feature() == f"{field}={value!r}"
+
+
+def test_sglang_sampling_fields_asking_for_a_missing_feature_are_named():
+    body = GenerateReqInput.model_validate({"text": "a", "sampling_params": [{}, {"regex": "[ab]+"}]})
+    assert body.unsupported_feature() == "regex='[ab]+'"
+    assert GenerateReqInput.model_validate({"text": "a", "sampling_params": {"n": 2}}).unsupported_feature() == "n=2"
+
+
+def test_unknown_fields_are_still_refused():
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):
+        GenerateReqInput.model_validate({"text": "a", "lora_pth": None})
 
 
 def test_pd_server_requires_bootstrap_fields():

@@ -75,6 +75,8 @@ def select_transport(
 
 
 def import_mooncake():
+    # Mooncake's glog lines obey its own switch, read when the library loads: only errors unless pdserve logs DEBUG
+    os.environ.setdefault("MC_LOG_LEVEL", "INFO" if logger.isEnabledFor(logging.DEBUG) else "ERROR")
     try:
         import mooncake.engine as engine
     except (ImportError, OSError) as exc:
