@@ -45,6 +45,7 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    skip_server_warmup: bool = False
     # parallelism
     tp_size: int = 1
     base_gpu_id: int = 0
@@ -66,6 +67,7 @@ class ServerArgs:
     disaggregation_heartbeat_interval: float = 2.0
     disaggregation_heartbeat_failures: int = 3
     disaggregation_layerwise_min_tokens: int = 512
+    decode_local_prefill_chunk_size: int = 512
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
 
@@ -81,6 +83,7 @@ class ServerArgs:
             "tp_size": self.tp_size,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "max_batch_items": self.max_batch_items,
+            "decode_local_prefill_chunk_size": self.decode_local_prefill_chunk_size,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -182,6 +185,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
+    "skip_server_warmup": ("kernels", "Report ready without the warm-up pass that compiles (or loads from the on-disk cache) the kernels of the prompt-length buckets and the samplers."),
     "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),
     "base_gpu_id": ("parallelism", "First GPU index this server uses."),
     "host": ("http", "Address to bind; 127.0.0.1 unless told otherwise."),
@@ -200,6 +204,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_heartbeat_interval": ("disaggregation", "Seconds between decode heartbeats to each prefill bootstrap server."),
     "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
+    "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
 }
 
 _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from pdserve.messages import TokenOut
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.stop import StopChecker
@@ -52,6 +54,7 @@ class Scheduler(OverlapMixin):
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self._pinned: list[torch.Tensor] = []
+        self.prefill_meter = PrefillRateMeter()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -110,7 +113,9 @@ class Scheduler(OverlapMixin):
         items = self._schedule_extend()
         if items:
             self._finish_inflight()
+            started = time.perf_counter()
             self._run_extend(items)
+            self.prefill_meter.record(sum(i.end - i.start for i in items), time.perf_counter() - started)
         elif self.running:
             self._run_decode()
         else:
@@ -156,7 +161,16 @@ class Scheduler(OverlapMixin):
             "prefix_query_tokens": self.radix.query_tokens if self.radix else 0,
             "prefix_hit_tokens": self.radix.hit_tokens if self.radix else 0,
             "num_retracted": self.num_retracted,
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
         }
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting that no forward pass has computed yet."""
+        queued = sum(len(r.all_ids) - r.num_cached_tokens for r in self.waiting)
+        if self.chunked is not None:
+            queued += len(self.chunked.all_ids) - self.chunked.num_cached_tokens
+        return queued
 
     # ---- scheduling -------------------------------------------------------------------------------------------
 
