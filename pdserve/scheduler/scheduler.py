@@ -76,6 +76,11 @@ class Scheduler(OverlapMixin):
             "disaggregation_mode": self.args.disaggregation_mode,
         }
 
+    @property
+    def warmup_bootstrap(self) -> dict:
+        """Bootstrap fields of the warm-up's requests (`warmup.py`): none, but a PD prefill needs its fake peer."""
+        return {}
+
     def add_request(self, req: Req) -> None:
         self.validate(req)
         self.reqs[req.rid] = req
