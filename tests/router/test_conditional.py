@@ -1,6 +1,9 @@
-"""Conditional disaggregation's routing decision: short prompts and saturated prefills go local, the rest remote."""
+"""Conditional disaggregation's routing decision: short prompts and saturated prefills go local, the rest remote;
+through a router process, the prefill's `/load` switches the path."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from pdserve_router.conditional import LocalPrefillRule, PrefillLoad, estimate_prompt_tokens, parse_load
@@ -64,3 +67,30 @@ def test_malformed_load_answers_are_ignored(body):
 def test_load_answer_parsed():
     assert parse_load({"queued_prefill_tokens": 12, "prefill_tokens_per_s": 300, "num_waiting": 1}) == \
         PrefillLoad(12, 300.0)
+
+
+def test_router_spills_to_the_decode_while_the_prefill_reports_a_long_queue(stubs, start_router):
+    prefill = stubs.add("prefill", load={"queued_prefill_tokens": 100_000, "prefill_tokens_per_s": 1000.0})
+    decode = stubs.add("decode")
+    router = start_router("--prefill", prefill.url, "--decode", decode.url, "--local-prefill-cost-factor", "2",
+                          "--load-poll-interval-s", "0.05")
+    body = {"text": "x" * 400}  # ~100 tokens: 100 s behind the queue, 0.2 s locally
+    until_path(router, prefill, body, local=True)
+    assert "bootstrap_room" not in decode.requests[-1]["body"]
+    prefill.load = {"queued_prefill_tokens": 0, "prefill_tokens_per_s": 1000.0}
+    until_path(router, prefill, body, local=False)
+    assert decode.requests[-1]["body"]["bootstrap_room"] == prefill.requests[-1]["body"]["bootstrap_room"]
+    assert router.metric('pdserve_router_prefill_total{path="local"}') >= 1
+    assert router.metric('pdserve_router_prefill_total{path="remote"}') >= 1
+
+
+def until_path(router, prefill, body: dict, local: bool, timeout: float = 10.0) -> None:
+    """Sends `body` until the router takes the local (or remote) path: the poller's next read switches it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = len(prefill.requests)
+        assert router.post("/generate", body).status == 200
+        if (len(prefill.requests) == before) == local:
+            return
+        assert time.monotonic() < deadline, f"the router never took the {'local' if local else 'remote'} path"
+        time.sleep(0.05)
