@@ -247,6 +247,10 @@ class DecodeScheduler(DisaggScheduler):
     def stats(self) -> dict:
         return {**super().stats(), "num_local_prefills": self.num_local_prefills}
 
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.num_local_prefills = 0
+
     def kv_pool_is_fully_free(self) -> bool:
         return not self.quarantine and super().kv_pool_is_fully_free()
 

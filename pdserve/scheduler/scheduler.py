@@ -170,6 +170,13 @@ class Scheduler(OverlapMixin):
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
         }
 
+    def reset_stats(self) -> None:
+        """Counters and measurements start over (after the warm-up)."""
+        self.num_retracted = 0
+        self.prefill_meter = PrefillRateMeter()
+        if self.radix is not None:
+            self.radix.reset_hit_counts()
+
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting that no forward pass has computed yet."""
         queued = sum(len(r.all_ids) - r.num_cached_tokens for r in self.waiting)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.sampling_params import SamplingParams
-from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 
@@ -86,9 +85,7 @@ def warm_up(sched: Scheduler) -> WarmupReport:
     finally:
         sched.runner.forward_observers.remove(observe)
     sched.sampler.generator.manual_seed(sched.args.random_seed)
-    sched.prefill_meter = PrefillRateMeter()
-    if sched.radix is not None:
-        sched.radix.reset_hit_counts()
+    sched.reset_stats()
     report = WarmupReport(tuple(lengths), tuple(names), tuple(extend_tokens), tuple(decode_sizes),
                           time.perf_counter() - started)
     logger.info("warm-up done in %.1f s: prompts of %s tokens, samplings %s, %d extend and %d decode forwards",
