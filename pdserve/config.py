@@ -57,6 +57,7 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
+    skip_server_warmup: bool = False
     # parallelism
     tp_size: int = 1
     base_gpu_id: int = 0
@@ -80,6 +81,7 @@ class ServerArgs:
     disaggregation_layerwise_min_tokens: int = 512
     disaggregation_secret: str | None = None
     disaggregation_enable_kv_checksum: bool = False
+    decode_local_prefill_chunk_size: int = 512
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
 
@@ -95,6 +97,7 @@ class ServerArgs:
             "tp_size": self.tp_size,
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "max_batch_items": self.max_batch_items,
+            "decode_local_prefill_chunk_size": self.decode_local_prefill_chunk_size,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -239,6 +242,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
+    "skip_server_warmup": ("kernels", "Report ready without the warm-up pass that compiles (or loads from the on-disk cache) the kernels of the prompt-length buckets and the samplers."),
     "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),
     "base_gpu_id": ("parallelism", "First GPU index this server uses."),
     "host": ("http", "Address to bind; 127.0.0.1 unless told otherwise."),
@@ -259,6 +263,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
     "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (or env PDSERVE_DISAGGREGATION_SECRET): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a CRC32 of each request's KV pages and fail the request (502) on a mismatch."),
+    "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
 }
 
 _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}

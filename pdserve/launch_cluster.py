@@ -1,10 +1,11 @@
 """`python -m pdserve.launch_cluster`: a router plus N prefill and M decode servers on this machine, one command.
 
     python -m pdserve.launch_cluster                                   # 1 prefill + 1 decode, a tiny model
-    python -m pdserve.launch_cluster --model-path DIR --num-prefill 2 --num-decode 2 -- --max-total-tokens 8192
+    python -m pdserve.launch_cluster --model-path DIR --prefill 2 --decode 2 -- --max-total-tokens 8192  # 2P2D
     python -m pdserve.launch_cluster --colocated --num-workers 2       # baseline: regular router, no PD
 
-Prefill i runs on GPU i, decode j on GPU N+j (`--base-gpu-id`); with no GPU everything runs on the CPU.
+Prefill i runs on GPU i, decode j on GPU N+j (each server's `--base-gpu-id`); with no GPU everything runs on
+the CPU.
 Every server and the router is a child process in its own session, logging to a file under `--log-dir`.
 The launcher waits until each server's and then the router's /health answers, prints the router URL and a
 curl line, and stops everything on Ctrl-C/SIGTERM. If a child dies, it says which and stops the rest (exit 1).
@@ -67,8 +68,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-path", default=None,
                         help="HF-format model folder; default: a tiny random-weight qwen3 model built once and cached.")
-    parser.add_argument("--num-prefill", type=int, default=1, help="Prefill servers (default: 1).")
-    parser.add_argument("--num-decode", type=int, default=1, help="Decode servers (default: 1).")
+    parser.add_argument("--num-prefill", "--prefill", type=int, default=1, help="Prefill servers (default: 1).")
+    parser.add_argument("--num-decode", "--decode", type=int, default=1, help="Decode servers (default: 1).")
     parser.add_argument("--colocated", action="store_true",
                         help="Baseline without PD: --num-workers colocated servers behind a regular-mode router.")
     parser.add_argument("--num-workers", type=int, default=1, help="Colocated servers with --colocated (default: 1).")

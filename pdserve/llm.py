@@ -11,6 +11,7 @@ from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.warmup import warm_up
 from pdserve.tokenizer import load_tokenizer
 
 
@@ -31,6 +32,7 @@ class LLM:
         self.args = ServerArgs.from_kwargs(model_path, **engine_args)
         self.tokenizer = load_tokenizer(self.args)
         self.scheduler = Scheduler(self.args, tokenizer=self.tokenizer)
+        self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
         self._ids = itertools.count()
 
     def generate(

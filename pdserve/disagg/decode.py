@@ -1,9 +1,13 @@
-"""The decode role: pre-allocates KV pages, lets the prefill server fill them, then decodes without prefill.
+"""The decode role: pre-allocates KV pages, lets the prefill server fill them, then decodes.
 
 Per request: resolve the prefill's bootstrap route (BOOTSTRAPPING, off the scheduler thread), allocate the
 prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), then commit the first token
 from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
 still be writing are quarantined after an abort until it confirms with `failed`, or a grace timeout.
+
+A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
+here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
+followed by a decode step, so a running request waits at most one chunk's forward between two tokens.
 """
 
 from __future__ import annotations
@@ -21,16 +25,23 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
                                       fetch_prefill_route)
 from pdserve.disagg.control_messages import Abort, Failed, FirstToken, KVDone, Message, PeerDead, TransferRequest
 from pdserve.disagg.kv_checksum import pages_checksum
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, now
+from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
+                                     now)
 from pdserve.disagg.role import DisaggScheduler
+from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeScheduler(DisaggScheduler):
+    allows_local_prefill = True
+
     def __init__(self, args: ServerArgs, tokenizer=None):
-        super().__init__(args.replace(disable_radix_cache=True), tokenizer)
+        chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
+        super().__init__(args.replace(disable_radix_cache=True, chunked_prefill_size=chunk), tokenizer)
+        self.num_local_prefills = 0
+        self._extended_last_step = False
         self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
         self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
         self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
@@ -44,6 +55,10 @@ class DecodeScheduler(DisaggScheduler):
     def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self._accept_fake(req)
+            return
+        if is_local_prefill(req):
+            self.num_local_prefills += 1
+            super().accept(req)
             return
         addr = bootstrap_addr(req)
         h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
@@ -86,6 +101,15 @@ class DecodeScheduler(DisaggScheduler):
         super().prepare_step()
         self._preallocate()
         return not self._changed  # first tokens just committed: report them before the next decode step
+
+    def _schedule_extend(self) -> list[ExtendItem]:
+        """Local prefill chunks (and recomputes of retracted requests) alternate with decode steps."""
+        if self._extended_last_step and self.running:
+            self._extended_last_step = False
+            return []
+        items = super()._schedule_extend()
+        self._extended_last_step = bool(items)
+        return items
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
@@ -237,6 +261,13 @@ class DecodeScheduler(DisaggScheduler):
     def _release_quarantine(self, room: int) -> None:
         pages, _ = self.quarantine.pop(room)
         self.allocator.free(pages)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "num_local_prefills": self.num_local_prefills}
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.num_local_prefills = 0
 
     def kv_pool_is_fully_free(self) -> bool:
         return not self.quarantine and super().kv_pool_is_fully_free()

@@ -327,6 +327,14 @@ class PrefillScheduler(DisaggScheduler):
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
             self.channel.send(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
 
+    @property
+    def warmup_bootstrap(self) -> dict:
+        return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
+
+    def queued_prefill_tokens(self) -> int:
+        """Queued prompts include those still waiting for their decode side's destination pages."""
+        return super().queued_prefill_tokens() + sum(len(h.req.all_ids) for h in self.bootstrap_queue())
+
     def server_info(self) -> dict:
         return {**super().server_info(), "bootstrap": self.bootstrap.address}
 

@@ -72,10 +72,15 @@ def checked_pages(value, limit: int, expected: int) -> list[int]:
     return value
 
 
-def validate_pd_request(req: Req, handoffs: dict[int, Handoff]) -> None:
+def is_local_prefill(req: Req) -> bool:
+    """A request without any bootstrap field: a decode server prefills it itself (conditional disaggregation)."""
+    return req.bootstrap_host is None and req.bootstrap_port is None and req.bootstrap_room is None
+
+
+def validate_pd_request(req: Req, handoffs: dict[int, Handoff], allow_local: bool = False) -> None:
     if req.sampling_params.max_tokens < 1:
         raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
-    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or (allow_local and is_local_prefill(req)):
         return
     if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
         raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "

@@ -25,6 +25,8 @@ class DisaggScheduler(Scheduler):
     """A PD role's scheduler. It registers the KV pool with the transfer engine once, runs the peers' control
     messages through `handlers` and expires late handoffs before each step."""
 
+    allows_local_prefill = False  # the decode role also prefills requests sent without a prefill peer
+
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
         pool = self.runner.pool
@@ -49,7 +51,7 @@ class DisaggScheduler(Scheduler):
 
     def validate(self, req: Req) -> None:
         super().validate(req)
-        validate_pd_request(req, self.handoffs)
+        validate_pd_request(req, self.handoffs, self.allows_local_prefill)
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.handoffs)

@@ -57,6 +57,9 @@ class RadixCache:
         self.allocator.incref(pages)
         return pages
 
+    def reset_hit_counts(self) -> None:
+        self.query_tokens = self.hit_tokens = 0
+
     def record_hit(self, query_tokens: int, hit_tokens: int) -> None:
         """Hit statistics, counted once per admitted request (a refused admission is retried later)."""
         self.query_tokens += query_tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from pdserve.messages import TokenOut
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.stop import StopChecker
@@ -52,6 +54,7 @@ class Scheduler(OverlapMixin):
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self._pinned: list[torch.Tensor] = []
+        self.prefill_meter = PrefillRateMeter()
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -72,6 +75,11 @@ class Scheduler(OverlapMixin):
             "cuda_graphs": self.runner.graph_runner is not None,
             "disaggregation_mode": self.args.disaggregation_mode,
         }
+
+    @property
+    def warmup_bootstrap(self) -> dict:
+        """Bootstrap fields of the warm-up's requests (`warmup.py`): none, but a PD prefill needs its fake peer."""
+        return {}
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
@@ -112,7 +120,9 @@ class Scheduler(OverlapMixin):
         items = self._schedule_extend()
         if items:
             self._finish_inflight()
+            started = time.perf_counter()
             self._run_extend(items)
+            self.prefill_meter.record(sum(i.end - i.start for i in items), time.perf_counter() - started)
         elif self.running:
             self._run_decode()
         else:
@@ -159,7 +169,23 @@ class Scheduler(OverlapMixin):
             "prefix_hit_tokens": self.radix.hit_tokens if self.radix else 0,
             "num_retracted": self.num_retracted,
             **(self.radix.tier_stats() if self.radix else {}),
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
         }
+
+    def reset_stats(self) -> None:
+        """Counters and measurements start over (after the warm-up)."""
+        self.num_retracted = 0
+        self.prefill_meter = PrefillRateMeter()
+        if self.radix is not None:
+            self.radix.reset_hit_counts()
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted or waiting that no forward pass has computed yet."""
+        queued = sum(len(r.all_ids) - r.num_cached_tokens for r in self.waiting)
+        if self.chunked is not None:
+            queued += len(self.chunked.all_ids) - self.chunked.num_cached_tokens
+        return queued
 
     # ---- scheduling -------------------------------------------------------------------------------------------
 

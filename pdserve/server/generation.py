@@ -19,8 +19,11 @@ def sampling_error(exc: SamplingParamsError | TypeError) -> ApiError:
 
 
 def check_bootstrap(args: Any, request: GenerateRequest) -> None:
-    """A PD server serves only requests the router paired up; a colocated server ignores the fields."""
-    if args.is_pd and (request.bootstrap_host is None or request.bootstrap_room is None):
+    """A prefill server serves only requests the router paired up; a decode server also takes one without any
+    bootstrap field and prefills it itself (conditional disaggregation); a colocated server ignores the fields."""
+    fields = (request.bootstrap_host, request.bootstrap_room)
+    local = args.disaggregation_mode == "decode" and fields == (None, None)
+    if args.is_pd and not local and None in fields:
         raise ApiError(
             400,
             f"this is a PD {args.disaggregation_mode} server: requests need bootstrap_host and bootstrap_room "

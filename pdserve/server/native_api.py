@@ -23,6 +23,7 @@ from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, bootstr
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
+LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "num_waiting", "num_running")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -157,6 +158,12 @@ async def get_server_info(request: web.Request) -> web.Response:
                               "requests_in_flight": len(tm.states), "time": time.time()})
 
 
+async def load(request: web.Request) -> web.Response:
+    """What the router's conditional disaggregation weighs: prompt tokens queued and the measured prefill rate."""
+    stats = await _scheduler_stats(request.app[TM_KEY])
+    return json_response({key: stats[key] for key in LOAD_KEYS})
+
+
 async def _scheduler_stats(tm: TokenizerManager) -> dict:
     try:
         return await tm.get_stats()
@@ -199,6 +206,7 @@ def add_routes(app: web.Application) -> None:
     for prefix in ("/get_", "/"):  # SGLang serves both spellings
         app.router.add_get(f"{prefix}model_info", get_model_info)
         app.router.add_get(f"{prefix}server_info", get_server_info)
+    app.router.add_get("/load", load)
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)

@@ -37,6 +37,7 @@ from pdserve.messages import (
 if TYPE_CHECKING:
     from pdserve.config import ServerArgs
     from pdserve.scheduler.scheduler import Scheduler
+    from pdserve.scheduler.warmup import WarmupReport
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,12 @@ class SchedulerProcess:
             GetStatsReq: self.handle_get_stats,
         }
 
-    def announce_ready(self) -> None:
-        self.to_tokenizer.send(encode(ProcessReady("scheduler", dict(self.sched.model_info))))
+    def announce_ready(self, warmup: WarmupReport | None) -> None:
+        info = {**self.sched.model_info, "warmup": warmup.describe() if warmup else None}
+        self.to_tokenizer.send(encode(ProcessReady("scheduler", info)))
 
-    def run_forever(self) -> None:
-        self.announce_ready()
+    def run_forever(self, warmup: WarmupReport | None) -> None:
+        self.announce_ready(warmup)
         while True:
             for msg in self.recv_requests():
                 self.dispatch(msg)
@@ -150,4 +152,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
     except ConfigError as exc:  # a flag only the model can refute: one line, not a traceback
         logger.error("%s", exc)
         sys.exit(EXIT_CONFIG_ERROR)
-    SchedulerProcess(args, scheduler).run_forever()
+    from pdserve.scheduler.warmup import warm_up
+
+    warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
+    SchedulerProcess(args, scheduler).run_forever(warmup)

@@ -17,7 +17,7 @@ from .dispatch import CONNECTION_ERRORS, Dispatcher
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable
 from .upstream import UpstreamPool
-from .workers import HealthChecker, NoHealthyWorker, Worker, WorkerRegistry
+from .workers import HealthChecker, LoadPoller, NoHealthyWorker, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve_router")
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -40,6 +40,7 @@ class Router:
         self.upstream: UpstreamPool | None = None
         self.dispatcher: Dispatcher | None = None
         self.health: HealthChecker | None = None
+        self.load: LoadPoller | None = None
         self.event_loop = "asyncio"
 
     @property
@@ -57,12 +58,17 @@ class Router:
         self.health = HealthChecker(self.registry, self.session, self.auth)
         await self.health.check_all()  # one round before the port opens, so /health is right from the start
         self.health.start()
+        if self.config.mode == "pd" and self.config.local_prefill_cost_factor > 0:  # prefill load decides too
+            self.load = LoadPoller(self.registry, self.session, self.auth)
+            self.load.start()
         log.info("pdserve-router (%s mode, %s event loop) serving on http://%s:%d with %s", self.config.mode,
                  self.event_loop, self.config.host, self.config.port,
                  ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or "no instances yet")
 
     async def stop(self, app: web.Application) -> None:
         await self.health.stop()
+        if self.load is not None:
+            await self.load.stop()
         await self.dispatcher.close()
         await self.upstream.close()
         await self.session.close()

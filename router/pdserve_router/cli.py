@@ -28,6 +28,12 @@ _HELP: dict[str, str] = {
     "cache_max_entries": "cache_aware: most prefix blocks remembered (LRU).",
     "balance_abs_threshold": "cache_aware: ignore the cache when max - min in-flight exceeds this ...",
     "balance_rel_threshold": "... and max in-flight exceeds this times min in-flight.",
+    "local_prefill_max_tokens": "Conditional disaggregation: prompts of at most this many tokens (text: bytes / 4) "
+                                "go to a decode instance alone, which prefills them itself (0: off).",
+    "local_prefill_cost_factor": "Conditional disaggregation: a longer prompt also goes to a decode instance alone "
+                                 "when the least loaded prefill's queued tokens at its measured rate would make it "
+                                 "wait longer than this factor times its own prefill time there (0: off; e.g. 2).",
+    "load_poll_interval_s": "Seconds between reads of each prefill's /load (with a local-prefill rule on).",
     "request_timeout_s": "Whole-request deadline in seconds (504 when hit).",
     "connect_timeout_s": "Seconds to open a connection to an instance.",
     "unreachable_timeout_s": "Seconds without any packet from an instance, TCP keep-alive answers included, after "

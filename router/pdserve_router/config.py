@@ -38,6 +38,10 @@ class RouterConfig:
     cache_max_entries: int = 65536
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
+    # conditional disaggregation (pd mode): some requests go to a decode instance alone, which prefills them
+    local_prefill_max_tokens: int = 0
+    local_prefill_cost_factor: float = 0.0
+    load_poll_interval_s: float = 0.25
     # requests
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
@@ -79,6 +83,9 @@ class RouterConfig:
         if min(self.health_failure_threshold, self.health_success_threshold, self.cb_failure_threshold,
                self.cb_success_threshold, self.cache_block_chars) < 1:
             raise ConfigError("thresholds and --cache-block-chars must be >= 1")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_cost_factor < 0 or self.load_poll_interval_s <= 0:
+            raise ConfigError("--local-prefill-max-tokens and --local-prefill-cost-factor must be >= 0 and "
+                              "--load-poll-interval-s > 0")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold must be in [0, 1]")
 

@@ -23,6 +23,7 @@ import aiohttp
 from aiohttp import web
 
 from .cluster_auth import RequestSigner
+from .conditional import LocalPrefillRule, estimate_prompt_tokens
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
@@ -152,7 +153,9 @@ class Dispatcher:
         self.main_role: Role = "decode" if config.mode == "pd" else "regular"
         roles: tuple[Role, ...] = ("prefill", "decode") if config.mode == "pd" else ("regular",)
         self.policies = {role: make_policy(config.policy_for(role), config) for role in roles}
-        self.needs_key = any(config.policy_for(role) == "cache_aware" for role in roles)
+        self.local_rule = LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_cost_factor)
+        self.conditional = config.mode == "pd" and self.local_rule.enabled
+        self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
         self.signer = RequestSigner(config.disaggregation_secret) if config.disaggregation_secret else None
@@ -219,10 +222,19 @@ class Dispatcher:
         main = self.policies[self.main_role].select(self.registry.available(self.main_role, excluded), key)
         side = None
         if self.config.mode == "pd":
-            side = self.policies["prefill"].select(self.registry.available("prefill", excluded), key)
+            prefills = self.registry.available("prefill", excluded)
+            local = self.prefill_locally(ctx, key, prefills)
+            side = None if local else self.policies["prefill"].select(prefills, key)
+            self.metrics.prefills.labels(path="local" if local else "remote").inc()
         rid = attempt_rid(ctx.request_id, number)
         body_rid = body_rids(ctx.body.get("rid"), ctx.request_id, ctx.batch, ctx.path, number)
         return Attempt(ctx, number, main, side, rid, body_rid)
+
+    def prefill_locally(self, ctx: RequestContext, key, prefills: list[Worker]) -> bool:
+        """Conditional disaggregation: the decode instance prefills this (single) request itself."""
+        if not self.conditional or ctx.batch is not None:
+            return False
+        return self.local_rule.prefill_locally(estimate_prompt_tokens(key), [w.load for w in prefills])
 
     async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
         ctx = attempt.ctx

@@ -42,6 +42,9 @@ class RouterMetrics:
         self.requests = Counter(PREFIX + "requests", "Requests received, by route.", ("route",), registry=registry)
         self.errors = Counter(PREFIX + "errors", "Failures, by kind (connect, upstream_5xx, upstream_4xx, timeout, "
                               "no_worker, bad_request, client_disconnect, stream).", ("kind",), registry=registry)
+        self.prefills = Counter(PREFIX + "prefill", "PD requests by where their prompt was prefilled: remote (a "
+                                "prefill instance) or local (the decode instance, conditional disaggregation).",
+                                ("path",), registry=registry)
         self.retries = Counter(PREFIX + "retries", "Attempts retried with a new pair.", registry=registry)
         self.aborts = Counter(PREFIX + "aborts", "Abort requests sent to the other half of a failed pair, by role.",
                               ("role",), registry=registry)

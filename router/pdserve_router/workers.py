@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from .conditional import PrefillLoad, parse_load
 from .config import ConfigError, Role, RouterConfig
 
 log = logging.getLogger("pdserve_router")
@@ -65,6 +66,7 @@ class Worker:
     in_flight: int = 0
     health_failures: int = 0
     health_successes: int = 0
+    load: PrefillLoad | None = None  # a prefill's last `/load` answer (conditional disaggregation)
     bootstrap_host: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,14 +130,11 @@ class WorkerRegistry:
         worker.breaker.record(ok, time.monotonic())
 
 
-class HealthChecker:
-    """Polls every worker's health endpoint; thresholds of consecutive results flip `Worker.healthy`."""
+class PeriodicPoller:
+    """A background task that runs `check_all()` every `interval_s` seconds until stopped."""
 
-    def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
-        self.registry = registry
-        self.session = session
-        self.headers = headers
-        self.task: asyncio.Task | None = None
+    interval_s: float
+    task: asyncio.Task | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self.run())
@@ -147,8 +146,21 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.registry.config.health_check_interval_s)
+            await asyncio.sleep(self.interval_s)
             await self.check_all()
+
+    async def check_all(self) -> None:
+        raise NotImplementedError
+
+
+class HealthChecker(PeriodicPoller):
+    """Polls every worker's health endpoint; thresholds of consecutive results flip `Worker.healthy`."""
+
+    def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
+        self.registry = registry
+        self.session = session
+        self.headers = headers
+        self.interval_s = registry.config.health_check_interval_s
 
     async def check_all(self) -> None:
         workers = list(self.registry.workers.values())
@@ -181,3 +193,28 @@ class HealthChecker:
             worker.healthy = False
             log.warning("%s worker %s failed %d health checks; out of rotation", worker.role, worker.url,
                         worker.health_failures)
+
+
+class LoadPoller(PeriodicPoller):
+    """Reads every prefill instance's `/load` (conditional disaggregation); one that does not answer has no load."""
+
+    def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
+        self.registry, self.session, self.headers = registry, session, headers
+        self.interval_s = registry.config.load_poll_interval_s
+        self.timeout_s = registry.config.health_check_timeout_s
+
+    async def check_all(self) -> None:
+        workers = self.registry.of_role("prefill")
+        loads = await asyncio.gather(*(self.poll(w.url) for w in workers))
+        for worker, load in zip(workers, loads):
+            worker.load = load
+
+    async def poll(self, url: str) -> PrefillLoad | None:
+        try:
+            async with self.session.get(url + "/load", headers=self.headers,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                if resp.status != 200:
+                    return None
+                return parse_load(await resp.json(content_type=None))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return None

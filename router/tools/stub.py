@@ -58,6 +58,7 @@ class StubServer:
     fail_status: int | None = None
     healthy: bool = True
     held: bool = False  # generate requests wait until release() while held
+    load: dict | None = None  # what GET /load answers (a prefill's queued tokens and rate); None: 404
     requests: list[dict] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)
     abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -82,6 +83,7 @@ class StubServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/flush_cache", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/load", self.load_report)
         return app
 
     async def start(self) -> None:
@@ -118,6 +120,9 @@ class StubServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(text=f"stub_requests_total {len(self.requests)}\n")
+
+    async def load_report(self, request: web.Request) -> web.Response:
+        return web.json_response(self.load) if self.load is not None else web.json_response({}, status=404)
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")

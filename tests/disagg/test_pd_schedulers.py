@@ -45,10 +45,13 @@ def pair(model):
     decode.close()
 
 
-def run(scheds, timeout=60.0) -> dict[tuple[int, str], dict]:
+def run(scheds, timeout=60.0, max_steps: int | None = None) -> dict[tuple[int, str], dict]:
+    """Steps every scheduler until all drained (or `max_steps` rounds); their outputs by (scheduler, rid)."""
     outs: dict[tuple[int, str], dict] = {}
     deadline = time.monotonic() + timeout
-    while any(s.has_work() for s in scheds):
+    rounds = 0
+    while any(s.has_work() for s in scheds) and (max_steps is None or rounds < max_steps):
+        rounds += 1
         assert time.monotonic() < deadline, "schedulers did not drain"
         for i, s in enumerate(scheds):
             for o in s.step():
@@ -104,11 +107,59 @@ def test_layerwise_push_matches_colocated(model):
         decode.close()
 
 
-def test_request_without_bootstrap_fields_is_refused(pair):
+def test_prefill_refuses_a_request_without_bootstrap_fields_and_decode_half_of_them(pair):
     prefill, decode, _ = pair
+    with pytest.raises(ValueError, match="bootstrap_host, bootstrap_port and bootstrap_room"):
+        prefill.add_request(Req(rid="x", input_ids=[5, 6, 7], sampling_params=greedy()))
+    with pytest.raises(ValueError, match="bootstrap_host, bootstrap_port and bootstrap_room"):
+        decode.add_request(Req(rid="x", input_ids=[5, 6, 7], sampling_params=greedy(), bootstrap_host="127.0.0.1"))
+
+
+def test_decode_prefills_a_request_without_bootstrap_fields_like_colocated(model, pair):
+    """Conditional disaggregation: local prompts (one of them in 3 chunks of 32) join a running PD request; each
+    local chunk step is followed by a decode step, and every output equals colocated."""
+    prefill, decode, port = pair
+    rng = random.Random(7)
+    prompts = {rid: [rng.randrange(3, 900) for _ in range(n)] for rid, n in
+               (("remote", 40), ("local-short", 5), ("local-chunked", 70))}
+    colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    for rid, ids in prompts.items():
+        colocated.add_request(Req(rid=rid, input_ids=list(ids), sampling_params=greedy(24)))
+    expected = run([colocated])
+    local_before = decode.num_local_prefills
     for s in (prefill, decode):
-        with pytest.raises(ValueError, match="bootstrap_host, bootstrap_port and bootstrap_room"):
-            s.add_request(Req(rid="x", input_ids=[5, 6, 7], sampling_params=greedy()))
+        s.add_request(pd_req("remote", prompts["remote"], port, room=700, n=24))
+    got: dict[tuple[int, str], dict] = {}
+    deadline = time.monotonic() + 60
+    while not decode.running:  # the remote request is decoding before the local ones arrive
+        assert time.monotonic() < deadline, "the PD request never started decoding"
+        merge(got, run([prefill, decode], max_steps=1))
+    steps = []  # (forward mode, requests decoding at that forward) on the decode server
+
+    def observe(batch) -> None:
+        steps.append((batch.mode.name, len(decode.running)))
+
+    decode.runner.forward_observers.append(observe)
+    try:
+        for rid in ("local-short", "local-chunked"):
+            decode.add_request(Req(rid=rid, input_ids=list(prompts[rid]), sampling_params=greedy(24)))
+        merge(got, run([prefill, decode]))
+    finally:
+        decode.runner.forward_observers.remove(observe)
+    for rid in prompts:
+        assert got[(1, rid)]["ids"] == expected[(0, rid)]["ids"], rid
+    assert (0, "local-short") not in got and decode.num_local_prefills == local_before + 2
+    extends = [i for i, (mode, _) in enumerate(steps) if mode == "EXTEND"]
+    assert len(extends) >= 3  # local-chunked: 70 tokens in chunks of 32
+    assert all(steps[i - 1][0] != "EXTEND" for i in extends if i > 0 and steps[i][1] > 0), steps
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+
+
+def merge(into: dict, outs: dict) -> None:
+    for key, entry in outs.items():
+        mine = into.setdefault(key, {"ids": [], "finish": None})
+        mine["ids"] += entry["ids"]
+        mine["finish"] = entry["finish"] or mine["finish"]
 
 
 def test_fake_transfer_requests_serve_health_checks(pair):

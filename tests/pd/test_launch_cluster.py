@@ -19,28 +19,56 @@ import pytest
 from cluster_util import CHILD_ENV, http, live_session_members
 from pd.conftest import mooncake_available
 
+from pdserve import SamplingParams
+from pdserve.launch_cluster import PortPicker, parse_args, plan_cluster
+
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
 
 
-def test_cluster_serves_and_stops_when_a_child_dies(tiny_model, tmp_path):
-    argv = [sys.executable, "-m", "pdserve.launch_cluster", "--model-path", tiny_model, "--device", "cpu",
-            "--transfer-backend", "tcp", "--log-dir", str(tmp_path), "--", "--max-total-tokens", "4096"]
-    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)
-    lines: list[str] = []
-    ready = threading.Event()
+class Launched:
+    """A `launch_cluster` process and the lines it printed (read on a thread)."""
 
-    def read_output() -> None:
-        for line in launcher.stdout:
-            lines.append(line)
+    def __init__(self, argv: list[str]):
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CHILD_ENV)
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
             if "Ctrl-C stops everything" in line:
-                ready.set()
-        ready.set()
+                self.ready.set()
+        self.ready.set()
 
-    reader = threading.Thread(target=read_output, daemon=True)
-    reader.start()
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, timeout: float) -> None:
+        assert self.ready.wait(timeout) and self.proc.poll() is None, self.output
+
+    def url_of(self, child: str) -> str:
+        return re.search(rf"^  {child}\s+(http://\S+)", self.output, re.M).group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def launch_argv(model: str, log_dir, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "pdserve.launch_cluster", "--model-path", model, "--device", "cpu",
+            "--transfer-backend", "tcp", "--log-dir", str(log_dir), *flags, "--", "--max-total-tokens", "4096"]
+
+
+def test_cluster_serves_and_stops_when_a_child_dies(tiny_model, tmp_path):
+    launched = Launched(launch_argv(tiny_model, tmp_path))
+    launcher, lines = launched.proc, launched.lines
     try:
-        assert ready.wait(400) and launcher.poll() is None, "".join(lines)
-        output = "".join(lines)
+        launched.wait_ready(400)
+        output = launched.output
         for name in ("prefill 0", "decode 0", "router"):
             assert re.search(rf"^pdserve-cluster: {name} ready after \d+ s \(\d/\d\)$", output, re.M), output
         router_url = re.search(r"^Router: (http://\S+)$", output, re.M).group(1)
@@ -53,17 +81,52 @@ def test_cluster_serves_and_stops_when_a_child_dies(tiny_model, tmp_path):
         sessions = {os.getsid(pid) for pid in _children(launcher.pid)}  # each child leads its own session
         os.kill(decode_pid, signal.SIGKILL)
         assert launcher.wait(60) == 1
-        reader.join(10)
-        output = "".join(lines)
+        launched.reader.join(10)
+        output = launched.output
         assert "decode 0" in output and "exited with code -9" in output and "stopping everything" in output
         deadline = time.monotonic() + 15
         while any(live_session_members(sid) for sid in sessions):
             assert time.monotonic() < deadline, "children of the cluster outlived the launcher"
             time.sleep(0.2)
     finally:
-        if launcher.poll() is None:
-            launcher.send_signal(signal.SIGTERM)
-            launcher.wait(60)
+        launched.stop()
+
+
+def test_two_prefills_two_decodes_share_the_work(tiny_model, tmp_path, offline_llm):
+    """2P2D: output identical to the offline engine's (itself identical to colocated, test_pd_equivalence), and
+    every prefill and every decode served requests."""
+    launched = Launched(launch_argv(tiny_model, tmp_path, "--prefill", "2", "--decode", "2", "--router-args",
+                                    "--prefill-policy round_robin --decode-policy round_robin"))
+    try:
+        launched.wait_ready(600)
+        router_url = re.search(r"^Router: (http://\S+)$", launched.output, re.M).group(1)
+        prompts = ["The capital of France is", "1, 2, 3,", "Once upon a time", "Hello world"]
+        greedy = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+        expected = offline_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                        use_tqdm=False)
+        for prompt, offline in zip(prompts, expected):
+            reply = http("POST", router_url + "/generate", {"text": prompt, "sampling_params": greedy})
+            assert reply.status == 200, reply.body
+            assert reply.json()["output_ids"] == offline.token_ids
+        for child in ("prefill 0", "prefill 1", "decode 0", "decode 1"):
+            metrics = http("GET", launched.url_of(child) + "/metrics").body.decode()
+            received = re.search(r"^pdserve_requests_received_total (\S+)$", metrics, re.M).group(1)
+            assert float(received) == 2, f"{child} received {received} requests"
+    finally:
+        launched.stop()
+
+
+def test_servers_are_placed_on_gpus_in_order():
+    """--prefill N --decode M on GPUs: prefill i on GPU i, decode j on GPU N+j, one router in front of all."""
+    ns, engine_args = parse_args(["--prefill", "3", "--decode", "2", "--", "--page-size", "16"])
+    servers, router = plan_cluster(ns, "/models/m", "cuda", engine_args, PortPicker("127.0.0.1"))
+    assert [(s.name, s.gpu) for s in servers] == [("prefill 0", 0), ("prefill 1", 1), ("prefill 2", 2),
+                                                  ("decode 0", 3), ("decode 1", 4)]
+    for spec in servers:
+        assert spec.argv[spec.argv.index("--base-gpu-id") + 1] == str(spec.gpu)
+    assert router.argv.count("--prefill") == 1 and all(s.url in router.argv for s in servers)
+    prefill_args = router.argv[router.argv.index("--prefill") + 1:router.argv.index("--prefill-bootstrap-ports")]
+    assert list(prefill_args) == [s.url for s in servers[:3]]
 
 
 def _children(pid: int) -> list[int]:

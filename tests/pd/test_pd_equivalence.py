@@ -128,12 +128,12 @@ def test_openai_completions(pd: PDCluster, colocated: Proc):
     assert streamed == chats[1].message.content
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_direct_request_without_bootstrap_is_refused(pd: PDCluster, role: str):
-    reply = getattr(pd, role).post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY})
+def test_direct_request_without_bootstrap_is_refused_by_the_prefill(pd: PDCluster):
+    """(The decode server prefills such a request itself: tests/pd/test_conditional_disagg.py.)"""
+    reply = pd.prefill.post("/generate", {"text": PROMPTS[0], "sampling_params": GREEDY})
     assert reply.status == 400
     message = reply.json()["error"]["message"]
-    assert f"PD {role} server" in message and "bootstrap_room" in message and "router" in message
+    assert "PD prefill server" in message and "bootstrap_room" in message and "router" in message
 
 
 @pytest.mark.parametrize("bad", [{"min_new_tokens": 2, "stop_token_ids": [5000]}, {"top_k": 1e30}],

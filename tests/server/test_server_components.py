@@ -255,11 +255,18 @@ def test_unknown_fields_are_still_refused():
 
 
 def test_pd_server_requires_bootstrap_fields():
+    """A prefill needs them; a decode takes none (it prefills locally) or all, never half."""
     request = GenerateRequest("r", [1], SamplingParams())
     check_bootstrap(ServerArgs(model_path="m"), request)  # colocated: fine without them
-    pd_args = ServerArgs(model_path="m", disaggregation_mode="decode")
+    prefill_args = ServerArgs(model_path="m", disaggregation_mode="prefill")
+    decode_args = ServerArgs(model_path="m", disaggregation_mode="decode")
     with pytest.raises(ApiError) as err:
-        check_bootstrap(pd_args, request)
+        check_bootstrap(prefill_args, request)
     assert err.value.status == 400 and "bootstrap_host" in err.value.message
-    request.bootstrap_host, request.bootstrap_room = "10.0.0.1", 7
-    check_bootstrap(pd_args, request)
+    check_bootstrap(decode_args, request)  # conditional disaggregation: the decode server prefills it
+    request.bootstrap_host = "10.0.0.1"
+    with pytest.raises(ApiError):
+        check_bootstrap(decode_args, request)
+    request.bootstrap_room = 7
+    check_bootstrap(prefill_args, request)
+    check_bootstrap(decode_args, request)

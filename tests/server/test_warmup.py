@@ -1,0 +1,43 @@
+"""Warm start: a server (or `LLM`) runs its warm-up pass before it reports ready, over the expected shapes, and
+leaves no trace of it (cache, hit counts, sampler seed, prefill rate)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.scheduler.warmup import CPU_PROMPT_BUCKETS, SAMPLINGS
+
+BUCKET = CPU_PROMPT_BUCKETS[0]
+# one prompt alone, then one per sampling in a batch: extend forwards of these sizes, a batched decode
+EXPECTED_EXTEND_TOKENS = [BUCKET, BUCKET * len(SAMPLINGS)]
+
+
+def test_server_is_ready_only_after_its_warm_up(server):
+    log = server.log()
+    assert "warm-up done" in log and "pdserve is ready" in log, log
+    assert log.index("warm-up done") < log.index("pdserve is ready")
+    warmup = server.get("/get_server_info").json()["model_info"]["warmup"]
+    assert warmup["prompt_lengths"] == [BUCKET] and warmup["samplings"] == list(SAMPLINGS)
+    assert warmup["extend_tokens"] == EXPECTED_EXTEND_TOKENS
+    assert len(SAMPLINGS) in warmup["decode_batch_sizes"]
+
+
+@pytest.fixture(scope="module")
+def warmed_and_cold(tiny_model):
+    args = dict(device="cpu", max_total_tokens=4096, context_length=256)
+    return LLM(tiny_model, **args), LLM(tiny_model, skip_server_warmup=True, **args)
+
+
+def test_offline_warm_up_runs_the_shapes_and_leaves_no_trace(warmed_and_cold):
+    warmed, cold = warmed_and_cold
+    assert cold.warmup is None
+    report = warmed.warmup
+    assert list(report.extend_tokens) == EXPECTED_EXTEND_TOKENS and len(SAMPLINGS) in report.decode_batch_sizes
+    stats = warmed.scheduler.stats()
+    assert stats["prefix_query_tokens"] == stats["prefix_hit_tokens"] == stats["kv_cached_tokens"] == 0
+    assert stats["prefill_tokens_per_s"] == 0.0 and warmed.scheduler.kv_pool_is_fully_free()
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True)  # the shared generator
+    prompts = ["The capital of France is", "Once upon a time"]
+    assert [o.token_ids for o in warmed.generate(prompts, sampled, use_tqdm=False)] == \
+        [o.token_ids for o in cold.generate(prompts, sampled, use_tqdm=False)]
