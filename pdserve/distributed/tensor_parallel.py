@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -60,9 +61,21 @@ class TPGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(tensor.item())
 
+    def broadcast_messages(self, raws: list[bytes] | None) -> list[bytes]:
+        """The leader's encoded messages on every rank (the others pass None)."""
+        if self.size == 1:
+            return raws or []
+        payload = msgpack.packb(raws, use_bin_type=True) if self.is_leader else None
+        return msgpack.unpackb(self.broadcast_bytes(payload), raw=False)
+
     def barrier(self) -> None:
         if self.size > 1:
             dist.barrier(group=self.cpu_group)
+
+    def destroy(self) -> None:
+        """Leave the group, so that this process can form another one."""
+        if self.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def init_tp_group(size: int, rank: int, port: int | None, device: torch.device) -> TPGroup:

@@ -10,7 +10,7 @@ import torch
 from pdserve.attention import create_backend, resolve_backend_name
 from pdserve.attention.base import ForwardContext
 from pdserve.config import ServerArgs
-from pdserve.distributed import init_tp_group, kv_heads_per_rank
+from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool

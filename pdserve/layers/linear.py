@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed import TPGroup
-from pdserve.distributed.tensor_parallel import kv_head_start, kv_heads_per_rank
+from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads_per_rank
 
 
 @dataclass(frozen=True, slots=True)

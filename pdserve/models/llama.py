@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from pdserve.attention.base import ForwardContext
-from pdserve.distributed import TPGroup, kv_heads_per_rank
+from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import silu_and_mul
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding
 from pdserve.layers.norm import RMSNorm

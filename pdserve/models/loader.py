@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.distributed import TPGroup
+from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.models import model_class
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.model_config import ModelConfig

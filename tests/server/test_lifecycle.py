@@ -52,7 +52,7 @@ def test_help_is_grouped():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--tp-size", "2"], "--tp-size 2"),
+    (["--tp-size", "0"], "--tp-size must be positive"),
     (["--page-size", "0"], "--page-size must be positive"),
     (["--disaggregation-mode", "prefill", "--port", "8998"], "give them different ports"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
