@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import torch
-from cluster_util import process_info
+from cluster_util import still_alive
 from server_util import ServerProcess, api_server
 from test_lifecycle import run_cli
 from transformers import AutoModelForCausalLM
@@ -49,10 +48,7 @@ def test_tp2_server_matches_hf_and_dies_with_a_rank(tiny_model, tmp_path):
         os.kill(follower, signal.SIGKILL)
         assert server.proc.wait(30) == 1
         assert f"the scheduler-tp1 process (pid {follower}) exited with code -9" in server.log()
-        deadline = time.monotonic() + 10
-        while any(process_info(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if process_info(pid)]
+        assert still_alive(children) == []
     finally:
         server.stop()
 
