@@ -8,7 +8,7 @@ import torch
 from test_hf_equivalence import greedy, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
-from pdserve import LLM
+from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
 from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.layers.linear import Shard
@@ -27,6 +27,11 @@ def test_tp2_greedy_matches_hf(tiny_models, preset):
     try:
         outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
         assert [o.token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+        # sampled decoding: every rank draws the same token from the same gathered logits, or the ranks would part
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_NEW, ignore_eos=True, seed=7)
+        first, again = (llm.generate(prompts, sampled, use_tqdm=False) for _ in range(2))
+        assert [o.token_ids for o in first] == [o.token_ids for o in again]
+        assert all(len(o.token_ids) == MAX_NEW for o in first)
         assert llm.scheduler.kv_pool_is_fully_free()
         assert llm.scheduler.runner.pool.layout.num_kv_heads == max(1, hf.config.num_key_value_heads // 2)
     finally:
