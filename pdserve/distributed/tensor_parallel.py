@@ -45,12 +45,13 @@ class TPGroup:
             return payload or b""
         length = torch.tensor([len(payload) if self.is_leader else 0], dtype=torch.int64)
         dist.broadcast(length, src=0, group=self.cpu_group)
+        if length.item() == 0:
+            return b""
         if self.is_leader:
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         else:
             buffer = torch.empty(int(length.item()), dtype=torch.uint8)
-        if buffer.numel():
-            dist.broadcast(buffer, src=0, group=self.cpu_group)
+        dist.broadcast(buffer, src=0, group=self.cpu_group)
         return buffer.numpy().tobytes()
 
     def min_over_ranks(self, value: int) -> int:
@@ -65,8 +66,9 @@ class TPGroup:
         """The leader's encoded messages on every rank (the others pass None)."""
         if self.size == 1:
             return raws or []
-        payload = msgpack.packb(raws, use_bin_type=True) if self.is_leader else None
-        return msgpack.unpackb(self.broadcast_bytes(payload), raw=False)
+        payload = msgpack.packb(raws, use_bin_type=True) if raws else b""  # nothing new: one collective
+        received = self.broadcast_bytes(payload if self.is_leader else None)
+        return msgpack.unpackb(received, raw=False) if received else []
 
     def barrier(self) -> None:
         if self.size > 1:
