@@ -61,6 +61,7 @@ class ServerArgs:
     # parallelism
     tp_size: int = 1
     base_gpu_id: int = 0
+    nccl_port: int | None = None
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -84,6 +85,7 @@ class ServerArgs:
     decode_local_prefill_chunk_size: int = 512
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
+    tp_rank: int = field(default=0, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -113,11 +115,13 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
             raise ConfigError(
-                f"--tp-size {self.tp_size}: this release runs one rank per role; "
-                "run several prefill or decode instances behind the router instead"
+                f"--tp-size {self.tp_size} with --disaggregation-mode {self.disaggregation_mode}: the KV handoff "
+                "does not split heads across ranks yet; use --tp-size 1 on PD roles or serve TP colocated"
             )
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tensor-parallel rank {self.tp_rank} is outside --tp-size {self.tp_size}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ConfigError(f"--disaggregation-mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
         if self.disaggregation_transfer_backend not in ("auto", "mooncake", "nccl", "tcp", "fake"):
@@ -244,7 +248,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
     "skip_server_warmup": ("kernels", "Report ready without the warm-up pass that compiles (or loads from the on-disk cache) the kernels of the prompt-length buckets and the samplers."),
     "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),
-    "base_gpu_id": ("parallelism", "First GPU index this server uses."),
+    "base_gpu_id": ("parallelism", "First GPU index this server uses; rank r of --tp-size uses base + r."),
+    "nccl_port": ("parallelism", "Port on 127.0.0.1 where the tensor-parallel ranks meet (default: a free one)."),
     "host": ("http", "Address to bind; 127.0.0.1 unless told otherwise."),
     "port": ("http", "HTTP port."),
     "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),

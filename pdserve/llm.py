@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import weakref
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
+from pdserve.distributed.rendezvous import free_rendezvous_port
+from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.warmup import warm_up
+from pdserve.server.launch import stop_children
+from pdserve.server.scheduler_process import run_scheduler_process, scheduler_process_name
 from pdserve.tokenizer import load_tokenizer
 
 
@@ -28,12 +36,30 @@ class RequestOutput:
 
 
 class LLM:
+    """With `tp_size` N > 1 this process is rank 0 and N - 1 scheduler processes are spawned for the other
+    ranks; each step's new requests are broadcast to them first, as the server's leader rank does."""
+
     def __init__(self, model_path: str, **engine_args):
         self.args = ServerArgs.from_kwargs(model_path, **engine_args)
+        if self.args.tp_size > 1 and self.args.nccl_port is None:
+            self.args = self.args.replace(nccl_port=free_rendezvous_port())
         self.tokenizer = load_tokenizer(self.args)
-        self.scheduler = Scheduler(self.args, tokenizer=self.tokenizer)
-        self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
+        followers = _spawn_followers(self.args)
+        try:
+            self.scheduler = Scheduler(self.args, tokenizer=self.tokenizer)
+            # every rank warms up the same way (scheduler_process.run_scheduler_process), then meets here
+            self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
+            self.scheduler.runner.tp.barrier()
+        except BaseException:
+            stop_children(followers)
+            raise
+        self._shutdown = weakref.finalize(self, _stop_ranks, followers, self.scheduler.runner.tp)
+        self._outbox: list[bytes] = []  # requests the other ranks get before the next step
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other ranks' processes and leave the group (also done when the LLM is garbage-collected)."""
+        self._shutdown()
 
     def generate(
         self,
@@ -51,16 +77,22 @@ class LLM:
             self.scheduler.validate(req)
         for req in reqs:
             self.scheduler.add_request(req)
+            self._outbox.append(encode(TokenizedGenerateReq(req.rid, req.input_ids, req.sampling_params.to_dict())))
         pending = {r.rid for r in reqs}
         with tqdm(total=len(reqs), desc="Generating", disable=not use_tqdm, unit="req") as bar:
             while pending:
-                for out in self.scheduler.step():
+                for out in self._step():
                     if out.finish_reason is not None and out.rid in pending:
                         pending.discard(out.rid)
                         bar.update(1)
             while self.scheduler.has_work():  # read back the last launched batch, release its pages
-                self.scheduler.step()
+                self._step()
         return [self._make_output(r) for r in reqs]
+
+    def _step(self) -> list[TokenOut]:
+        self.scheduler.runner.tp.broadcast_messages(self._outbox)
+        self._outbox = []
+        return self.scheduler.step()
 
     def _make_req(self, prompt: str | list[int], params: SamplingParams) -> Req:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -83,3 +115,17 @@ class LLM:
             prompt_logprobs=req.input_logprobs if req.logprob_start_len >= 0 else None,
             cached_tokens=req.num_prefix_hit,
         )
+
+
+def _stop_ranks(followers: list[BaseProcess], tp: TPGroup) -> None:
+    stop_children(followers)
+    tp.destroy()
+
+
+def _spawn_followers(args: ServerArgs) -> list[BaseProcess]:
+    ctx = multiprocessing.get_context("spawn")
+    followers = [ctx.Process(target=run_scheduler_process, args=(args.replace(tp_rank=rank),),
+                             name=scheduler_process_name(rank), daemon=True) for rank in range(1, args.tp_size)]
+    for process in followers:
+        process.start()
+    return followers

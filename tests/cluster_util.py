@@ -141,6 +141,14 @@ def process_info(pid: int) -> ProcessInfo | None:
     return None if fields[0] in ("Z", "X") else ProcessInfo(fields[0], int(fields[1]), int(fields[3]))
 
 
+def still_alive(pids: Iterable[int], timeout: float = 10.0) -> list[int]:
+    """The `pids` still alive after waiting up to `timeout` for all of them to exit."""
+    deadline = time.monotonic() + timeout
+    while (alive := [pid for pid in pids if process_info(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive
+
+
 def live_processes() -> dict[int, ProcessInfo]:
     found = {}
     for entry in os.listdir("/proc"):

@@ -10,6 +10,7 @@ import torch
 from pdserve.attention import create_backend, resolve_backend_name
 from pdserve.attention.base import ForwardContext
 from pdserve.config import ServerArgs
+from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
@@ -37,19 +38,23 @@ class ModelRunner:
     def __init__(self, args: ServerArgs, model_config: ModelConfig):
         self.args = args
         self.model_config = model_config
-        self.device = resolve_device(args.device, args.base_gpu_id)
+        model_config.check_tp_size(args.tp_size)
+        self.device = resolve_device(args.device, args.base_gpu_id + args.tp_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.tp = init_tp_group(args.tp_size, args.tp_rank, args.nccl_port, self.device)
         self.dtype = resolve_dtype(args.dtype, model_config.checkpoint_dtype, self.device)
         self.context_len = model_config.context_len(args.context_length)
         torch.manual_seed(args.random_seed)
-        self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy")
+        self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy",
+                                self.tp)
         self.pool = KVPool(self._kv_layout(), self.device)
         self.backend_name = resolve_backend_name(args.attention_backend, self.device.type, model_config.head_dim,
                                                  args.page_size)
         self.backend = create_backend(
             self.backend_name,
-            num_heads=model_config.num_heads, num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            num_heads=model_config.num_heads // args.tp_size, num_kv_heads=self.num_kv_heads,
+            head_dim=model_config.head_dim,
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
@@ -60,21 +65,26 @@ class ModelRunner:
                 self.context_len, self.device,
             )
         logger.info(
-            "model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
-            model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
+            "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
+            args.tp_rank, args.tp_size, model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
             self.pool.layout.num_slots, args.page_size,
         )
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of this rank's pool."""
+        return kv_heads_per_rank(self.model_config.num_kv_heads, self.args.tp_size)
+
     def _kv_layout(self) -> KVLayout:
         cfg, ps = self.model_config, self.args.page_size
-        layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ps, 2, self.dtype)
+        layout = KVLayout(cfg.num_layers, self.num_kv_heads, cfg.head_dim, ps, 2, self.dtype)
         bytes_per_token = 2 * cfg.num_layers * layout.token_bytes
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * self.args.mem_fraction_static - (total - free)
-            tokens = int(budget // bytes_per_token)
+            tokens = self.tp.min_over_ranks(int(budget // bytes_per_token))
             if tokens < 16 * ps:
                 raise RuntimeError(
                     f"--mem-fraction-static {self.args.mem_fraction_static} leaves room for only {max(tokens, 0)} "
@@ -83,7 +93,7 @@ class ModelRunner:
         else:
             tokens = CPU_DEFAULT_KV_TOKENS
         num_pages = tokens // ps + 1  # + the reserved padding page 0
-        return KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, ps, num_pages, self.dtype)
+        return KVLayout(cfg.num_layers, self.num_kv_heads, cfg.head_dim, ps, num_pages, self.dtype)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:

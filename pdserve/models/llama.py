@@ -6,22 +6,28 @@ import torch
 from torch import nn
 
 from pdserve.attention.base import ForwardContext
+from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import silu_and_mul
+from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.num_heads = cfg.num_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, tp.size)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        q_shard = Shard.even(cfg.num_heads * cfg.head_dim, tp)
+        kv_shard = Shard.kv_heads(cfg.num_kv_heads, cfg.head_dim, tp)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias)
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -40,20 +46,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        shard = Shard.even(cfg.intermediate_size, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard, shard], bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_id, qk_norm)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_id, qk_norm, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -70,19 +77,19 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
-    # HF checkpoint name -> (pdserve parameter, shard index) for fused projections
+    # HF checkpoint name -> (pdserve parameter, part index) for fused projections
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -96,12 +103,6 @@ class LlamaForCausalLM(nn.Module):
                 ctx.on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
         return self.lm_head(hidden[batch.logits_indices]).float()
-
-    def shard_sizes(self, fused_name: str) -> list[int]:
-        cfg = self.config
-        if fused_name == "qkv_proj":
-            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        return [cfg.intermediate_size, cfg.intermediate_size]
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.models import model_class
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.model_config import ModelConfig
@@ -29,13 +30,14 @@ def _param_name(hf_name: str) -> str:
     return hf_name.removeprefix("model.")
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup()
+                ) -> LlamaForCausalLM:
     cls = model_class(cfg.architecture)
     with torch.device(device):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = cls(cfg)
+            model = cls(cfg, tp)
         finally:
             torch.set_default_dtype(prev)
     # rotary caches stay float32 for accuracy
@@ -68,17 +70,20 @@ def load_weights(model: LlamaForCausalLM, model_path: Path, show_progress: bool 
 
 
 def _load_one(model, params: dict, name: str, tensor: torch.Tensor, loaded: set[str]) -> None:
-    for hf_part, (fused, shard) in model.packed_modules.items():
+    """Sharded layers keep their rank's slice of the full checkpoint tensor (`load_shard`); the rest copy it."""
+    part = 0
+    for hf_part, (fused, index) in model.packed_modules.items():
         if f".{hf_part}." in name:
-            target_name = name.replace(f".{hf_part}.", f".{fused}.")
-            target = params[target_name]
-            sizes = model.shard_sizes(fused)
-            offset = sum(sizes[:shard])
-            target.data[offset : offset + sizes[shard]].copy_(tensor)
-            loaded.add(target_name)
-            return
+            name, part = name.replace(f".{hf_part}.", f".{fused}."), index
+            break
     if name not in params:
         raise ValueError(f"checkpoint weight {name!r} has no place in {type(model).__name__}")
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if hasattr(module, "load_shard"):
+        module.load_shard(attr, tensor, part)
+        loaded.add(name)
+        return
     target = params[name]
     if target.shape != tensor.shape:
         raise ValueError(f"weight {name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
@@ -87,8 +92,8 @@ def _load_one(model, params: dict, name: str, tensor: torch.Tensor, loaded: set[
 
 
 def load_model(model_path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-               dummy: bool = False) -> LlamaForCausalLM:
-    model = build_model(cfg, dtype, device)
+               dummy: bool = False, tp: TPGroup = TPGroup()) -> LlamaForCausalLM:
+    model = build_model(cfg, dtype, device, tp)
     if dummy:
         with torch.no_grad():
             for p in model.parameters():

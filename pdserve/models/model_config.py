@@ -48,6 +48,17 @@ class ModelConfig:
             )
         return requested
 
+    def check_tp_size(self, tp_size: int) -> None:
+        """Refuse a tensor-parallel size the model's heads or MLP cannot be split by (KV heads may be replicated)."""
+        kv_ok = self.num_kv_heads % tp_size == 0 if self.num_kv_heads >= tp_size else tp_size % self.num_kv_heads == 0
+        checks = (("num_attention_heads", self.num_heads, self.num_heads % tp_size == 0),
+                  ("num_key_value_heads", self.num_kv_heads, kv_ok),
+                  ("intermediate_size", self.intermediate_size, self.intermediate_size % tp_size == 0))
+        for name, value, ok in checks:
+            if not ok:
+                hint = " (nor is --tp-size a multiple of it)" if name == "num_key_value_heads" else ""
+                raise ConfigError(f"--tp-size {tp_size} does not divide this model's {name} {value}{hint}")
+
     @classmethod
     def from_path(cls, model_path: str | Path) -> "ModelConfig":
         path = Path(model_path)

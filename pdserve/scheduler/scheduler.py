@@ -74,6 +74,7 @@ class Scheduler(OverlapMixin):
             "attention_backend": self.runner.backend_name,
             "cuda_graphs": self.runner.graph_runner is not None,
             "disaggregation_mode": self.args.disaggregation_mode,
+            "tp_size": self.args.tp_size,
         }
 
     @property

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
+from pdserve.distributed.rendezvous import free_rendezvous_port
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
 from pdserve.server.ipc import no_process_shared_locks, setup_logging
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.scheduler_process import run_scheduler_process
+from pdserve.server.scheduler_process import run_scheduler_process, scheduler_process_name
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.tokenizer import load_tokenizer
 
@@ -41,6 +42,7 @@ TERMINATE_TIMEOUT_SECONDS = 10.0
 KILL_TIMEOUT_SECONDS = 5.0
 EXIT_CHILD_DIED = 1
 EXIT_START_FAILED = 1
+READY_ROLES = {"scheduler", "detokenizer"}  # the leader rank announces once every rank has loaded
 
 
 def launch_server(args: ServerArgs) -> int:
@@ -54,9 +56,12 @@ def launch_server(args: ServerArgs) -> int:
         return EXIT_START_FAILED
     ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")  # mode 0700: only this user can reach the sockets
     args = args.replace(ipc_dir=ipc_dir)
+    if args.tp_size > 1 and args.nccl_port is None:
+        args = args.replace(nccl_port=free_rendezvous_port())
     ctx = multiprocessing.get_context("spawn")
     children = [
-        ctx.Process(target=run_scheduler_process, args=(args,), name="scheduler"),
+        *(ctx.Process(target=run_scheduler_process, args=(args.replace(tp_rank=rank),),
+                      name=scheduler_process_name(rank)) for rank in range(args.tp_size)),
         ctx.Process(target=run_detokenizer_process, args=(args,), name="detokenizer"),
     ]
     try:
@@ -98,6 +103,7 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
     for child in children:
         child.start()
+        logger.info("started the %s process (pid %d)", child.name, child.pid)
         loop.add_reader(child.sentinel, on_child_exit, child)
     tm: TokenizerManager | None = None
     runner: web.AppRunner | None = None
@@ -107,7 +113,7 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         if stop.is_set():
             return exit_code
         tm = TokenizerManager(args, ServerMetrics(), tokenizer)
-        await _unless_stopped(tm.wait_ready({c.name for c in children}, STARTUP_TIMEOUT_SECONDS), stop)
+        await _unless_stopped(tm.wait_ready(READY_ROLES, STARTUP_TIMEOUT_SECONDS), stop)
         if stop.is_set():
             return exit_code
         tm.start()

@@ -3,6 +3,10 @@
 One loop iteration = receive what the tokenizer manager sent, dispatch it, run one scheduler step,
 send the step's outputs to the detokenizer. Each part is its own method so the PD roles can extend
 the loop (e.g. `handle_generate` to enqueue into a bootstrap queue, `run_step` to poll KV transfers).
+
+With tensor parallelism there is one such process per rank. Rank 0 (the leader) owns the sockets and
+broadcasts every message it receives to the other ranks before dispatching it; every rank then runs the
+same scheduler on the same messages, so all form the same batches. Only the leader replies or sends outputs.
 """
 
 from __future__ import annotations
@@ -49,6 +53,18 @@ class SchedulerProcess:
     def __init__(self, args: ServerArgs, scheduler: Scheduler):
         self.args = args
         self.sched = scheduler
+        self.tp = scheduler.runner.tp
+        self.to_detokenizer = self.to_tokenizer = None  # a follower rank sends nothing
+        if self.tp.is_leader:
+            self._open_sockets(args, scheduler)
+        self.handlers: dict[type, Callable[[Any], None]] = {
+            TokenizedGenerateReq: self.handle_generate,
+            AbortReq: self.handle_abort,
+            FlushCacheReq: self.handle_flush_cache,
+            GetStatsReq: self.handle_get_stats,
+        }
+
+    def _open_sockets(self, args: ServerArgs, scheduler: Scheduler) -> None:
         self.ctx = zmq.Context()
         self.receiver = pull_socket(self.ctx, ipc_addr(args, "scheduler"), bind=True)
         self.to_detokenizer = push_socket(self.ctx, ipc_addr(args, "detokenizer"))
@@ -57,16 +73,15 @@ class SchedulerProcess:
         self.poller.register(self.receiver, zmq.POLLIN)
         for fd in scheduler.wakeup_fds():
             self.poller.register(fd, zmq.POLLIN)
-        self.handlers: dict[type, Callable[[Any], None]] = {
-            TokenizedGenerateReq: self.handle_generate,
-            AbortReq: self.handle_abort,
-            FlushCacheReq: self.handle_flush_cache,
-            GetStatsReq: self.handle_get_stats,
-        }
+
+    def send(self, sock: zmq.Socket | None, msg: Any) -> None:
+        if sock is not None:
+            sock.send(encode(msg))
 
     def announce_ready(self, warmup: WarmupReport | None) -> None:
+        self.tp.barrier()  # every rank has loaded its shard and run the same warm-up
         info = {**self.sched.model_info, "warmup": warmup.describe() if warmup else None}
-        self.to_tokenizer.send(encode(ProcessReady("scheduler", info)))
+        self.send(self.to_tokenizer, ProcessReady("scheduler", info))
 
     def run_forever(self, warmup: WarmupReport | None) -> None:
         self.announce_ready(warmup)
@@ -76,21 +91,27 @@ class SchedulerProcess:
             self.send_outputs(self.run_step())
 
     def recv_requests(self) -> list[Any]:
-        """Everything queued now. With nothing to do it first sleeps until a request or a wake-up (a PD
-        control message) arrives, or IDLE_POLL_MS pass so that deadlines are checked."""
-        if not self.sched.can_step():
-            self.poller.poll(IDLE_POLL_MS)
+        """Everything queued now (on a follower: what the leader received). With nothing to do the leader
+        first sleeps until a request or a wake-up (a PD control message) arrives, or IDLE_POLL_MS pass so
+        that deadlines are checked."""
+        raws = self._recv_raw() if self.tp.is_leader else None
         messages = []
-        while True:
-            try:
-                raw = self.receiver.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for raw in self.tp.broadcast_messages(raws):
             try:
                 messages.append(decode(raw))
             except MessageError as exc:
                 logger.error("dropped a malformed message: %s", exc)
         return messages
+
+    def _recv_raw(self) -> list[bytes]:
+        if not self.sched.can_step():
+            self.poller.poll(IDLE_POLL_MS)
+        raws = []
+        while True:
+            try:
+                raws.append(self.receiver.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return raws
 
     def dispatch(self, msg: Any) -> None:
         handler = self.handlers.get(type(msg))
@@ -104,7 +125,7 @@ class SchedulerProcess:
             req = self.build_req(msg)
             self.sched.add_request(req)
         except (ValueError, TypeError) as exc:  # SamplingParamsError is a ValueError
-            self.to_tokenizer.send(encode(RequestError(msg.rid, str(exc))))
+            self.send(self.to_tokenizer, RequestError(msg.rid, str(exc)))
             return
         settings = DecodeSettings(
             rid=msg.rid,
@@ -112,7 +133,7 @@ class SchedulerProcess:
             stop=list(req.sampling_params.stop),
             return_logprob=req.return_logprob,
         )
-        self.to_detokenizer.send(encode(settings))
+        self.send(self.to_detokenizer, settings)
 
     def build_req(self, msg: TokenizedGenerateReq) -> Req:
         try:
@@ -126,12 +147,12 @@ class SchedulerProcess:
         self.sched.abort_request(msg.rid)
 
     def handle_flush_cache(self, msg: FlushCacheReq) -> None:
-        self.to_tokenizer.send(encode(FlushCacheReply(msg.request_id, bool(self.sched.flush_cache()))))
+        self.send(self.to_tokenizer, FlushCacheReply(msg.request_id, bool(self.sched.flush_cache())))
 
     def handle_get_stats(self, msg: GetStatsReq) -> None:
         stats = dict(self.sched.stats())
         stats["kv_pool_fully_free"] = not self.sched.has_work() and bool(self.sched.kv_pool_is_fully_free())
-        self.to_tokenizer.send(encode(GetStatsReply(msg.request_id, stats)))
+        self.send(self.to_tokenizer, GetStatsReply(msg.request_id, stats))
 
     def run_step(self) -> list[TokenOut]:
         """One scheduler step; with nothing queued it only handles control messages and deadlines."""
@@ -139,12 +160,13 @@ class SchedulerProcess:
 
     def send_outputs(self, outputs: list[TokenOut]) -> None:
         if outputs:
-            self.to_detokenizer.send(encode(BatchTokenOut(outputs)))
+            self.send(self.to_detokenizer, BatchTokenOut(outputs))
 
 
 def run_scheduler_process(args: ServerArgs) -> None:
-    """Entry point of a scheduler child (spawned by `launch.py`)."""
-    child_setup("scheduler", args.log_level)
+    """Entry point of a scheduler child, one per tensor-parallel rank (spawned by `launch.py`, and for the
+    ranks after 0 by the offline `LLM`)."""
+    child_setup(scheduler_process_name(args.tp_rank), args.log_level)
     from pdserve.disagg.factory import create_scheduler
 
     try:
@@ -156,3 +178,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
 
     warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
     SchedulerProcess(args, scheduler).run_forever(warmup)
+
+
+def scheduler_process_name(tp_rank: int) -> str:
+    return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"

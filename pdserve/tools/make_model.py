@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -189,6 +189,9 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
+
+# one KV head for four query heads: with tensor parallelism every rank holds a replica of it
+PRESETS["llama-tiny-mqa"] = replace(PRESETS["llama-tiny"], name="llama-tiny-mqa", num_key_value_heads=1)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from cluster_util import process_info
+from cluster_util import still_alive
 from server_util import api_server
 
 from pdserve.config import ServerArgs
@@ -52,7 +52,7 @@ def test_help_is_grouped():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--tp-size", "2"], "--tp-size 2"),
+    (["--tp-size", "0"], "--tp-size must be positive"),
     (["--page-size", "0"], "--page-size must be positive"),
     (["--disaggregation-mode", "prefill", "--port", "8998"], "give them different ports"),
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
@@ -95,10 +95,7 @@ def test_child_crash_takes_the_server_down(tiny_model, tmp_path):
         assert time.monotonic() - killed_at < 20
         line = rf"the (scheduler|detokenizer) process \(pid {victim}\) exited with code -9; shutting down the server"
         assert re.search(line, server.log()), server.log()
-        deadline = time.monotonic() + 10
-        while any(process_info(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [pid for pid in children if process_info(pid)]
+        assert still_alive(children) == []
     finally:
         server.stop()
 

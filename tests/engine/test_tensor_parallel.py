@@ -1,0 +1,62 @@
+"""Tensor parallelism on the CPU (gloo, fp32): the offline API with two ranks generates what HF does, for each
+architecture and with a KV head replicated on both ranks; a model that cannot be split is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_hf_equivalence import greedy, hf_greedy, random_prompts
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.config import ConfigError
+from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.layers.linear import Shard
+from pdserve.models.model_config import ModelConfig
+
+MAX_NEW = 8
+
+
+@pytest.mark.parametrize("preset", ["llama-tiny", "qwen2-tiny", "qwen3-tiny", "llama-tiny-mqa"])
+def test_tp2_greedy_matches_hf(tiny_models, preset):
+    path = tiny_models[preset]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts([1, 9, 40], hf.config.vocab_size, seed=3)  # 40 > the chunk: two chunks
+    llm = LLM(path, tp_size=2, device="cpu", dtype="float32", page_size=4, chunked_prefill_size=32,
+              max_prefill_tokens=32, max_total_tokens=1024)
+    try:
+        outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, p, MAX_NEW) for p in prompts]
+        # sampled decoding: every rank draws the same token from the same gathered logits, or the ranks would part
+        sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=MAX_NEW, ignore_eos=True, seed=7)
+        first, again = (llm.generate(prompts, sampled, use_tqdm=False) for _ in range(2))
+        assert [o.token_ids for o in first] == [o.token_ids for o in again]
+        assert all(len(o.token_ids) == MAX_NEW for o in first)
+        assert llm.scheduler.kv_pool_is_fully_free()
+        assert llm.scheduler.runner.pool.layout.num_kv_heads == max(1, hf.config.num_key_value_heads // 2)
+    finally:
+        llm.shutdown()
+
+
+def test_kv_heads_are_split_or_replicated():
+    # 4 KV heads over 2 ranks: two each; 1 KV head over 2 ranks: both hold head 0; 2 over 4: heads 0, 0, 1, 1
+    assert [Shard.kv_heads(4, 8, TPGroup(r, 2)) for r in range(2)] == [Shard(32, 0, 16), Shard(32, 16, 16)]
+    assert [Shard.kv_heads(1, 8, TPGroup(r, 2)).start for r in range(2)] == [0, 0]
+    assert [Shard.kv_heads(2, 8, TPGroup(r, 4)).start for r in range(4)] == [0, 0, 8, 8]
+
+
+@pytest.mark.parametrize("tp_size,message", [
+    (3, "--tp-size 3 does not divide this model's num_attention_heads 4"),
+    (8, "--tp-size 8 does not divide this model's num_attention_heads 4"),
+])
+def test_head_counts_the_tp_size_does_not_divide_are_refused(tiny_model, tp_size, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_path(tiny_model).check_tp_size(tp_size)
+
+
+def test_kv_heads_that_cannot_be_replicated_evenly_are_refused(tiny_model):
+    cfg = ModelConfig.from_path(tiny_model)
+    odd = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__}, "num_heads": 12, "num_kv_heads": 3,
+                         "intermediate_size": 192})
+    with pytest.raises(ConfigError, match="num_key_value_heads 3"):
+        odd.check_tp_size(4)
