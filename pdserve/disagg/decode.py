@@ -29,7 +29,7 @@ class DecodeScheduler(DisaggScheduler):
         super().__init__(args.replace(disable_radix_cache=True), tokenizer)
         self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
         self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
-        self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
+        self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, release deadline, prefill)
         self.dead_peers: set[str] = set()
         self.heartbeat = Heartbeat(args, self.channel.post)
         self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
@@ -187,6 +187,8 @@ class DecodeScheduler(DisaggScheduler):
         self.dead_peers.add(addr)
         for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", tell_prefill=False)
+        for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == addr]:
+            self._release_quarantine(room)  # a dead prefill writes nothing more
 
     def expire_handoffs(self) -> None:
         t = now()
@@ -195,7 +197,7 @@ class DecodeScheduler(DisaggScheduler):
                 what = "handshake" if h.poll == KVPoll.BOOTSTRAPPING else "KV transfer"
                 self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}", tell_prefill=True,
                            status=PEER_TIMEOUT)
-        for room, (_, deadline) in list(self.quarantine.items()):
+        for room, (_, deadline, _) in list(self.quarantine.items()):
             if t > deadline:
                 self._release_quarantine(room)
 
@@ -209,12 +211,12 @@ class DecodeScheduler(DisaggScheduler):
             self.channel.send(h.peer_control, {"type": "abort", "room": h.room})
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
-            self.quarantine[h.room] = (h.req.pages, grace)
+            self.quarantine[h.room] = (h.req.pages, grace, bootstrap_addr(h.req))
             h.req.pages = []
         self._finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
-        pages, _ = self.quarantine.pop(room)
+        pages, _, _ = self.quarantine.pop(room)
         self.allocator.free(pages)
 
     def kv_pool_is_fully_free(self) -> bool:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from http.client import HTTPConnection, HTTPException
+import json
 import random
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -51,3 +54,40 @@ def wait_pool_free(proc: Proc, timeout: float) -> float:
 
     wait_until(free, timeout, f"{proc.name} frees its KV pool", interval=0.1)
     return time.monotonic() - started
+
+
+class Stream:
+    """A streamed /generate through the router, read on a thread: its status, events and when the first came."""
+
+    def __init__(self, url: str, body: dict, timeout: float):
+        self.status: int | None = None
+        self.events: list[dict] = []
+        self.broken: str | None = None  # the connection ended without `[DONE]`
+        self.first_event = threading.Event()
+        self.future = POOL.submit(self._read, url, body, timeout)
+
+    def _read(self, url: str, body: dict, timeout: float) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        conn = HTTPConnection(host, int(port), timeout=timeout)
+        try:
+            conn.request("POST", "/generate", json.dumps({**body, "stream": True}),
+                         {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            self.status = resp.status
+            done = False
+            for line in resp:
+                if line.startswith(b"data: [DONE]"):
+                    done = True
+                elif line.startswith(b"data: "):
+                    self.events.append(json.loads(line[6:]))
+                    self.first_event.set()
+            if not done:
+                self.broken = "the stream ended without [DONE]"
+        except (OSError, HTTPException) as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.first_event.set()
+            conn.close()
+
+    def failed(self) -> bool:
+        return self.status != 200 or self.broken is not None or any("error" in e for e in self.events)
