@@ -8,6 +8,8 @@ the loop (e.g. `handle_generate` to enqueue into a bootstrap queue, `run_step` t
 from __future__ import annotations
 
 import logging
+import os
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"  # seconds; see SchedulerProcess.step_delay_s
 
 
 class SchedulerProcess:
@@ -60,6 +63,9 @@ class SchedulerProcess:
             GetStatsReq: self.handle_get_stats,
         }
         self.vocab_size = int(scheduler.model_info["vocab_size"])
+        # Test-only fault injection (tests/chaos): a pause before every step that has work, so that a request
+        # stays in each phase long enough to be hit there. Unset (the default), nothing is slowed.
+        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0.0)
 
     def announce_ready(self) -> None:
         self.to_tokenizer.send(encode(ProcessReady("scheduler", dict(self.sched.model_info))))
@@ -135,6 +141,8 @@ class SchedulerProcess:
 
     def run_step(self) -> list[StepOutput]:
         """One scheduler step; with nothing queued it only handles control messages and deadlines."""
+        if self.step_delay_s and self.sched.can_step():
+            time.sleep(self.step_delay_s)
         return self.sched.step()
 
     def send_outputs(self, outputs: list[StepOutput]) -> None:

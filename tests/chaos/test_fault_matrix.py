@@ -4,8 +4,9 @@ the fault reaches it) within the configured timeout, that the surviving servers 
 seconds, that nothing of a killed process is left behind, and that the restarted process serves again through
 the router within 10 s. A few cells run by default; `-m chaos_full` runs them all.
 
-Landing in a phase is deterministic: prompts of 448 tokens prefilled in chunks of 8 (layer-wise pushes, so the
-transfer runs with the prefill) keep a request mid-prefill for many steps; 480 output tokens keep it decoding.
+Landing in a phase is deterministic: the servers pause STEP_DELAY before every scheduler step (the test-only
+PDSERVE_TEST_STEP_DELAY_S), prompts of 448 tokens are prefilled in chunks of 8 (layer-wise pushes, so the
+transfer runs with the prefill) and 240 output tokens keep a request decoding: each phase lasts seconds.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from dataclasses import dataclass
 
 import pytest
 from chaos_util import POOL, Stream, holds_pages, prompt_ids, wait_pool_free, wait_until
-from cluster_util import (PDCluster, decode_server, free_port, http, live_session_members, prefill_server, router,
-                          start_all, stop_all)
+from pdserve.server.scheduler_process import STEP_DELAY_ENV
+from cluster_util import (PDCluster, Proc, decode_server, free_port, http, live_session_members, prefill_server,
+                          router, scheduler_stats, start_all, stop_all)
 
 WAITING_TIMEOUT = 30.0  # the transfer timeout: survivors must free pages well before it
 CHAOS_PREFILL = ["--chunked-prefill-size", "8", "--disaggregation-layerwise-min-tokens", "8",
@@ -28,7 +30,8 @@ SURVIVOR_FREE_SECONDS = 8.0
 VICTIM_END_SECONDS = WAITING_TIMEOUT + 10
 RECOVERY_SECONDS = 10.0
 FREEZE_SECONDS = 3.0
-LONG_PROMPT, SHORT_PROMPT, LONG_OUTPUT = 448, 16, 480
+LONG_PROMPT, SHORT_PROMPT, LONG_OUTPUT = 448, 16, 240
+STEP_DELAY = {STEP_DELAY_ENV: "0.03"}
 
 PHASES = ["queued", "prefill", "transfer", "decode", "stream"]
 TARGETS = ["prefill", "decode", "router"]
@@ -42,6 +45,8 @@ def start_cluster(tiny_model: str, backend: str) -> PDCluster:
     bootstrap = free_port()
     prefill = prefill_server(tiny_model, backend, bootstrap, *CHAOS_PREFILL)
     decode = decode_server(tiny_model, backend, *CHAOS_DECODE)
+    for server in (prefill, decode):
+        server.env = {**server.env, **STEP_DELAY}
     start_all([prefill, decode])
     front = router([(prefill, bootstrap)], [decode], "--max-retries", "0")
     try:
@@ -123,16 +128,22 @@ def land(cluster: PDCluster, phase: str) -> Victim:
         wait_until(lambda: holds_pages(cluster.decode) and not holds_pages(cluster.prefill), 30,
                    "the victim decodes")
         return victim
-    if phase == "queued":  # behind a long prompt that is mid-prefill
+    if phase == "queued":  # queued on the prefill behind a long prompt that is mid-prefill
         generate(cluster, prompt_ids(LONG_PROMPT, 3), 8)
-        wait_until(lambda: holds_pages(cluster.prefill), 30, "the blocker is mid-prefill")
+        wait_until(lambda: prefilling(cluster.prefill, 0), 30, "the blocker is mid-prefill")
         victim = Victim(reply=generate(cluster, prompt_ids(LONG_PROMPT, 4), 8))
-        time.sleep(0.2)
+        wait_until(lambda: scheduler_stats(cluster.prefill)["num_waiting"] > 0, 30, "the victim is queued")
         return victim
     victim = Victim(reply=generate(cluster, prompt_ids(LONG_PROMPT, 5), 8))
-    side = cluster.prefill if phase == "prefill" else cluster.decode  # transfer: the decode's pages are waiting
-    wait_until(lambda: holds_pages(side) and holds_pages(cluster.prefill), 30, f"the victim is mid-{phase}")
+    done = 0 if phase == "prefill" else LONG_PROMPT * 3 // 4  # transfer: most of its KV is pushed already
+    wait_until(lambda: prefilling(cluster.prefill, done), 30, f"the victim is mid-{phase}")
     return victim
+
+
+def prefilling(prefill: Proc, done_tokens: int) -> bool:
+    """A prompt is mid-prefill on the prefill server, with more than `done_tokens` of its KV computed."""
+    stats = scheduler_stats(prefill)
+    return stats["num_running"] > 0 and stats["kv_used_tokens"] - stats["kv_cached_tokens"] > done_tokens
 
 
 def expects_error(fault: str, target: str, phase: str) -> bool | None:
@@ -165,24 +176,26 @@ def test_fault_cell(clusters, backend, fault, target, phase):
     victim = land(cluster, phase)
     proc = {"prefill": cluster.prefill, "decode": cluster.decode, "router": cluster.router}[target]
     fault_at = time.monotonic()
+    session = proc.proc.pid
     if fault == "kill":
-        session = proc.proc.pid
         proc.proc.send_signal(signal.SIGKILL)
     else:
         proc.signal(signal.SIGSTOP)
         time.sleep(FREEZE_SECONDS)
         proc.signal(signal.SIGCONT)
-    failed = victim.failed(VICTIM_END_SECONDS)
-    victim_seconds = time.monotonic() - fault_at
-    expected = expects_error(fault, target, phase)
-    assert expected is None or failed == expected, f"victim failed={failed}, expected {expected}"
-    survivors = [s for s in cluster.servers if not (fault == "kill" and s is proc)]
-    free_seconds = max(wait_pool_free(s, SURVIVOR_FREE_SECONDS) for s in survivors)
-    if fault == "kill":
-        proc.proc.wait(10)
-        wait_until(lambda: not live_session_members(session), 5, f"the killed {target}'s processes exit")
-        proc.launch()
-        start_all([proc])
+    try:
+        failed = victim.failed(VICTIM_END_SECONDS)
+        victim_seconds = time.monotonic() - fault_at
+        expected = expects_error(fault, target, phase)
+        assert expected is None or failed == expected, f"victim failed={failed}, expected {expected}"
+        survivors = [s for s in cluster.servers if not (fault == "kill" and s is proc)]
+        free_seconds = max(wait_pool_free(s, SURVIVOR_FREE_SECONDS) for s in survivors)
+    finally:
+        if fault == "kill":  # whatever failed above, the next cell gets a whole cluster
+            proc.proc.wait(10)
+            wait_until(lambda: not live_session_members(session), 5, f"the killed {target}'s processes exit")
+            proc.launch()
+            start_all([proc])
     healthy_at = time.monotonic()
     wait_until(lambda: router_serves(cluster), RECOVERY_SECONDS, "the router serves again")
     recovery_seconds = time.monotonic() - healthy_at
