@@ -194,7 +194,6 @@ def test_fault_cell(clusters, backend, fault, target, phase):
         if fault == "kill":  # whatever failed above, the next cell gets a whole cluster
             proc.proc.wait(10)
             wait_until(lambda: not live_session_members(session), 5, f"the killed {target}'s processes exit")
-            proc.launch()
             start_all([proc])
     healthy_at = time.monotonic()
     wait_until(lambda: router_serves(cluster), RECOVERY_SECONDS, "the router serves again")

@@ -47,7 +47,6 @@ def test_killed_prefill_takes_its_frozen_children_and_restarts_on_its_ports(tiny
         assert not [pid for pid in children if process_info(pid)], "children outlived the killed server"
         for conn in conns:
             conn.close()
-        prefill.launch()
         start_all([prefill])
         assert prefill.get("/health").status == 200
         assert "Address already in use" not in prefill.log()
