@@ -44,7 +44,7 @@ class DecodeScheduler(DisaggScheduler):
         self._extended_last_step = False
         self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
         self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
-        self.quarantine: dict[int, tuple[list[int], float]] = {}  # room -> (pages, release deadline)
+        self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, release deadline, prefill)
         self.dead_peers: set[str] = set()
         self.heartbeat = Heartbeat(args, self.channel.post)
         self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
@@ -228,6 +228,8 @@ class DecodeScheduler(DisaggScheduler):
         for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", reason="peer_dead",
                        tell_prefill=False)
+        for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == addr]:
+            self._release_quarantine(room)  # a dead prefill writes nothing more
 
     def expire_handoffs(self) -> None:
         t = now()
@@ -238,7 +240,7 @@ class DecodeScheduler(DisaggScheduler):
                 self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}",
                            reason="handshake_timeout" if handshaking else "transfer_timeout", tell_prefill=True,
                            status=PEER_TIMEOUT)
-        for room, (_, deadline) in list(self.quarantine.items()):
+        for room, (_, deadline, _) in list(self.quarantine.items()):
             if t > deadline:
                 self._release_quarantine(room)
 
@@ -254,12 +256,12 @@ class DecodeScheduler(DisaggScheduler):
             self.channel.send(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
             grace = now() + self.args.disaggregation_waiting_timeout
-            self.quarantine[h.room] = (h.req.pages, grace)
+            self.quarantine[h.room] = (h.req.pages, grace, bootstrap_addr(h.req))
             h.req.pages = []
         self._finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
-        pages, _ = self.quarantine.pop(room)
+        pages, _, _ = self.quarantine.pop(room)
         self.allocator.free(pages)
 
     def stats(self) -> dict:

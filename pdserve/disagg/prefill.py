@@ -58,19 +58,20 @@ class WriteJob:
 
 
 class TransferWorker:
-    """Runs KV writes in order on one thread; reports each result to the scheduler through `post`. The final
+    """Runs one decode peer's KV writes in order on one thread; reports each result to the scheduler through `post`. The final
     write's `kv_done` goes to the decode server from here, not after a round trip through a busy scheduler.
 
     Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
     pushes become fewer, larger writes whenever the link is slower than the forward."""
 
-    def __init__(self, engine, post: Callable[[Message], None], peers: PeerClients):
+    def __init__(self, engine, post: Callable[[Message], None], cancelled: set[int], peer_session: str,
+                 peers: PeerClients):
         self.engine = engine
         self.post = post
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
-        self.cancelled: set[int] = set()
+        self.cancelled = cancelled  # rooms whose writes are skipped; shared by the writers of all peers
         self.peers = peers  # used from the writer thread only
-        self.thread = threading.Thread(target=self._run, name="kv-writer", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"kv-writer-{peer_session}", daemon=True)
         self.thread.start()
 
     def submit(self, job: WriteJob) -> None:
@@ -119,10 +120,35 @@ class TransferWorker:
         self.peers.close()
 
 
+class KVWriters:
+    """One `TransferWorker` per decode peer, started on its first write: a peer that stops answering stalls only
+    its own writes (each ends at the engine's timeout), never the transfers to healthy peers."""
+
+    def __init__(self, engine, post: Callable[[Message], None], new_peer_clients: Callable[[], PeerClients]):
+        self.engine = engine
+        self.post = post
+        self.new_peer_clients = new_peer_clients  # each writer thread signs with clients of its own
+        self.cancelled: set[int] = set()
+        self.workers: dict[str, TransferWorker] = {}
+
+    def submit(self, job: WriteJob) -> None:
+        worker = self.workers.get(job.peer_session)
+        if worker is None:
+            worker = TransferWorker(self.engine, self.post, self.cancelled, job.peer_session, self.new_peer_clients())
+            self.workers[job.peer_session] = worker
+        worker.submit(job)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.jobs.put(None)  # all stop in parallel; a worker stuck on a dead peer delays none of the others
+        for worker in self.workers.values():
+            worker.close()
+
+
 class PrefillScheduler(DisaggScheduler):
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
-        self.worker = TransferWorker(self.engine, self.channel.post, self.channel.new_peer_clients())
+        self.writers = KVWriters(self.engine, self.channel.post, self.channel.new_peer_clients)
         self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth=self.auth)
         advertise = args.disaggregation_advertise_host
         register_prefill_rank(self.bootstrap.local_address, PrefillRankInfo(
@@ -224,7 +250,7 @@ class PrefillScheduler(DisaggScheduler):
 
     def _submit(self, h: Handoff, spans, final: bool, computed: torch.cuda.Event | None, notify=None) -> None:
         h.writes_in_flight += 1
-        self.worker.submit(WriteJob(h.room, h.peer_session, spans, final, computed, notify))
+        self.writers.submit(WriteJob(h.room, h.peer_session, spans, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
@@ -299,30 +325,31 @@ class PrefillScheduler(DisaggScheduler):
     def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric); pages stay held until no write for the room is in flight."""
-        if h.poll == KVPoll.FAILED:
-            return
-        self.transfer_stats.failed(reason)
-        h.advance(KVPoll.FAILED, error)
-        self.worker.cancelled.add(h.room)
-        req = h.req
+        if h.poll != KVPoll.FAILED:
+            self.transfer_stats.failed(reason)
+            h.advance(KVPoll.FAILED, error)
+            self.writers.cancelled.add(h.room)
+            self._end_request(h.req, FinishReason("abort", message=error, status_code=status))
+        self._release_if_drained(h)  # also when a write of an already-failed handoff comes back
+
+    def _end_request(self, req: Req, reason: FinishReason) -> None:
         for queue_ in (self.waiting, self.running):
             if req in queue_:
                 queue_.remove(req)
         if req is self.chunked:
             self.chunked = None
         if not req.finished:
-            self._finish(req, FinishReason("abort", message=error, status_code=status))
-        self._release_if_drained(h)
+            self._finish(req, reason)
 
     def keeps_pages(self, req: Req) -> bool:
         h = self.handoff_of(req)
         return h is not None and h.writes_in_flight > 0
 
     def _release_if_drained(self, h: Handoff) -> None:
-        if h.writes_in_flight > 0 or not h.req.finished:
+        if h.writes_in_flight > 0 or not h.req.finished or self.handoffs.get(h.room) is not h:
             return
         del self.handoffs[h.room]
-        self.worker.cancelled.discard(h.room)
+        self.writers.cancelled.discard(h.room)
         self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
             self.channel.send(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
@@ -339,7 +366,7 @@ class PrefillScheduler(DisaggScheduler):
         return {**super().server_info(), "bootstrap": self.bootstrap.address}
 
     def close(self) -> None:
-        self.worker.close()
+        self.writers.close()
         self.bootstrap.close()
         super().close()
 

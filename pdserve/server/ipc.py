@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -14,6 +15,7 @@ import zmq
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 PARENT_POLL_SECONDS = 1.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def ipc_addr(args: Any, name: str) -> str:
@@ -68,7 +70,18 @@ def child_setup(role: str, log_level: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: exit_now(0))
     parent = os.getppid()
+    _die_with_parent()
     threading.Thread(target=_exit_when_orphaned, args=(parent, role), daemon=True, name="parent-watch").start()
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGKILL when the server process dies, even by kill -9 while this process is stuck in
+    native code: no child outlives it holding ports or device memory. The parent-watch thread covers other OSes."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
 def _exit_when_orphaned(parent_pid: int, role: str) -> None:

@@ -175,8 +175,10 @@ async def _start_http(args: ServerArgs, tm: TokenizerManager) -> web.AppRunner:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    """Fail in a second, not after the model has loaded, when the HTTP port is taken."""
+    """Fail in a second, not after the model has loaded, when the HTTP port is taken. SO_REUSEADDR as the HTTP
+    server binds it: the sockets a killed server left in TIME_WAIT do not stop a restart on its port."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
 
 

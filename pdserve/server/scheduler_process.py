@@ -12,7 +12,9 @@ same scheduler on the same messages, so all form the same batches. Only the lead
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
 EXIT_CONFIG_ERROR = 2
+STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"  # seconds; see SchedulerProcess.step_delay_s
 
 
 class SchedulerProcess:
@@ -73,6 +76,9 @@ class SchedulerProcess:
         self.poller.register(self.receiver, zmq.POLLIN)
         for fd in scheduler.wakeup_fds():
             self.poller.register(fd, zmq.POLLIN)
+        # Test-only fault injection (tests/chaos): a pause before every step that has work, so that a request
+        # stays in each phase long enough to be hit there. Unset (the default), nothing is slowed.
+        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0.0)
 
     def send(self, sock: zmq.Socket | None, msg: Any) -> None:
         if sock is not None:
@@ -156,6 +162,8 @@ class SchedulerProcess:
 
     def run_step(self) -> list[TokenOut]:
         """One scheduler step; with nothing queued it only handles control messages and deadlines."""
+        if self.step_delay_s and self.sched.can_step():
+            time.sleep(self.step_delay_s)
         return self.sched.step()
 
     def send_outputs(self, outputs: list[TokenOut]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.prefill import PrefillScheduler
+from pdserve.disagg.transfer.base import TransferError
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
@@ -77,9 +79,10 @@ def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, 
     colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
     for i, p in enumerate(prompts):
         colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
+    expected = run([colocated])  # first: the PD handshake deadlines start when the requests are added
+    for i, p in enumerate(prompts):
         for s in (prefill, decode):
             s.add_request(pd_req(str(i), p, port, room=first_room + i))
-    expected = run([colocated])
     got = run([prefill, decode])
     for i in range(len(prompts)):
         assert got[(1, str(i))]["ids"] == expected[(0, str(i))]["ids"]
@@ -95,8 +98,8 @@ def test_layerwise_push_matches_colocated(model):
     """Chunks of 8+ tokens ship each layer's KV during the forward; shorter ones after it (page size 4)."""
     prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8)
     span_counts = []  # per write job: 2 (K, V) x page runs x layers; 0 for the final first-token marker
-    submit = prefill.worker.submit
-    prefill.worker.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
+    submit = prefill.writers.submit
+    prefill.writers.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
     try:
         check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300)
         num_layers = prefill.model_config.num_layers
@@ -209,3 +212,34 @@ def test_page_size_mismatch_is_refused_naming_both_values(model, pair):
         assert prefill.kv_pool_is_fully_free() and other.kv_pool_is_fully_free()
     finally:
         other.close()
+
+
+def test_write_failing_after_the_handoff_failed_still_frees_the_prefill_pages(model):
+    """The decode dies mid-transfer: the request is aborted while a write is in flight, then that write fails."""
+    prefill, decode, port = make_pair(model)
+    write_started, write_may_fail = threading.Event(), threading.Event()
+
+    def dying_peer_write(*_args) -> None:
+        write_started.set()
+        write_may_fail.wait(10)
+        raise TransferError("the decode peer vanished")
+
+    prefill.engine.write = dying_peer_write
+    try:
+        for s in (prefill, decode):
+            s.add_request(pd_req("victim", list(range(10, 30)), port, room=999, n=8))  # one chunk, one write
+        deadline = time.monotonic() + 30
+        while not write_started.is_set():
+            assert time.monotonic() < deadline, "no KV write started"
+            prefill.step()
+            decode.step()
+        prefill.abort_request("victim")
+        write_may_fail.set()
+        while not prefill.kv_pool_is_fully_free():
+            assert time.monotonic() < deadline, "the prefill kept the pages of the failed handoff"
+            prefill.step()
+        assert not prefill.handoffs
+    finally:
+        write_may_fail.set()
+        prefill.close()
+        decode.close()

@@ -10,7 +10,9 @@ reply) and may call `reply(dict)` more than once (nccl answers "ready" before po
 from __future__ import annotations
 
 import logging
+import socket
 import threading
+import time
 from typing import Callable
 
 import msgpack
@@ -25,6 +27,7 @@ Reply = Callable[[dict], None]
 Handler = Callable[[dict, list[zmq.Frame], Reply], None]
 
 _POLL_MS = 100
+_PEER_PROBE_MS = 500  # a reply wait checks this often that the peer still listens
 
 
 class ControlServer:
@@ -100,14 +103,29 @@ class ControlClient:
         self._sock.send_multipart([msgpack.packb(header), *payload], copy=copy)
 
     def recv(self, what: str) -> dict:
-        """The next reply; raises TransferError on timeout or on an error reply."""
-        if not self._sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-            raise TransferError(f"no {what} from {self.endpoint} within {self.timeout_s:.0f}s")
+        """The next reply; raises TransferError on timeout, on an error reply, or as soon as nothing listens on
+        the peer's port any more (a dead peer, not a slow or frozen one: ZMQ alone would wait out the timeout)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not self._sock.poll(_PEER_PROBE_MS, zmq.POLLIN):
+            if time.monotonic() > deadline:
+                raise TransferError(f"no {what} from {self.endpoint} within {self.timeout_s:.0f}s")
+            if not self._peer_listening():
+                raise TransferError(f"no {what} from {self.endpoint}: nothing listens there any more")
         msg = msgpack.unpackb(self._sock.recv(), raw=False)
         if not isinstance(msg, dict) or not msg.get("ok"):
             error = msg.get("error") if isinstance(msg, dict) else msg
             raise TransferError(f"{self.endpoint} refused the {what}: {error}")
         return msg
+
+    def _peer_listening(self) -> bool:
+        host, port = self.endpoint.rsplit(":", 1)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=_PEER_PROBE_MS / 1000).close()
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # unreachable or slow to answer: not proof of death, the timeout decides
+            pass
+        return True
 
     def close(self) -> None:
         self._sock.close()
