@@ -11,10 +11,13 @@ import collections
 import time
 
 import pytest
-from fuzz_util import Targets, assert_serves_correctly, problem, send
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from strategies import admin_requests, plausible_bodies, request_bodies
+
+pytest.importorskip("hypothesis_jsonschema")  # a test extra; the GPU image lacks it
+
+from fuzz_util import Targets, assert_serves_correctly, problem, send  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from strategies import admin_requests, plausible_bodies, request_bodies  # noqa: E402
 
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
 
