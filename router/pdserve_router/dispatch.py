@@ -30,6 +30,7 @@ from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid,
                       bootstrap_fields, encode_body, error_body, error_response, merge_json_response,
                       prefill_items_by_index, routing_key)
 from .policies import make_policy
+from .sse import WholeEvents
 from .upstream import Exchange, UpstreamPool, timeout
 from .workers import NoHealthyWorker, Worker, WorkerRegistry
 
@@ -50,11 +51,12 @@ class SSEResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def relay_sink(ctx: RequestContext):
-    """Writes relayed stream bytes straight to the client's transport, framed as HTTP/1.1 chunks, from the upstream
-    protocol's callback (no task wake-up per event). Refuses, so that the awaited `response.write()` path with its
-    flow control takes over, while the client's send buffer is above the high-water mark or the client is gone.
-    Only for a prepared chunked response whose head is already out (the first write flushed it)."""
+def relay_sink(ctx: RequestContext, events: WholeEvents):
+    """Writes relayed stream bytes, whole events only, straight to the client's transport, framed as HTTP/1.1
+    chunks, from the upstream protocol's callback (no task wake-up per event). Refuses, so that the awaited
+    `response.write()` path with its flow control takes over, while the client's send buffer is above the
+    high-water mark or the client is gone. Only for a prepared chunked response whose head is already out (the
+    first write flushed it)."""
     transport, response = ctx.request.transport, ctx.response
     if transport is None or response is None or not response.chunked or response.compression:
         return None
@@ -62,7 +64,9 @@ def relay_sink(ctx: RequestContext):
     def write(data: bytes) -> bool:
         if transport.is_closing() or transport.get_write_buffer_size() > CLIENT_HIGH_WATER:
             return False
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        data = events.cut(data)
+        if data:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
         return True
 
     return write
@@ -348,13 +352,18 @@ class Dispatcher:
         await response.prepare(ctx.request)
         ctx.response = response
         merger = FirstEventMerger(prefill_items) if prefill_items else None
+        events = WholeEvents()
+        first = events.cut(first)  # an empty write still sends the head, which relay_sink() needs out
         if await self.write_client(attempt, merger.feed(first) if merger else first):
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
-            await self.relay(attempt, exchange, merger)
+            await self.relay(attempt, exchange, events, merger)
         return response
 
-    async def relay(self, attempt: Attempt, exchange: Exchange, merger: FirstEventMerger | None) -> None:
-        sink = None if merger else relay_sink(attempt.ctx)
+    async def relay(self, attempt: Attempt, exchange: Exchange, events: WholeEvents,
+                    merger: FirstEventMerger | None) -> None:
+        """Relays the rest of the stream, whole events only; when the upstream breaks, an incomplete last event is
+        dropped, so the error event that ends the client's stream follows a boundary."""
+        sink = None if merger else relay_sink(attempt.ctx, events)
         while True:
             exchange.sink = sink  # (again after a fallback below)
             try:
@@ -368,10 +377,14 @@ class Dispatcher:
                 return
             if not chunk:
                 break
-            if not await self.write_client(attempt, merger.feed(chunk) if merger else chunk):
+            chunk = events.cut(chunk)
+            if chunk and not await self.write_client(attempt, merger.feed(chunk) if merger else chunk):
                 return
         attempt.main_done = True
-        if merger and not await self.write_client(attempt, merger.flush()):
+        rest = events.finish()
+        if merger:
+            rest = merger.feed(rest) + merger.flush()
+        if rest and not await self.write_client(attempt, rest):
             return
         await attempt.ctx.response.write_eof()
 
