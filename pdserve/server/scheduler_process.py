@@ -66,6 +66,9 @@ class SchedulerProcess:
             FlushCacheReq: self.handle_flush_cache,
             GetStatsReq: self.handle_get_stats,
         }
+        # Test-only fault injection (tests/chaos): a pause before every step that has work, so that a request
+        # stays in each phase long enough to be hit there. Unset (the default), nothing is slowed.
+        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0.0)
 
     def _open_sockets(self, args: ServerArgs, scheduler: Scheduler) -> None:
         self.ctx = zmq.Context()
@@ -76,9 +79,6 @@ class SchedulerProcess:
         self.poller.register(self.receiver, zmq.POLLIN)
         for fd in scheduler.wakeup_fds():
             self.poller.register(fd, zmq.POLLIN)
-        # Test-only fault injection (tests/chaos): a pause before every step that has work, so that a request
-        # stays in each phase long enough to be hit there. Unset (the default), nothing is slowed.
-        self.step_delay_s = float(os.environ.get(STEP_DELAY_ENV) or 0.0)
 
     def send(self, sock: zmq.Socket | None, msg: Any) -> None:
         if sock is not None:
