@@ -164,6 +164,10 @@ class HiRadixCache(RadixCache):
             torch.cuda.current_stream(self.device.buffer.device).wait_event(self._load_event)
             self._load_event = None
 
+    def reset_hit_counts(self) -> None:
+        super().reset_hit_counts()
+        self.stats.reset_traffic()  # the tiers' traffic counters start over too (after the warm-up)
+
     def tier_stats(self) -> dict:
         self._drain_writes()
         host_pages = sum(1 for n in self._nodes() if n.host_page >= 0)

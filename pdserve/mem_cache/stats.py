@@ -18,6 +18,9 @@ METRIC_HELP = {
 }
 
 
+TRAFFIC = tuple(name for name in METRIC_HELP if "errors" not in name and "corrupt" not in name)
+
+
 class HiCacheStats:
     """Counters named like the Prometheus series they export to (METRIC_HELP), each keyed by tier. Thread-safe."""
 
@@ -28,6 +31,12 @@ class HiCacheStats:
     def add(self, name: str, tier: str, value: float) -> None:
         with self._lock:
             self.per_tier[f"pdserve_hicache_{name}"][tier] += value
+
+    def reset_traffic(self) -> None:
+        """Hits, misses, bytes and loads start over (after the warm-up); backend errors seen so far are kept."""
+        with self._lock:
+            for name in TRAFFIC:
+                self.per_tier[name] = dict.fromkeys(TIERS, 0)
 
     def snapshot(self) -> dict:
         with self._lock:

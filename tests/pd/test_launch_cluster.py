@@ -179,7 +179,7 @@ def test_ctrl_c_stops_cleanly_without_third_party_noise(tiny_model, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--model-path", "/nonexistent/model"], "--model-path /nonexistent/model: no such directory"),
-    (["--num-prefill", "x"], "argument --num-prefill: invalid int value: 'x'"),
+    (["--num-prefill", "x"], "argument --num-prefill/--prefill: invalid int value: 'x'"),
     (["--device", "cpu", "--", "--page-size", "abc"], "after `--`: argument --page-size: invalid int value: 'abc'"),
     (["--device", "cpu", "--", "--mem-fraction-static", "3"], "after `--`: --mem-fraction-static must be in (0, 1)"),
 ])
