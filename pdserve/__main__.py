@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.config import ServerArgs, build_arg_parser
+from pdserve.launcher import free_port
 
 STARTUP_TIMEOUT_SECONDS = 1800.0
 SHELL_HELP = "Commands: /reset clears the conversation, /exit quits."
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_shell(args: ServerArgs, server_argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind through `finally`: stop the server too
-    port = _free_port()
+    port = free_port()
     log_path = os.path.join(tempfile.gettempdir(), f"pdserve-shell-{os.getpid()}.log")
     command = [sys.executable, "-m", "pdserve.launch_server", *server_argv, "--host", "127.0.0.1", "--port", str(port)]
     with open(log_path, "w") as log:
@@ -62,12 +62,6 @@ def run_shell(args: ServerArgs, server_argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(timeout=10)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_healthy(base_url: str, server: subprocess.Popen) -> bool:

@@ -7,6 +7,7 @@ session with the output in a log file, the wait for /health, and a stop that lea
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,44 @@ class ClusterError(RuntimeError):
     """Start-up could not finish, or a child died; the message says which child and why."""
 
 
+LISTEN_PORTS_FIRST = 10000
+_ports_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is bindable now, that this process has not handed out before, and that lies below the kernel's
+    ephemeral range: a port chosen by `bind(0)` can be taken by any outgoing connection (or the next `bind(0)`)
+    in the time between this check and the child's own bind, which made servers fail with EADDRINUSE."""
+    first_ephemeral = _ephemeral_range()[0]
+    span = first_ephemeral - LISTEN_PORTS_FIRST
+    if span <= 0:
+        return _bindable_port(host, 0)
+    start = random.Random(os.getpid() ^ time.monotonic_ns()).randrange(span)
+    for offset in range(span):
+        port = LISTEN_PORTS_FIRST + (start + offset) % span
+        if port not in _ports_handed_out and _bindable_port(host, port):
+            _ports_handed_out.add(port)
+            return port
+    raise ClusterError(f"no free port on {host} in {LISTEN_PORTS_FIRST}-{first_ephemeral - 1}")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable_port(host: str, port: int) -> int:
+    """`port` (the one the kernel picked when 0) if `host:port` can be bound now; 0 if not."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as sock:
-        sock.bind((host, 0))
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return 0
         return sock.getsockname()[1]
 
 

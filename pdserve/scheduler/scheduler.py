@@ -155,7 +155,8 @@ class Scheduler(OverlapMixin):
         return True
 
     def kv_pool_is_fully_free(self) -> bool:
-        cached = self.radix.num_pages if self.radix else 0
+        """Every page is free or held by the prefix cache alone (no request, handoff or write still holds one)."""
+        cached = self.radix.evictable_pages() if self.radix else 0
         return self.allocator.num_free + cached == self.allocator.capacity and not self._pages_in_use_by_reqs()
 
     def stats(self) -> dict:

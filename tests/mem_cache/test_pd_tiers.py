@@ -3,21 +3,15 @@ and the decode output still equals HF."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 from hicache_util import MAX_NEW, PAGE_SIZE, greedy, prompts
 
 from pdserve.config import ServerArgs
+from pdserve.launcher import free_port
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.prefill import PrefillScheduler
 from pdserve.scheduler.request import Req
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def role_args(model: str, mode: str, storage_dir: str, **kw) -> ServerArgs:

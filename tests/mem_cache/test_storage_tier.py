@@ -13,6 +13,7 @@ import time
 import pytest
 from hicache_util import PAGE_SIZE, assert_pools_free, hicache, prompts, run, tiered_llm
 
+from pdserve.launcher import free_port
 from pdserve.mem_cache.storage.base import chain_hashes
 from pdserve.mem_cache.storage.file import FileStorage
 
@@ -96,12 +97,6 @@ def test_file_backend_dying_mid_run_degrades_to_recompute(tiny_model, hf_greedy,
     assert run(llm, second).token_ids == hf_greedy(second)
     assert_pools_free(llm)
     close(llm)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()
