@@ -114,23 +114,17 @@ class HiRadixCache(RadixCache):
     def _on_cached(self, node: _Node) -> None:
         self._new_cached.append(node)
 
-    def evictable_pages(self) -> int:
-        return sum(1 for n in self._nodes() if n.page >= 0 and self._unused(n))
-
     def evict(self, num_pages: int) -> int:
         """Free up to num_pages device pages, least recently used device leaves first; they stay on the host."""
         self._drain_writes()
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._device_leaf(n) and self._unused(n)]
-        heapq.heapify(heap)
         victims, pages = [], []
-        while heap and len(victims) < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while len(victims) < num_pages:
+            node = self._pop_lru_candidate()
+            if node is None:
+                break
             victims.append(node)
-            pages.append(node.page)
-            node.page = -1
-            parent = node.parent
-            if parent is not self.root and self._device_leaf(parent) and self._unused(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            pages.append(self._detach_page(node))
+            self._push_candidate(node.parent)
         needs_host = [(n, p) for n, p in zip(victims, pages) if n.host_page < 0]
         unsaved = self._backup([n for n, _ in needs_host], [p for _, p in needs_host])
         self.allocator.free(pages)
@@ -143,11 +137,12 @@ class HiRadixCache(RadixCache):
         self._drain_writes()
         for node in list(self._nodes()):
             if node.page >= 0:
-                self.allocator.free([node.page])
+                self.allocator.free([self._detach_page(node)])
             if node.host_page >= 0:
                 self._free_host(node.host_page)
         self.root.children.clear()
         self.num_pages = 0
+        self._candidates.clear()
         self._prefetches.clear()
 
     def prefetch(self, rid: str, token_ids: list[int]) -> None:
@@ -216,7 +211,7 @@ class HiRadixCache(RadixCache):
         began = time.perf_counter()
         self._copy_in([n.host_page for n in nodes], pages)
         for node, page in zip(nodes, pages):
-            node.page = page
+            self._attach_page(node, page)
         self.num_pages += len(pages)
         self.allocator.incref(pages)
         self._count_load("host", len(pages), time.perf_counter() - began)
@@ -317,9 +312,10 @@ class HiRadixCache(RadixCache):
         for i, (host_page, (block_hash, payload)) in enumerate(zip(host_pages, blocks)):
             self.host.write_page(host_page, payload)
             key = tuple(token_ids[(start + i) * self.page_size : (start + i + 1) * self.page_size])
-            child = _Node(page=device_pages[i], parent=node, key=key, last_access=next(_clock),
+            child = _Node(page=-1, parent=node, key=key, last_access=next(_clock),
                           host_page=host_page, block_hash=block_hash, stored=True)
             node.children[key] = child
+            self._attach_page(child, device_pages[i])
             node = child
         self._copy_in(host_pages, device_pages)
         self.num_pages += len(device_pages)
@@ -449,10 +445,6 @@ class HiRadixCache(RadixCache):
         for n, h in zip(missing, chain_hashes(parent, [n.key for n in missing])):
             n.block_hash = h
         return missing[-1].block_hash if missing else parent
-
-    @staticmethod
-    def _device_leaf(node: _Node) -> bool:
-        return node.page >= 0 and all(c.page < 0 for c in node.children.values())
 
     def _count_lookup(self, tier: str, looked_up_pages: int, hit_pages: int) -> None:
         self.stats.add("hit_tokens_total", tier, hit_pages * self.page_size)

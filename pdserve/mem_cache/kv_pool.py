@@ -8,6 +8,7 @@ Page 0 is never handed out: padded slots of CUDA-graph batches write there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,9 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
         self._refs = [0] * num_pages
+        self._cached = bytearray(num_pages)  # the prefix cache holds one reference to the page
+        self.num_cache_only = 0  # cached pages that nobody else references: what eviction could free now
+        self.on_cache_only: Callable[[int], None] | None = None  # a cached page's other references just ended
 
     @property
     def capacity(self) -> int:
@@ -119,16 +123,36 @@ class PageAllocator:
         for p in pages:
             assert self._refs[p] > 0, f"incref of free page {p}"
             self._refs[p] += 1
+            if self._refs[p] == 2 and self._cached[p]:
+                self.num_cache_only -= 1
 
     def free(self, pages: list[int]) -> None:
         """Drop one reference of each page; pages that reach zero return to the free list."""
-        released = []
+        released, cache_only = [], []
         for p in pages:
             assert self._refs[p] > 0, f"double free of page {p}"
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 released.append(p)
+            elif self._refs[p] == 1 and self._cached[p]:
+                cache_only.append(p)
         self._free.extend(reversed(released))  # the next alloc hands them out again in ascending runs
+        self.num_cache_only += len(cache_only)
+        if self.on_cache_only is not None:
+            for p in cache_only:
+                self.on_cache_only(p)
+
+    def mark_cached(self, page: int) -> None:
+        """The prefix cache has taken its reference to `page` (one of the page's references is now its own)."""
+        assert self._refs[page] > 0 and not self._cached[page], f"page {page} cannot become cached"
+        self._cached[page] = 1
+        self.num_cache_only += self._refs[page] == 1
+
+    def unmark_cached(self, page: int) -> None:
+        """The prefix cache is about to drop its reference to `page`."""
+        assert self._cached[page], f"page {page} is not cached"
+        self._cached[page] = 0
+        self.num_cache_only -= self._refs[page] == 1
 
     def refcount(self, page: int) -> int:
         return self._refs[page]

@@ -3,6 +3,11 @@
 Each edge holds exactly one full page of tokens, so a node is one cached page. The tree owns one reference
 to each of its pages; a request that reuses a prefix takes its own references. A node whose page nobody
 else references is evictable; eviction is LRU over such leaves.
+
+Neither counting nor eviction walks the tree: the allocator counts the cached pages nobody else references and
+reports each page that becomes one, and eviction pops a heap of candidate leaves that is checked lazily (an
+entry whose node was touched since is pushed again with its new time; one whose node was evicted, gained a
+child or was referenced again is dropped, and pushed anew when it qualifies again).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ class RadixCache:
         self.page_size = page_size
         self.root = _Node(page=-1, parent=None, key=())
         self.num_pages = 0
+        self._node_of_page: dict[int, _Node] = {}
+        self._candidates: list[tuple[int, int, _Node]] = []  # (last_access, tie-break, node): a lazy LRU heap
+        allocator.on_cache_only = self._on_cache_only
         self.query_tokens = 0
         self.hit_tokens = 0
 
@@ -75,8 +83,8 @@ class RadixCache:
                 child = _Node(page=-1, parent=node, key=key)
                 node.children[key] = child
             if child.page < 0:  # new, or held only by a lower tier: the request's page becomes the cached one
-                child.page = pages[i]
                 self.allocator.incref([pages[i]])
+                self._attach_page(child, pages[i])
                 self.num_pages += 1
                 self._on_cached(child)
             child.last_access = now
@@ -98,29 +106,73 @@ class RadixCache:
         """Release threads and connections (a hierarchical cache flushes its pending storage writes)."""
 
     def evictable_pages(self) -> int:
-        return sum(1 for n in self._nodes() if self.allocator.refcount(n.page) == 1)
+        return self.allocator.num_cache_only
 
     def evict(self, num_pages: int) -> int:
         """Free up to num_pages unreferenced pages, least recently used leaves first. Returns pages freed."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and self._unused(n)]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < num_pages:
-            _, _, node = heapq.heappop(heap)
+        while freed < num_pages:
+            node = self._pop_lru_candidate()
+            if node is None:
+                break
             parent = node.parent
             del parent.children[node.key]
-            self.allocator.free([node.page])
+            self.allocator.free([self._detach_page(node)])
             self.num_pages -= 1
             freed += 1
-            if parent is not self.root and not parent.children and self._unused(parent):
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+            self._push_candidate(parent)
         return freed
 
     def reset(self) -> None:
         """Drop every cached page (the caller ensures no request is running)."""
-        self.allocator.free([n.page for n in self._nodes()])
+        self.allocator.free([self._detach_page(n) for n in self._nodes()])
         self.root.children.clear()
         self.num_pages = 0
+        self._candidates.clear()
+
+    # ---- device pages of nodes, and the eviction candidates ---------------------------------------------------
+
+    def _attach_page(self, node: _Node, page: int) -> None:
+        """`page` (whose reference the tree has just taken) now holds node's tokens on the device."""
+        node.page = page
+        self._node_of_page[page] = node
+        self.allocator.mark_cached(page)
+
+    def _detach_page(self, node: _Node) -> int:
+        """Node's device page leaves the tree; the caller frees the tree's reference."""
+        page, node.page = node.page, -1
+        self.allocator.unmark_cached(page)
+        del self._node_of_page[page]
+        return page
+
+    def _on_cache_only(self, page: int) -> None:
+        self._push_candidate(self._node_of_page[page])
+
+    def _push_candidate(self, node: _Node) -> None:
+        if node is self.root or not self._evictable_leaf(node):
+            return
+        if len(self._candidates) > 2 * self.num_pages + 64:  # mostly stale entries: rebuild from the tree
+            self._candidates = [(n.last_access, id(n), n) for n in self._nodes() if self._evictable_leaf(n)]
+            heapq.heapify(self._candidates)
+        else:
+            heapq.heappush(self._candidates, (node.last_access, id(node), node))
+
+    def _pop_lru_candidate(self) -> _Node | None:
+        """The least recently used evictable leaf, or None when there is none."""
+        while self._candidates:
+            access, _, node = heapq.heappop(self._candidates)
+            if not self._evictable_leaf(node):
+                continue  # evicted, referenced again or no longer a leaf: pushed again when it qualifies
+            if access != node.last_access:
+                heapq.heappush(self._candidates, (node.last_access, id(node), node))  # touched since
+                continue
+            return node
+        return None
+
+    def _evictable_leaf(self, node: _Node) -> bool:
+        """Node's device page is in the tree, nobody else references it, and no child has a device page."""
+        return (node.page >= 0 and self._node_of_page.get(node.page) is node and self._unused(node)
+                and all(c.page < 0 for c in node.children.values()))
 
     def _unused(self, node: _Node) -> bool:
         return self.allocator.refcount(node.page) == 1

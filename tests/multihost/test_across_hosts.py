@@ -87,6 +87,18 @@ def stream_until_partition(router: Proc, partition: callable) -> tuple[float, li
     return time.monotonic() - cut_at, events
 
 
+def wait_in_rotation(cluster: HostCluster, within_s: float = 60.0) -> None:
+    """Until the router has every instance in rotation again: the clusters share the hosts, so a cut made for one
+    cluster also fails the other cluster's health probes, and a request dispatched then would meet a 503."""
+    deadline = time.monotonic() + within_s
+    while True:
+        workers = http("GET", f"{cluster.router.url}/workers").json()["workers"]
+        if all(w["healthy"] and w["circuit"] == "closed" for w in workers):
+            return
+        assert time.monotonic() < deadline, f"instances still out of rotation after {within_s} s: {workers}"
+        time.sleep(0.5)
+
+
 def serves_again(cluster: HostCluster, expected: list[int], within_s: float) -> None:
     deadline = time.monotonic() + within_s
     while True:
@@ -106,6 +118,7 @@ def test_partitioned_decode_fails_fast_and_cluster_heals(name, clusters, network
         pytest.skip("mooncake.engine cannot be imported")
     cluster = clusters[name]
     for _ in range(3):  # a stream whose last byte left the decode host before the cut proves nothing: again
+        wait_in_rotation(cluster)
         try:
             elapsed, events = stream_until_partition(cluster.router, lambda: network.partition("decode", True))
         finally:
@@ -150,6 +163,7 @@ def test_decode_partitioned_before_its_first_token(name, clusters, network, offl
     if name not in clusters:
         pytest.skip("mooncake.engine cannot be imported")
     cluster = clusters[name]
+    wait_in_rotation(cluster)
     conn = HTTPConnection(urlsplit(cluster.router.url).netloc, timeout=60)
     # the longest answer the context allows (412 tokens), so the request is still in flight when the link goes down
     body = {"input_ids": LONG_IDS, "sampling_params": {**GREEDY, "max_new_tokens": CONTEXT_LENGTH - len(LONG_IDS)}}
