@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 
 from pdserve.config import ServerArgs
@@ -21,7 +22,7 @@ from pdserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-class DisaggScheduler(Scheduler):
+class DisaggScheduler(Scheduler, metaclass=ABCMeta):
     """A PD role's scheduler. It registers the KV pool with the transfer engine once, runs the peers' control
     messages through `handlers` and expires late handoffs before each step."""
 
@@ -79,9 +80,9 @@ class DisaggScheduler(Scheduler):
         self.expire_handoffs()
         return True
 
+    @abstractmethod
     def expire_handoffs(self) -> None:
         """Fail the handoffs whose deadline passed (each role has its own deadlines)."""
-        raise NotImplementedError
 
     @property
     def model_info(self) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -130,7 +131,7 @@ class WorkerRegistry:
         worker.breaker.record(ok, time.monotonic())
 
 
-class PeriodicPoller:
+class PeriodicPoller(ABC):
     """A background task that runs `check_all()` every `interval_s` seconds until stopped."""
 
     interval_s: float
@@ -149,8 +150,9 @@ class PeriodicPoller:
             await asyncio.sleep(self.interval_s)
             await self.check_all()
 
+    @abstractmethod
     async def check_all(self) -> None:
-        raise NotImplementedError
+        """One round of polls over the registered workers."""
 
 
 class HealthChecker(PeriodicPoller):
