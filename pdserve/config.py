@@ -180,6 +180,13 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     @property
+    def keeps_prefix_cache(self) -> bool:
+        """Whether finished requests' pages stay in a radix cache (a decode server's only with its own flag)."""
+        if self.disaggregation_mode == "decode" and not self.disaggregation_decode_enable_radix_cache:
+            return False
+        return not self.disable_radix_cache
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 

@@ -39,8 +39,7 @@ class DecodeScheduler(DisaggScheduler):
 
     def __init__(self, args: ServerArgs, tokenizer=None):
         chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
-        radix = args.disaggregation_decode_enable_radix_cache and not args.disable_radix_cache
-        super().__init__(args.replace(disable_radix_cache=not radix, enable_hierarchical_cache=False,
+        super().__init__(args.replace(disable_radix_cache=not args.keeps_prefix_cache, enable_hierarchical_cache=False,
                                       hicache_storage_backend=None, chunked_prefill_size=chunk), tokenizer)
         self.num_local_prefills = 0
         self._extended_last_step = False
