@@ -26,8 +26,8 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
                                              WriteDone, WriteFailed, to_wire)
 from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.kv_checksum import pages_checksum
-from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_cached_pages,
-                                     checked_pages, now)
+from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
+                                     checked_cached_pages, checked_pages, now)
 from pdserve.disagg.role import DisaggScheduler
 from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients

@@ -25,10 +25,14 @@ class CacheReport:
     host: frozenset[int]
     received_at: float  # monotonic time the router read it
 
-    def tier_of(self, block_hash: int) -> str | None:
-        if block_hash in self.device:
-            return "device"
-        return "host" if block_hash in self.host else None
+    def longest(self, positions: dict[int, int]) -> tuple[int, str] | None:
+        """(blocks, tier) of the longest prefix of a key this report holds, the device on a tie; `positions` maps
+        each block hash of the key to the number of blocks up to and including it."""
+        device = max((positions[h] for h in self.device.intersection(positions)), default=0)
+        host = max((positions[h] for h in self.host.intersection(positions)), default=0)
+        if not device and not host:
+            return None
+        return (device, "device") if device >= host else (host, "host")
 
 
 def parse_cache_report(body: object, max_entries: int, received_at: float) -> CacheReport | None:
@@ -60,17 +64,17 @@ def key_block_hashes(key: str | Sequence, block: int) -> list[int]:
 def longest_reported(reports: dict[str, CacheReport], key: str | Sequence) -> tuple[str, int, str] | None:
     """(url, prefix length matched in characters or ids, tier) of the instance reporting the longest prefix of
     `key`, the device tier first on a tie; None when no report holds any block of it."""
-    best: tuple[int, int, str] | None = None
-    hashes_by_block: dict[int, list[int]] = {}
+    best: tuple[int, bool, str, str] | None = None  # (matched, on the device, url, tier)
+    positions_by_block: dict[int, dict[int, int]] = {}
     for url, report in reports.items():
-        hashes = hashes_by_block.get(report.block_chars)
-        if hashes is None:
-            hashes = hashes_by_block[report.block_chars] = key_block_hashes(key, report.block_chars)
-        for n in range(len(hashes), 0, -1):
-            tier = report.tier_of(hashes[n - 1])
-            if tier is not None:
-                rank = (n * report.block_chars, tier == "device")
-                if best is None or rank > best[:2]:
-                    best = (*rank, url, tier)
-                break
+        positions = positions_by_block.get(report.block_chars)
+        if positions is None:
+            hashes = key_block_hashes(key, report.block_chars)
+            positions = positions_by_block[report.block_chars] = {h: n for n, h in enumerate(hashes, 1)}
+        found = report.longest(positions)
+        if found is not None:
+            blocks, tier = found
+            candidate = (blocks * report.block_chars, tier == "device", url, tier)
+            if best is None or candidate[:2] > best[:2]:
+                best = candidate
     return None if best is None else (best[2], best[0], best[3])

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from .conditional import PrefillLoad, parse_load
-from .reported_cache import CacheReport, parse_cache_report
 from .config import ConfigError, Role, RouterConfig
+from .reported_cache import CacheReport, parse_cache_report
 
 log = logging.getLogger("pdserve_router")
 MAX_POLL_BYTES = 1 << 16  # of a polled answer such as /load
@@ -157,14 +157,6 @@ class PeriodicPoller:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
 
-    async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.check_all()
-
-    async def check_all(self) -> None:
-        raise NotImplementedError
-
     async def get_json(self, url: str, max_bytes: int = MAX_POLL_BYTES) -> object | None:
         """The JSON body of a GET, or None on any failure, a non-200 status, or a body over `max_bytes`."""
         try:
@@ -176,6 +168,14 @@ class PeriodicPoller:
             return json.loads(body)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RecursionError):
             return None
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.check_all()
+
+    async def check_all(self) -> None:
+        raise NotImplementedError
 
 
 class HealthChecker(PeriodicPoller):
