@@ -3,9 +3,10 @@
 The router has no tokenizer, so both sides hash the request's routing key, never its tokens: the prompt text
 (`/generate` `text`, `/v1/completions` `prompt`), a chat's messages (`role:content` of each, or its text parts,
 joined), or the prompt's token ids when the client sent ids. The key is cut into blocks of `BLOCK_CHARS`
-characters (ids: `BLOCK_CHARS` ids, written as decimal text); the hash of block k is the first 8 bytes of
-blake2b(hash of block k-1 ‖ block k), so one hash names the whole prefix up to the end of its block. Only full
-blocks count.
+characters (ids: `BLOCK_CHARS` ids, written as decimal text, comma-joined); the hash of block k is the first 8
+bytes of blake2b(hash of block k-1 ‖ tag ‖ block k), tag b"s" for text and b"i" for ids, so one hash names the
+whole prefix up to the end of its block. Only full blocks count. `router/pdserve_router/reported_cache.py` is the
+router's side of this contract.
 
 The digest remembers the blocks of the prompts this instance has prefilled, most recently used first, deepest
 blocks of a prompt older than its first ones (the radix cache evicts leaves first). A report splits them by the

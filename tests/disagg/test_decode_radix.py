@@ -166,3 +166,12 @@ def test_checked_cached_pages_bounds(value, prompt_len, ok):
     else:
         with pytest.raises(ValueError, match="cached_pages"):
             checked_cached_pages(value, prompt_len, PAGE)
+
+
+def test_only_a_decode_server_with_the_flag_keeps_a_prefix_cache(model):
+    decode = ServerArgs(model_path=model, disaggregation_mode="decode")
+    assert not decode.keeps_prefix_cache
+    flagged = decode.replace(disaggregation_decode_enable_radix_cache=True)
+    assert flagged.keeps_prefix_cache
+    assert not flagged.replace(disable_radix_cache=True).keeps_prefix_cache
+    assert ServerArgs(model_path=model, disaggregation_mode="prefill").keeps_prefix_cache

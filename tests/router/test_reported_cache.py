@@ -1,9 +1,9 @@
 """Cache-aware routing on what the instances report holding (`--cache-aware-source reported|both`).
 
 Unit level: the report's parsing and bounds, the policy's choice per source, stale reports, the decision labels.
-End to end: two prefill instances and a decode behind the router; a prefix served directly on prefill B (a
-fake-transfer request, no router involved) is reported by B, and the router sends the next requests sharing it
-to B."""
+End to end: two prefill instances and a decode (with its own radix cache) behind the router; a prefix served
+directly on prefill B (a fake-transfer request, no router involved) is reported by B, and the router sends the
+next requests sharing it to B; from the second one on, the decode server already holds the prefix too."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ REPORT_INTERVAL_S = "0.2"
 def cluster(tiny_model) -> Iterator[dict]:
     ports = free_port(), free_port()
     prefills = [prefill_server(tiny_model, "tcp", port) for port in ports]
-    decode = decode_server(tiny_model, "tcp")
+    decode = decode_server(tiny_model, "tcp", "--disaggregation-decode-enable-radix-cache")
     start_all([*prefills, decode])
     front = router(list(zip(prefills, ports)), [decode], "--prefill-policy", "cache_aware",
                    "--cache-aware-source", "reported", "--cache-report-interval-s", REPORT_INTERVAL_S,
@@ -174,11 +174,14 @@ def test_router_sends_a_prefix_to_the_prefill_that_reports_holding_it(cluster):
     assert a.get("/cache_report").json()["device"] == []
     wait_for_router_report(front, b.url)
     hits_a, hits_b = hit_tokens(a), hit_tokens(b)
+    cached = []  # the decode server's own radix cache: the prefix reached it with the first request
     for question in ("When do you open?", "Do you sell rye bread?", "Is there parking?"):
         reply = front.post("/generate", body(PREFIX + question))
         assert reply.status == 200, reply.body
+        cached.append(reply.json()["meta_info"]["cached_tokens"])
     assert hit_tokens(a) == hits_a and hit_tokens(b) > hits_b  # all three went to B, which reused the prefix
     assert decisions(front).get("reported") == 3.0
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == cached[1]
     wait_kv_free([a, b, cluster["decode"]])
 
 
