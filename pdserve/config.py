@@ -83,6 +83,7 @@ class ServerArgs:
     disaggregation_secret: str | None = None
     disaggregation_enable_kv_checksum: bool = False
     decode_local_prefill_chunk_size: int = 512
+    disaggregation_decode_enable_radix_cache: bool = False
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
     tp_rank: int = field(default=0, metadata={"cli": False})
@@ -179,6 +180,13 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     @property
+    def keeps_prefix_cache(self) -> bool:
+        """Whether finished requests' pages stay in a radix cache (a decode server's only with its own flag)."""
+        if self.disaggregation_mode == "decode" and not self.disaggregation_decode_enable_radix_cache:
+            return False
+        return not self.disable_radix_cache
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
@@ -269,6 +277,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (or env PDSERVE_DISAGGREGATION_SECRET): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a CRC32 of each request's KV pages and fail the request (502) on a mismatch."),
     "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
+    "disaggregation_decode_enable_radix_cache": ("disaggregation", "Decode: keep finished requests' prompt and output pages in a radix cache of its own; a request whose prefix this server already holds receives only the missing pages from the prefill."),
 }
 
 _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}

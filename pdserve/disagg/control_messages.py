@@ -71,6 +71,7 @@ class TransferRequest(Message):
     kv_base: int
     dst_pages: list[int]
     kv_checksum: bool = False
+    cached_pages: int = 0  # leading pages of dst_pages the decode already holds: the prefill does not write them
 
 
 @control("kv_done", remote=True)

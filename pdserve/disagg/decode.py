@@ -39,7 +39,8 @@ class DecodeScheduler(DisaggScheduler):
 
     def __init__(self, args: ServerArgs, tokenizer=None):
         chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
-        super().__init__(args.replace(disable_radix_cache=True, chunked_prefill_size=chunk), tokenizer)
+        super().__init__(args.replace(disable_radix_cache=not args.keeps_prefix_cache, enable_hierarchical_cache=False,
+                                      hicache_storage_backend=None, chunked_prefill_size=chunk), tokenizer)
         self.num_local_prefills = 0
         self._extended_last_step = False
         self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
@@ -47,7 +48,7 @@ class DecodeScheduler(DisaggScheduler):
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, release deadline, prefill)
         self.dead_peers: set[str] = set()
         self.heartbeat = Heartbeat(args, self.channel.post)
-        self._free_when_blocked: int | None = None  # free pages when pre-allocation last had to wait
+        self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
         self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead}
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -74,11 +75,9 @@ class DecodeScheduler(DisaggScheduler):
 
     def _accept_fake(self, req: Req) -> None:
         """No prefill peer: the prompt's pages hold whatever they held (decode-only benchmarks, health checks)."""
-        pages = self.allocator.alloc(math.ceil(len(req.input_ids) / self.page_size))
-        if pages is None:
+        if not self._ensure_pages(req, len(req.input_ids)):
             self._finish(req, FinishReason("abort", message="KV cache full"))
             return
-        req.pages = pages
         self._commit(Handoff(req, req.bootstrap_room, deadline=now()), FirstToken(0, req.input_ids[-1]))
 
     def has_work(self) -> bool:
@@ -89,7 +88,7 @@ class DecodeScheduler(DisaggScheduler):
         return super().can_step() or self._can_preallocate()
 
     def _can_preallocate(self) -> bool:
-        if self._free_when_blocked == self.allocator.num_free:
+        if self._free_when_blocked == self._available_pages():
             return False
         return any(self._route_ready(h) for h in self.bootstrap_queue())
 
@@ -136,24 +135,38 @@ class DecodeScheduler(DisaggScheduler):
                 self._fail(h, f"prefill handshake failed: {exc}", reason="handshake_failed",
                            tell_prefill=h.peer_control is not None)
                 continue
-            need = math.ceil(len(h.req.input_ids) / self.page_size)
-            reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
-            if need + reserve + reserved > self.allocator.num_free:
-                self._free_when_blocked = self.allocator.num_free
+            if not self._allocate_destination(h, reserved):
+                self._free_when_blocked = self._available_pages()
                 break  # FIFO: later requests wait behind this one
-            h.req.pages = self.allocator.alloc(need)
-            h.dst_pages = h.req.pages
             h.peer_control = info.control_endpoint
             advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
             self.channel.send(h.peer_control, TransferRequest(
                 h.room, h.req.rid, announced_endpoint(self.channel.endpoint, advertise, peer_host),
                 announced_endpoint(self.engine.session_id(), advertise, peer_host), self.description,
-                self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum,
+                self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum, h.cached_pages,
             ))
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.pages_sent_at = now()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
             reserved += self._decode_reserve(h.req)
+
+    def _allocate_destination(self, h: Handoff, reserved: int) -> bool:
+        """The prompt's pages: the prefix this server's radix cache holds (referenced, never written by the
+        prefill) plus fresh pages for the rest, if they fit next to every running request's reserve."""
+        req = h.req
+        if self.radix is not None:
+            req.pages = self.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
+        cached = len(req.pages)
+        missing = math.ceil(len(req.input_ids) / self.page_size) - cached
+        reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
+        if missing + reserve + reserved > self._available_pages() or not self._ensure_pages(req, len(req.input_ids)):
+            self._release_pages(req)
+            return False
+        h.cached_pages, h.dst_pages = cached, req.pages
+        req.num_prefix_hit = h.cached_pages * self.page_size
+        if self.radix is not None:
+            self.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
+        return True
 
     def _check_route(self, route: Future) -> PrefillRankInfo:
         topology = route.result()
@@ -187,8 +200,9 @@ class DecodeScheduler(DisaggScheduler):
             raise ValueError(f"first token {aux.first_token} is outside the vocabulary")
         if not all(0 <= t < vocab for t, _ in aux.top_logprobs or ()):
             raise ValueError("a top-logprob token is outside the vocabulary")
+        received = h.dst_pages[h.cached_pages :]
         if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != pages_checksum(self.runner.pool,
-                                                                                             h.dst_pages):
+                                                                                             received):
             raise ValueError("KV checksum mismatch: the pages did not arrive intact")
 
     def _commit(self, h: Handoff, aux: FirstToken) -> None:
@@ -197,7 +211,7 @@ class DecodeScheduler(DisaggScheduler):
         h.advance(KVPoll.SUCCESS)
         if h.pages_sent_at is not None:  # not a fake-transfer request
             layout = self.region.layout
-            self.transfer_stats.moved(len(req.pages) * layout.page_bytes * 2 * layout.num_layers)
+            self.transfer_stats.moved((len(h.dst_pages) - h.cached_pages) * layout.page_bytes * 2 * layout.num_layers)
             self.transfer_stats.completed(now() - h.pages_sent_at)
         req.num_cached_tokens = len(req.input_ids)
         req.output_ids.append(aux.first_token)
@@ -212,6 +226,11 @@ class DecodeScheduler(DisaggScheduler):
         else:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
+            self._release_pages(req)  # its pages hold no computed KV: they never enter the radix cache
+        super()._finish(req, reason)
 
     def _on_peer_failed(self, msg: Failed) -> None:
         room = msg.room

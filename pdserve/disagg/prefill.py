@@ -26,7 +26,8 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
                                              WriteDone, WriteFailed, to_wire)
 from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.kv_checksum import pages_checksum
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, checked_pages, now
+from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
+                                     checked_cached_pages, checked_pages, now)
 from pdserve.disagg.role import DisaggScheduler
 from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests, layout_from_description
 from pdserve.disagg.transfer.channel import PeerClients
@@ -240,7 +241,8 @@ class PrefillScheduler(DisaggScheduler):
         self._submit(h, spans, final, self._record_event(), notify)
 
     def _first_token(self, h: Handoff) -> FirstToken:
-        checksum = pages_checksum(self.runner.pool, h.req.pages[: len(h.dst_pages)]) if h.kv_checksum else None
+        sent = h.req.pages[h.cached_pages : len(h.dst_pages)]
+        checksum = pages_checksum(self.runner.pool, sent) if h.kv_checksum else None
         return _first_token_record(h, checksum)
 
     def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
@@ -276,6 +278,8 @@ class PrefillScheduler(DisaggScheduler):
             layout = layout_from_description(msg.peer.get("kv_layout"))
             h.dst_pages = checked_pages(msg.dst_pages, layout.num_pages,
                                         math.ceil(len(h.req.input_ids) / self.page_size))
+            h.cached_pages = h.pages_sent = checked_cached_pages(msg.cached_pages, len(h.req.input_ids),
+                                                                 self.page_size)
             h.peer_session = msg.session
             if msg.kv_base <= 0:
                 raise ValueError(f"bad kv_base {msg.kv_base!r}")

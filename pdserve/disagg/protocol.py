@@ -3,7 +3,8 @@
 Torch-free, so the HTTP server imports it without loading the engine.
 
 Control messages (typed, see control_messages; keyed by `bootstrap_room`):
-  decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum}
+  decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum,
+                                       cached_pages}
   prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}}
   decode -> prefill  abort {room, error}
   prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
@@ -52,6 +53,7 @@ class Handoff:
     kv_checksum: bool = False  # the decode asked for a checksum of the pages with the first token
     write_seconds: float = 0.0  # prefill: time its KV writes took so far
     pages_sent_at: float | None = None  # decode: when the page ids went to the prefill
+    cached_pages: int = 0  # leading pages the decode side already held (its radix cache): never transferred
 
     def advance(self, state: KVPoll, error: str | None = None) -> None:
         if self.poll == KVPoll.FAILED:
@@ -69,6 +71,15 @@ def checked_pages(value, limit: int, expected: int) -> list[int]:
                          f"{len(value) if isinstance(value, list) else '?'}")
     if not all(type(p) is int and 1 <= p < limit for p in value) or len(set(value)) != len(value):
         raise ValueError(f"destination pages must be distinct ints in [1, {limit})")
+    return value
+
+
+def checked_cached_pages(value: int, prompt_len: int, page_size: int) -> int:
+    """The decode's count of leading pages it already holds: full pages only, and never the page of the last
+    prompt token (its KV always travels with the first token)."""
+    if not 0 <= value <= (prompt_len - 1) // page_size:
+        raise ValueError(f"cached_pages {value} is outside [0, {(prompt_len - 1) // page_size}] for a prompt of "
+                         f"{prompt_len} tokens")
     return value
 
 

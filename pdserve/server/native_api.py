@@ -80,8 +80,8 @@ async def build_generate_requests(
             raise sampling_error(exc) from exc
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
-        req = GenerateRequest(rids[index] or new_rid(), input_ids, params,
-                              bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+        req = GenerateRequest(rids[index] or new_rid(), input_ids, params, bootstrap_host=host,
+                              bootstrap_port=port, bootstrap_room=room, routing_key=prompts[index])
         with_logprobs(req, bool(body.return_logprob), body.top_logprobs_num or 0,
                       -1 if body.logprob_start_len is None else body.logprob_start_len)
         check_bootstrap(args, req)
@@ -164,6 +164,13 @@ async def load(request: web.Request) -> web.Response:
     return json_response({key: stats[key] for key in LOAD_KEYS})
 
 
+async def cache_report(request: web.Request) -> web.Response:
+    """The prefix blocks this instance holds per tier, for the router's cache-aware policy (`prefix_digest`)."""
+    tm = request.app[TM_KEY]
+    stats = await _scheduler_stats(tm)
+    return json_response(tm.prefix_digest.report(stats["kv_total_tokens"], stats.get("hicache_host_total_tokens", 0)))
+
+
 async def _scheduler_stats(tm: TokenizerManager) -> dict:
     try:
         return await tm.get_stats()
@@ -207,6 +214,7 @@ def add_routes(app: web.Application) -> None:
         app.router.add_get(f"{prefix}model_info", get_model_info)
         app.router.add_get(f"{prefix}server_info", get_server_info)
     app.router.add_get("/load", load)
+    app.router.add_get("/cache_report", cache_report)
     app.router.add_get("/flush_cache", flush_cache)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)

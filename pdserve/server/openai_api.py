@@ -23,6 +23,7 @@ from pdserve.server.generation import (
     with_logprobs,
 )
 from pdserve.server.http_common import ARGS_KEY, TM_KEY, ApiError, json_response, parse_body, stream_with_early_errors
+from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
@@ -38,7 +39,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_prompt_sizes(tm, texts)
     prompts = await tm.encode_prompts(texts)
     top_n = body.logprobs
-    requests = await _requests(args, tm, body, prompts, body.max_tokens, top_n, "cmpl")
+    requests = await _requests(args, tm, body, prompts, texts, body.max_tokens, top_n, "cmpl")
     return await _respond(request, body, requests, CompletionFormat(args.model_name, requests))
 
 
@@ -51,7 +52,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_batch_size(args, body.n)
     input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.chat_template_kwargs)
     top_n = (body.top_logprobs or 0) if body.logprobs else None
-    requests = await _requests(args, tm, body, [input_ids], body.output_limit, top_n, "chatcmpl")
+    key = chat_routing_key(body.messages)
+    requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
     return await _respond(request, body, requests, ChatFormat(args.model_name, requests))
 
 
@@ -92,10 +94,10 @@ def _prompt_list(prompt: Any) -> list:
 
 
 async def _requests(
-    args: Any, tm: TokenizerManager, body: OpenAIRequestBase, prompts: list[list[int]],
+    args: Any, tm: TokenizerManager, body: OpenAIRequestBase, prompts: list[list[int]], keys: list,
     max_tokens: int | None, top_n: int | None, prefix: str,
 ) -> list[GenerateRequest]:
-    """n requests per prompt, in OpenAI's choice order (prompt-major)."""
+    """n requests per prompt, in OpenAI's choice order (prompt-major); `keys`: each prompt's routing key."""
     total = len(prompts) * body.n
     base = body.rid or f"{prefix}-{new_rid()}"
     requests = []
@@ -110,8 +112,8 @@ async def _requests(
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         rid = base if total == 1 else f"{base}-{index}"
-        req = GenerateRequest(rid, input_ids, params,
-                              bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+        req = GenerateRequest(rid, input_ids, params, bootstrap_host=host, bootstrap_port=port,
+                              bootstrap_room=room, routing_key=keys[index // body.n])
         with_logprobs(req, top_n is not None, top_n or 0, -1)
         check_bootstrap(args, req)
         requests.append(req)

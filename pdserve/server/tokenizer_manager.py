@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import PromptError, SamplingParams, check_prompt
 from pdserve.server.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.messages import (
@@ -37,6 +38,7 @@ from pdserve.messages import (
     encode,
 )
 from pdserve.server.metrics import ServerMetrics
+from pdserve.server.prefix_digest import PrefixDigest
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class GenerateRequest:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
+    routing_key: str | list[int] | None = None  # what the router hashes for cache-aware routing (prefix_digest)
 
     @property
     def return_logprob(self) -> bool:
@@ -107,6 +110,7 @@ class TokenizerManager:
         self._longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.model_info: dict = {}
         self.states: dict[str, ReqState] = {}
+        self.prefix_digest = PrefixDigest(args.keeps_prefix_cache)
         self._control_ids = itertools.count()
         self._control_waiters: dict[int, asyncio.Future] = {}
         self._sync_ctx = zmq.Context()
@@ -242,10 +246,17 @@ class TokenizerManager:
                 if finished and item.finish_reason.get("status_code"):  # the server failed it (e.g. a PD handoff)
                     failure = item.finish_reason
                     raise RequestRejected(failure.get("message") or "the request failed", failure["status_code"])
+                if finished and item.finish_reason.get("type") != "abort" and self._computed_kv(request):
+                    self.prefix_digest.record(request.routing_key, len(request.input_ids))
                 yield self._chunk(state, item)
         finally:
             if not finished:
                 self.abort(request.rid)
+
+    def _computed_kv(self, request: GenerateRequest) -> bool:
+        """Whether the request's prompt KV was computed here or received (a decode server's fake-transfer request
+        has neither, and never enters its prefix cache)."""
+        return self.args.disaggregation_mode != "decode" or request.bootstrap_host != FAKE_BOOTSTRAP_HOST
 
     def _chunk(self, state: ReqState, out: StrOut) -> Chunk:
         now = time.perf_counter()
@@ -276,6 +287,8 @@ class TokenizerManager:
 
     async def flush_cache(self) -> bool:
         reply = await self._control(FlushCacheReq)
+        if reply.success:
+            self.prefix_digest.clear()
         return reply.success
 
     async def get_stats(self) -> dict:

@@ -17,7 +17,7 @@ from .dispatch import CONNECTION_ERRORS, Dispatcher
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable
 from .upstream import UpstreamPool
-from .workers import HealthChecker, LoadPoller, NoHealthyWorker, Worker, WorkerRegistry
+from .workers import CacheReportPoller, HealthChecker, LoadPoller, NoHealthyWorker, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve_router")
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
@@ -41,6 +41,7 @@ class Router:
         self.dispatcher: Dispatcher | None = None
         self.health: HealthChecker | None = None
         self.load: LoadPoller | None = None
+        self.cache_reports: CacheReportPoller | None = None
         self.event_loop = "asyncio"
 
     @property
@@ -61,14 +62,19 @@ class Router:
         if self.config.mode == "pd" and self.config.local_prefill_cost_factor > 0:  # prefill load decides too
             self.load = LoadPoller(self.registry, self.session, self.auth)
             self.load.start()
+        if self.config.reported_cache_roles():
+            self.cache_reports = CacheReportPoller(self.registry, self.session, self.auth)
+            await self.cache_reports.check_all()  # reports from the start, like the health checks
+            self.cache_reports.start()
         log.info("pdserve-router (%s mode, %s event loop) serving on http://%s:%d with %s", self.config.mode,
                  self.event_loop, self.config.host, self.config.port,
                  ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or "no instances yet")
 
     async def stop(self, app: web.Application) -> None:
         await self.health.stop()
-        if self.load is not None:
-            await self.load.stop()
+        for poller in (self.load, self.cache_reports):
+            if poller is not None:
+                await poller.stop()
         await self.dispatcher.close()
         await self.upstream.close()
         await self.session.close()

@@ -7,7 +7,7 @@ import logging
 from dataclasses import fields
 
 from .cluster_auth import configured_secret
-from .config import DEFAULT_BOOTSTRAP_PORT, EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
+from .config import CACHE_AWARE_SOURCES, DEFAULT_BOOTSTRAP_PORT, EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
 
 
 _HELP: dict[str, str] = {
@@ -26,6 +26,12 @@ _HELP: dict[str, str] = {
     "cache_threshold": "cache_aware: fraction of the prompt a known prefix must cover to win.",
     "cache_block_chars": "cache_aware: prefix granularity in characters (or token ids).",
     "cache_max_entries": "cache_aware: most prefix blocks remembered (LRU).",
+    "cache_aware_source": "cache_aware: where prefixes are known from: local (the router's own index of where it "
+                          "sent each prefix, like SGLang's router), reported (each instance's /cache_report of the "
+                          "prefix blocks it holds per tier), or both (the longer match).",
+    "cache_report_interval_s": "cache_aware with reported/both: seconds between reads of each instance's "
+                               "/cache_report.",
+    "cache_report_ttl_s": "cache_aware with reported/both: a report older than this many seconds is ignored.",
     "balance_abs_threshold": "cache_aware: ignore the cache when max - min in-flight exceeds this ...",
     "balance_rel_threshold": "... and max in-flight exceeds this times min in-flight.",
     "local_prefill_max_tokens": "Conditional disaggregation: prompts of at most this many tokens (text: bytes / 4) "
@@ -53,7 +59,8 @@ _HELP: dict[str, str] = {
     "cb_success_threshold": "Successes in half-open state that close it again.",
     "cb_open_duration_s": "Seconds an open breaker waits before letting a probe request through.",
 }
-_CHOICES = {"policy": POLICIES, "prefill_policy": POLICIES, "decode_policy": POLICIES, "event_loop": EVENT_LOOPS}
+_CHOICES = {"policy": POLICIES, "prefill_policy": POLICIES, "decode_policy": POLICIES, "event_loop": EVENT_LOOPS,
+            "cache_aware_source": CACHE_AWARE_SOURCES}
 
 
 def build_arg_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,8 @@ Local wins when the prompt is short (`--local-prefill-max-tokens`), or when the 
 queued prompt tokens, at its measured prefill rate, would make the prompt wait longer than prefilling it locally
 takes (`--local-prefill-cost-factor` times the prefill time on that instance: the decode instance alternates its
 prefill chunks with decode steps, and may be a different GPU). The uncached prompt is taken to be all of it: the
-router does not know the prefill instances' radix caches, and a decode instance keeps none. The prefill instances report their load on `/load`, polled by `workers.LoadPoller`.
+rule does not weigh what the instances' prefix caches hold. The prefill instances report their load on `/load`,
+polled by `workers.LoadPoller`.
 """
 
 from __future__ import annotations

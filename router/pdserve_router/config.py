@@ -8,6 +8,7 @@ from typing import Literal
 Mode = Literal["pd", "regular"]
 Role = Literal["prefill", "decode", "regular"]
 POLICIES = ("random", "round_robin", "least_load", "cache_aware")
+CACHE_AWARE_SOURCES = ("local", "reported", "both")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 DEFAULT_BOOTSTRAP_PORT = 8998  # a prefill's bootstrap port when neither the flag nor the worker names one
 
@@ -38,6 +39,9 @@ class RouterConfig:
     cache_max_entries: int = 65536
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
+    cache_aware_source: str = "local"  # local: the router's own index; reported: the instances' /cache_report
+    cache_report_interval_s: float = 1.0
+    cache_report_ttl_s: float = 10.0
     # conditional disaggregation (pd mode): some requests go to a decode instance alone, which prefills them
     local_prefill_max_tokens: int = 0
     local_prefill_cost_factor: float = 0.0
@@ -72,6 +76,10 @@ class RouterConfig:
         for name in ("policy", "prefill_policy", "decode_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(POLICIES)}")
+        if self.cache_aware_source not in CACHE_AWARE_SOURCES:
+            raise ConfigError(f"--cache-aware-source must be one of {', '.join(CACHE_AWARE_SOURCES)}")
+        if self.cache_report_interval_s <= 0 or self.cache_report_ttl_s <= 0:
+            raise ConfigError("--cache-report-interval-s and --cache-report-ttl-s must be > 0")
         if self.event_loop not in EVENT_LOOPS:
             raise ConfigError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}")
         if self.api_key is not None and any(c in self.api_key for c in "\r\n"):
@@ -91,3 +99,10 @@ class RouterConfig:
 
     def policy_for(self, role: Role) -> str:
         return {"prefill": self.prefill_policy, "decode": self.decode_policy, "regular": self.policy}[role]
+
+    def reported_cache_roles(self) -> tuple[Role, ...]:
+        """The roles whose cache-aware policy reads the instances' reports (their /cache_report is polled)."""
+        if self.cache_aware_source == "local":
+            return ()
+        roles: tuple[Role, ...] = ("prefill", "decode") if self.mode == "pd" else ("regular",)
+        return tuple(role for role in roles if self.policy_for(role) == "cache_aware")

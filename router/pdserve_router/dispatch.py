@@ -17,6 +17,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -156,7 +157,8 @@ class Dispatcher:
         self.upstream = upstream
         self.main_role: Role = "decode" if config.mode == "pd" else "regular"
         roles: tuple[Role, ...] = ("prefill", "decode") if config.mode == "pd" else ("regular",)
-        self.policies = {role: make_policy(config.policy_for(role), config) for role in roles}
+        self.policies = {role: make_policy(config.policy_for(role), config, self.decision_counter(role))
+                         for role in roles}
         self.local_rule = LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_cost_factor)
         self.conditional = config.mode == "pd" and self.local_rule.enabled
         self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
@@ -164,6 +166,11 @@ class Dispatcher:
         self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
         self.signer = RequestSigner(config.disaggregation_secret) if config.disaggregation_secret else None
         self.background: set[asyncio.Task] = set()
+
+    def decision_counter(self, role: Role) -> Callable[[str], None]:
+        counters = {source: self.metrics.cache_decisions.labels(role=role, source=source)
+                    for source in ("reported", "local", "load")}
+        return lambda source: counters[source].inc()
 
     async def handle(self, request: web.Request, path: str, body: dict, raw: bytes | None = None) -> web.StreamResponse:
         started = time.perf_counter()

@@ -45,6 +45,10 @@ class RouterMetrics:
         self.prefills = Counter(PREFIX + "prefill", "PD requests by where their prompt was prefilled: remote (a "
                                 "prefill instance) or local (the decode instance, conditional disaggregation).",
                                 ("path",), registry=registry)
+        self.cache_decisions = Counter(PREFIX + "cache_aware_decisions", "cache_aware picks, by role and by what "
+                                       "decided: reported (an instance's /cache_report), local (the router's own "
+                                       "prefix index) or load (no prefix matched enough, or the load was imbalanced).",
+                                       ("role", "source"), registry=registry)
         self.retries = Counter(PREFIX + "retries", "Attempts retried with a new pair.", registry=registry)
         self.aborts = Counter(PREFIX + "aborts", "Abort requests sent to the other half of a failed pair, by role.",
                               ("role",), registry=registry)

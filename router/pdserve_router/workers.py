@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -13,8 +14,11 @@ import aiohttp
 
 from .conditional import PrefillLoad, parse_load
 from .config import ConfigError, Role, RouterConfig
+from .reported_cache import CacheReport, parse_cache_report
 
 log = logging.getLogger("pdserve_router")
+MAX_POLL_BYTES = 1 << 16  # of a polled answer such as /load
+MAX_REPORT_BYTES_PER_ENTRY = 24  # a /cache_report lists hashes as '"0123456789abcdef", '
 
 
 class NoHealthyWorker(Exception):
@@ -68,6 +72,7 @@ class Worker:
     health_failures: int = 0
     health_successes: int = 0
     load: PrefillLoad | None = None  # a prefill's last `/load` answer (conditional disaggregation)
+    cache_report: CacheReport | None = None  # its last `/cache_report` (cache-aware policy, reported source)
     bootstrap_host: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,9 +84,14 @@ class Worker:
         return self.healthy and self.breaker.allows(now)
 
     def describe(self) -> dict:
-        return {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
-                "ready": self.ready,
-                "circuit": self.breaker.state, "in_flight": self.in_flight}
+        info = {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
+                "ready": self.ready, "circuit": self.breaker.state, "in_flight": self.in_flight}
+        if self.cache_report is not None:
+            report = self.cache_report
+            info["cache_report"] = {"device_blocks": len(report.device), "host_blocks": len(report.host),
+                                    "block_chars": report.block_chars,
+                                    "age_s": round(time.monotonic() - report.received_at, 3)}
+        return info
 
 
 def normalize_url(url: str) -> str:
@@ -135,6 +145,9 @@ class PeriodicPoller(ABC):
     """A background task that runs `check_all()` every `interval_s` seconds until stopped."""
 
     interval_s: float
+    timeout_s: float
+    session: aiohttp.ClientSession
+    headers: dict[str, str]
     task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -144,6 +157,18 @@ class PeriodicPoller(ABC):
         if self.task:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
+
+    async def get_json(self, url: str, max_bytes: int = MAX_POLL_BYTES) -> object | None:
+        """The JSON body of a GET, or None on any failure, a non-200 status, or a body over `max_bytes`."""
+        try:
+            async with self.session.get(url, headers=self.headers,
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
+                body = await resp.content.read(max_bytes + 1)
+                if resp.status != 200 or len(body) > max_bytes:
+                    return None
+            return json.loads(body)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, RecursionError):
+            return None
 
     async def run(self) -> None:
         while True:
@@ -212,11 +237,27 @@ class LoadPoller(PeriodicPoller):
             worker.load = load
 
     async def poll(self, url: str) -> PrefillLoad | None:
-        try:
-            async with self.session.get(url + "/load", headers=self.headers,
-                                        timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as resp:
-                if resp.status != 200:
-                    return None
-                return parse_load(await resp.json(content_type=None))
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-            return None
+        return parse_load(await self.get_json(url + "/load"))
+
+
+class CacheReportPoller(PeriodicPoller):
+    """Reads the `/cache_report` of every instance whose role routes by reported prefixes. An instance that does
+    not answer keeps its last report until that one is too old to count (`--cache-report-ttl-s`)."""
+
+    def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
+        self.registry, self.session, self.headers = registry, session, headers
+        self.roles = registry.config.reported_cache_roles()
+        self.interval_s = registry.config.cache_report_interval_s
+        self.timeout_s = registry.config.health_check_timeout_s
+        self.max_entries = registry.config.cache_max_entries
+
+    async def check_all(self) -> None:
+        workers = [w for role in self.roles for w in self.registry.of_role(role)]
+        reports = await asyncio.gather(*(self.poll(w.url) for w in workers))
+        for worker, report in zip(workers, reports):
+            if report is not None:
+                worker.cache_report = report
+
+    async def poll(self, url: str) -> CacheReport | None:
+        body = await self.get_json(url + "/cache_report", max_bytes=MAX_REPORT_BYTES_PER_ENTRY * self.max_entries)
+        return parse_cache_report(body, self.max_entries, time.monotonic())

@@ -59,6 +59,7 @@ def run(scheds, timeout=60.0, max_steps: int | None = None) -> dict[tuple[int, s
             for o in s.step():
                 entry = outs.setdefault((i, o.rid), {"ids": [], "finish": None})
                 entry["ids"] += o.new_token_ids
+                entry["cached_tokens"] = o.cached_tokens
                 entry["finish"] = o.finish_reason or entry["finish"]
     return outs
 
