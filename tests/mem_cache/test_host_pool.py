@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.mem_cache.host_pool import HostKVPool
+from pdserve.mem_cache.host_pool import MEM_LAYOUTS, HostKVPool
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, num_pages=12, dtype=torch.float32)
+PAGE_NBYTES = 2 * LAYOUT.num_layers * LAYOUT.page_bytes
 
 
 def filled_device_pool() -> KVPool:
@@ -22,10 +23,11 @@ def page(pool: KVPool, p: int) -> torch.Tensor:
     return pool.buffer[:, :, p * ps : (p + 1) * ps]
 
 
-@pytest.mark.parametrize("mem_layout", ["layer_first", "page_first"])
-def test_save_then_load_moves_each_page_to_its_pair(mem_layout):
+@pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
+@pytest.mark.parametrize("staging_pages", [1, 2, 64], ids=["chunk1", "chunk2", "one-chunk"])
+def test_save_then_load_moves_each_page_to_its_pair(mem_layout, staging_pages):
     device = filled_device_pool()
-    host = HostKVPool(LAYOUT, 8, mem_layout, pin=False)
+    host = HostKVPool(LAYOUT, 8, mem_layout, pin=False, staging_bytes=staging_pages * PAGE_NBYTES)
     src, slots = [3, 4, 5, 9, 1], [2, 3, 4, 6, 7]  # runs of different lengths on both sides
     host.save(device, src, slots)
     fresh = KVPool(LAYOUT, "cpu")
@@ -33,15 +35,37 @@ def test_save_then_load_moves_each_page_to_its_pair(mem_layout):
     host.load(fresh, slots, dst)
     for s, d in zip(src, dst):
         assert torch.equal(page(fresh, d), page(device, s))
-    assert page(fresh, 8).abs().sum() == 0  # nothing else was written
+    untouched = [p for p in range(LAYOUT.num_pages) if p not in dst]
+    assert all(page(fresh, p).abs().sum() == 0 for p in untouched)  # nothing else was written
+
+
+@pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
+def test_descending_and_interleaved_pages_land_in_order(mem_layout):
+    """Device pages in any order (descending, as eviction frees them) against host runs in another order."""
+    device = filled_device_pool()
+    host = HostKVPool(LAYOUT, 10, mem_layout, pin=False, staging_bytes=3 * PAGE_NBYTES)
+    src, slots = [11, 10, 9, 8, 7, 6, 5], [1, 2, 3, 8, 9, 5, 4]
+    host.save(device, src, slots)
+    fresh = KVPool(LAYOUT, "cpu")
+    dst = [2, 4, 6, 8, 10, 3, 5]
+    host.load(fresh, slots[::-1], dst[::-1])
+    for s, d in zip(src, dst):
+        assert torch.equal(page(fresh, d), page(device, s))
 
 
 def test_block_payload_is_the_same_in_both_layouts():
     device = filled_device_pool()
-    pools = [HostKVPool(LAYOUT, 4, layout, pin=False) for layout in ("layer_first", "page_first")]
+    pools = [HostKVPool(LAYOUT, 4, layout, pin=False) for layout in MEM_LAYOUTS]
     for pool in pools:
         pool.save(device, [5], [2])
     payloads = [pool.read_page(2) for pool in pools]
     assert payloads[0] == payloads[1] and len(payloads[0]) == pools[0].page_nbytes
-    pools[1].write_page(1, payloads[0])
-    assert pools[1].read_page(1) == payloads[0]
+    assert payloads[0] == page(device, 5).contiguous().numpy().tobytes()  # [2, layers, page_size, heads, dim]
+    for pool in pools:
+        pool.write_page(1, payloads[0])
+        assert pool.read_page(1) == payloads[0]
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="page_head"):
+        HostKVPool(LAYOUT, 4, "page_head", pin=False)
