@@ -131,7 +131,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             if parent is not self.root and self._device_leaf(parent) and self._unused(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        needs_host = [(n, p) for n, p in zip(victims, pages) if n.host_page < 0]
+        needs_host = _root_side_first([(n, p) for n, p in zip(victims, pages) if n.host_page < 0])
         unsaved = self._backup([n for n, _ in needs_host], [p for _, p in needs_host])
         self.allocator.free(pages)
         self.num_pages -= len(victims)
@@ -462,6 +462,22 @@ class HiRadixCache(RadixCache):
         self.stats.add("loaded_bytes_total", tier, num_pages * self.host.page_nbytes)
         self.stats.add("load_seconds_total", tier, seconds)
         self.stats.add("loads_total", tier, 1)
+
+
+def _root_side_first(pairs: list[tuple[_Node, int]]) -> list[tuple[_Node, int]]:
+    """(node, page) pairs in tree pre-order, each chain root side first (eviction frees leaves first): host
+    pages allocated in this order ascend along every prefix, so loading it back is one run per chain."""
+    chosen = {id(node): (node, page) for node, page in pairs}
+    ordered = []
+    for node, _ in pairs:
+        if id(node.parent) in chosen:
+            continue
+        stack = [node]
+        while stack:
+            top = stack.pop()
+            ordered.append(chosen[id(top)])
+            stack.extend(c for c in top.children.values() if id(c) in chosen)
+    return ordered
 
 
 def model_identity(model_path: str, layout: KVLayout, dummy_weights_seed: int | None = None) -> bytes:

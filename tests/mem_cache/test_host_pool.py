@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.mem_cache.hiradix_cache import HiCachePolicy, HiRadixCache
 from pdserve.mem_cache.host_pool import MEM_LAYOUTS, HostKVPool
-from pdserve.mem_cache.kv_pool import KVLayout, KVPool
+from pdserve.mem_cache.kv_pool import KVLayout, KVPool, PageAllocator
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, num_pages=12, dtype=torch.float32)
 PAGE_NBYTES = 2 * LAYOUT.num_layers * LAYOUT.page_bytes
@@ -69,3 +70,33 @@ def test_block_payload_is_the_same_in_both_layouts():
 def test_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="page_head"):
         HostKVPool(LAYOUT, 4, "page_head", pin=False)
+
+
+@pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
+def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout):
+    """Eviction frees leaves first; the host pages it backs them up to still ascend along each prefix, so a
+    prefix loaded back is one copy per chain, and the pages come back with their content."""
+    device = filled_device_pool()
+    allocator = PageAllocator(LAYOUT.num_pages)
+    host = HostKVPool(LAYOUT, 16, mem_layout, pin=False)
+    cache = HiRadixCache(allocator, device, host, None, b"test", HiCachePolicy(write_policy="write_back"))
+    ps = LAYOUT.page_size
+    chains = {start: list(range(start * 100, start * 100 + 4 * ps)) for start in (1, 2)}
+    originals = {}
+    for tokens in chains.values():
+        pages = allocator.alloc(4)
+        originals[tuple(tokens)] = [page(device, p).clone() for p in pages]
+        cache.insert(tokens, pages)
+        allocator.free(pages)  # the cache keeps its own references
+    assert cache.evict(8) == 8
+    device.buffer.zero_()  # what comes back must come from the host
+    for tokens in chains.values():
+        path = cache._walk(tokens, 4, touch=False)
+        hosts = [n.host_page for n in path]
+        assert hosts == list(range(hosts[0], hosts[0] + 4)) and all(n.page < 0 for n in path)
+    for tokens, content in originals.items():
+        pages = cache.match_prefix(list(tokens) + [0], len(tokens))
+        assert len(pages) == 4
+        assert all(torch.equal(page(device, p), c) for p, c in zip(pages, content))
+        allocator.free(pages)
+    assert cache.host_pool_is_consistent()
