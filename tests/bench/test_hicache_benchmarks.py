@@ -1,12 +1,19 @@
-"""The host KV tier's benchmarks as users run them: the copy microbenchmark on CPU with a tiny model."""
+"""The host KV tier's benchmarks as users run them, on CPU with a tiny model: the copy microbenchmark and the
+multi-turn script with the tiers off and on."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
+from cluster_util import CHILD_ENV
 from test_bench_end_to_end import PNG_MAGIC, run_module
 
 from pdserve.mem_cache.host_pool import MEM_LAYOUTS
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_copy_benchmark_measures_every_layout_and_loads_back_what_it_stored(tiny_model, tmp_path):
@@ -29,3 +36,21 @@ def test_copy_benchmark_measures_every_layout_and_loads_back_what_it_stored(tiny
 def test_copy_benchmark_refuses_an_unknown_layout(tiny_model):
     done = run_module("pdserve.bench.hicache_copy", "--model-path", tiny_model, "--layouts", "page_head", timeout=60)
     assert done.returncode == 2 and "--layouts takes page_first, layer_first" in done.stderr
+
+
+def test_multiturn_script_compares_tiers_off_and_host_tier_end_to_end(tiny_models, tmp_path):
+    done = subprocess.run([sys.executable, "scripts/hicache_multiturn.py", "--device", "cpu", "--model-path",
+                           tiny_models["llama-tiny"], "--sessions", "4", "--turns", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240, env=CHILD_ENV, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "multiturn.json").read_text())
+    off, host = result["configs"]["tiers_off"], result["configs"]["host_tier"]
+    assert result["history_tokens"] > result["workload"]["max_total_tokens"]  # the history does not fit
+    for config in (off, host):
+        assert (config["completed"], config["errors"]) == (8, 0)
+        assert config["ttft_ms"]["mean"] > 0 and config["request_throughput"] > 0
+    assert off["server"]["host_hit_tokens"] == 0 and off["server"]["hicache_host_total_tokens"] is None
+    assert host["server"]["host_hit_tokens"] > 0 and host["server"]["host_loaded_bytes"] > 0
+    assert host["server"]["prefix_hit_fraction"] > off["server"]["prefix_hit_fraction"]
+    assert set(result["comparison"]) >= {"ttft_mean_speedup", "request_throughput_gain", "host_tier_beats_tiers_off"}
+    assert (tmp_path / "multiturn.png").read_bytes().startswith(PNG_MAGIC)
