@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -55,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value),
                                 help=f"default {value} on cuda, {DEFAULTS['cpu'][name]} on cpu")
     parser.add_argument("--server-args", default="", help="more flags for both servers, one shell-quoted string")
-    parser.add_argument("--startup-timeout", type=float, default=420.0, help="seconds for a server to be healthy")
-    parser.add_argument("--run-timeout", type=float, default=300.0, help="seconds for one benchmark run")
+    parser.add_argument("--startup-timeout", type=float, default=240.0, help="seconds for a server to be healthy")
+    parser.add_argument("--run-timeout", type=float, default=150.0, help="seconds for one benchmark run")
     args = parser.parse_args(argv)
     for name, value in DEFAULTS[args.device].items():
         if getattr(args, name) is None:
@@ -180,6 +181,7 @@ def plot(result: dict, out: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too stops the server before exiting
     args.out.mkdir(parents=True, exist_ok=True)
     model = model_path(args)
     workload = {key: getattr(args, key) for key in DEFAULTS["cuda"] if key != "preset"}
