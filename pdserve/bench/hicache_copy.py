@@ -43,6 +43,7 @@ class CaseResult:
     pages_stored: int
     pages_loaded: int
     pages_verified: int  # loaded pages equal to the device pages backed up
+    staging_pages: int  # pages per chunk (the device staging buffer's size)
 
 
 def _sync(device: torch.device) -> None:
@@ -105,7 +106,7 @@ def run_case(pool: KVPool, reference: torch.Tensor, mem_layout: str, host_order:
     load_gbps, backup_gbps = nbytes / load_s / 1e9, nbytes / backup_s / 1e9
     return CaseResult(mem_layout, host_order, load_s * 1e3, backup_s * 1e3, load_gbps, backup_gbps,
                       load_gbps / ceilings["h2d_gbps"], backup_gbps / ceilings["d2h_gbps"],
-                      len(src), len(dst), int(verified))
+                      len(src), len(dst), int(verified), host.staging_pages)
 
 
 def plot(result: dict, out: Path) -> Path:
