@@ -11,12 +11,22 @@ from pdserve.mem_cache.kv_pool import KVLayout, KVPool, PageAllocator
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, page_size=4, num_pages=12, dtype=torch.float32)
 PAGE_NBYTES = 2 * LAYOUT.num_layers * LAYOUT.page_bytes
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # on CUDA: pinned host pool, asynchronous copies
 
 
-def filled_device_pool() -> KVPool:
-    pool = KVPool(LAYOUT, "cpu")
+def filled_device_pool(device: str = "cpu") -> KVPool:
+    pool = KVPool(LAYOUT, device)
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=torch.Generator().manual_seed(0)))
     return pool
+
+
+def host_pool(num_pages: int, mem_layout: str, device: str, **kw) -> HostKVPool:
+    return HostKVPool(LAYOUT, num_pages, mem_layout, pin=device == "cuda", **kw)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def page(pool: KVPool, p: int) -> torch.Tensor:
@@ -24,16 +34,18 @@ def page(pool: KVPool, p: int) -> torch.Tensor:
     return pool.buffer[:, :, p * ps : (p + 1) * ps]
 
 
+@pytest.mark.parametrize("device_type", DEVICES)
 @pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
 @pytest.mark.parametrize("staging_pages", [1, 2, 64], ids=["chunk1", "chunk2", "one-chunk"])
-def test_save_then_load_moves_each_page_to_its_pair(mem_layout, staging_pages):
-    device = filled_device_pool()
-    host = HostKVPool(LAYOUT, 8, mem_layout, pin=False, staging_bytes=staging_pages * PAGE_NBYTES)
+def test_save_then_load_moves_each_page_to_its_pair(mem_layout, staging_pages, device_type):
+    device = filled_device_pool(device_type)
+    host = host_pool(8, mem_layout, device_type, staging_bytes=staging_pages * PAGE_NBYTES)
     src, slots = [3, 4, 5, 9, 1], [2, 3, 4, 6, 7]  # runs of different lengths on both sides
     host.save(device, src, slots)
-    fresh = KVPool(LAYOUT, "cpu")
+    fresh = KVPool(LAYOUT, device_type)
     dst = [10, 11, 2, 6, 7]
     host.load(fresh, slots, dst)
+    synchronize(device_type)
     for s, d in zip(src, dst):
         assert torch.equal(page(fresh, d), page(device, s))
     untouched = [p for p in range(LAYOUT.num_pages) if p not in dst]
@@ -72,13 +84,15 @@ def test_unknown_layout_is_refused():
         HostKVPool(LAYOUT, 4, "page_head", pin=False)
 
 
+@pytest.mark.parametrize("device_type", DEVICES)
 @pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
-def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout):
+def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout, device_type):
     """Eviction frees leaves first; the host pages it backs them up to still ascend along each prefix, so a
-    prefix loaded back is one copy per chain, and the pages come back with their content."""
-    device = filled_device_pool()
+    prefix loaded back is one copy per chain, and the pages come back with their content (on CUDA through the
+    load stream and the event the next forward waits on)."""
+    device = filled_device_pool(device_type)
     allocator = PageAllocator(LAYOUT.num_pages)
-    host = HostKVPool(LAYOUT, 16, mem_layout, pin=False)
+    host = host_pool(16, mem_layout, device_type)
     cache = HiRadixCache(allocator, device, host, None, b"test", HiCachePolicy(write_policy="write_back"))
     ps = LAYOUT.page_size
     chains = {start: list(range(start * 100, start * 100 + 4 * ps)) for start in (1, 2)}
@@ -96,6 +110,8 @@ def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout):
         assert hosts == list(range(hosts[0], hosts[0] + 4)) and all(n.page < 0 for n in path)
     for tokens, content in originals.items():
         pages = cache.match_prefix(list(tokens) + [0], len(tokens))
+        cache.wait_for_loads()
+        synchronize(device_type)
         assert len(pages) == 4
         assert all(torch.equal(page(device, p), c) for p, c in zip(pages, content))
         allocator.free(pages)
