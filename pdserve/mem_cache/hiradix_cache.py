@@ -78,11 +78,13 @@ class HiRadixCache(RadixCache):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-write") if storage else None
         self._load_stream = torch.cuda.Stream(device_pool.buffer.device) if device_pool.buffer.is_cuda else None
         self._load_event: torch.cuda.Event | None = None
+        self._timed_loads: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # (tier, start, end) in flight
 
     # ---- the RadixCache interface --------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: list[int], max_tokens: int, rid: str | None = None) -> list[int]:
         self._drain_writes()
+        self._count_copy_times()
         max_pages = max_tokens // self.page_size
         path = self._walk(token_ids, max_pages, touch=True)
         on_device = next((i for i, n in enumerate(path) if n.page < 0), len(path))
@@ -170,6 +172,7 @@ class HiRadixCache(RadixCache):
 
     def tier_stats(self) -> dict:
         self._drain_writes()
+        self._count_copy_times()
         host_pages = sum(1 for n in self._nodes() if n.host_page >= 0)
         return {
             "hicache": self.stats.snapshot(),
@@ -214,7 +217,7 @@ class HiRadixCache(RadixCache):
         if not pages:
             return []
         began = time.perf_counter()
-        self._copy_in([n.host_page for n in nodes], pages)
+        self._copy_in("host", [n.host_page for n in nodes], pages)
         for node, page in zip(nodes, pages):
             node.page = page
         self.num_pages += len(pages)
@@ -290,15 +293,30 @@ class HiRadixCache(RadixCache):
                 self._free_host(n.host_page)
             stack.extend(n.children.values())
 
-    def _copy_in(self, host_pages: list[int], device_pages: list[int]) -> None:
+    def _copy_in(self, tier: str, host_pages: list[int], device_pages: list[int]) -> None:
         if self._load_stream is None:
+            began = time.perf_counter()
             self.host.load(self.device, host_pages, device_pages)
+            self.stats.add("load_copy_seconds_total", tier, time.perf_counter() - began)
             return
         self._load_stream.wait_stream(torch.cuda.current_stream(self.device.buffer.device))
         with torch.cuda.stream(self._load_stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             self.host.load(self.device, host_pages, device_pages)
-            self._load_event = torch.cuda.Event()
-            self._load_event.record()
+            end.record()
+        self._load_event = end
+        self._timed_loads.append((tier, start, end))
+
+    def _count_copy_times(self) -> None:
+        """Device time of the loads whose copies have finished (CUDA), without waiting for the others."""
+        pending = []
+        for tier, start, end in self._timed_loads:
+            if end.query():
+                self.stats.add("load_copy_seconds_total", tier, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((tier, start, end))
+        self._timed_loads = pending
 
     # ---- tier 3 ---------------------------------------------------------------------------------------------
 
@@ -321,7 +339,7 @@ class HiRadixCache(RadixCache):
                           host_page=host_page, block_hash=block_hash, stored=True)
             node.children[key] = child
             node = child
-        self._copy_in(host_pages, device_pages)
+        self._copy_in("storage", host_pages, device_pages)
         self.num_pages += len(device_pages)
         self.allocator.incref(device_pages)
         self._count_load("storage", len(device_pages), time.perf_counter() - began)

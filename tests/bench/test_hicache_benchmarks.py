@@ -33,6 +33,20 @@ def test_copy_benchmark_measures_every_layout_and_loads_back_what_it_stored(tiny
     assert "32/32 pages verified" in done.stdout
 
 
+def test_ttft_benchmark_loads_the_whole_prefix_from_the_host_and_times_its_copies(tiny_models, tmp_path):
+    out = tmp_path / "ttft.json"
+    done = run_module("pdserve.bench.hicache", "--model-path", tiny_models["llama-tiny"], "--input-len", "200",
+                      "--repeats", "2", "--warmup", "0", "--device", "cpu", "--dtype", "float32", "--page-size", "16",
+                      "--out", str(out), timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    page_nbytes = 2 * 2 * 16 * 2 * 32 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 32 fp32
+    for run in result["tiers"]["host"]["runs"]:
+        assert run["loaded_bytes"] == 200 // 16 * page_nbytes and run["load_copy_ms"] > 0
+    assert all(run["loaded_bytes"] == 0 for run in result["tiers"]["recompute"]["runs"])
+    assert result["host_load_gbps"] > 0 and result["copy_ceiling_gbps"] > 0
+
+
 def test_copy_benchmark_refuses_an_unknown_layout(tiny_model):
     done = run_module("pdserve.bench.hicache_copy", "--model-path", tiny_model, "--layouts", "page_head", timeout=60)
     assert done.returncode == 2 and "--layouts takes page_first, layer_first" in done.stderr

@@ -22,6 +22,7 @@ def test_prefix_evicted_from_device_is_served_from_host(tiny_model, hf_greedy, w
     assert out.cached_tokens == 64
     assert hicache(llm, "hit_tokens_total", "host") > 0
     assert hicache(llm, "loaded_bytes_total", "host") > 0
+    assert hicache(llm, "load_copy_seconds_total", "host") > 0
     assert out.token_ids == hf_greedy(followup)
     assert_pools_free(llm)
 
