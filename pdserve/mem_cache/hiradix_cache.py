@@ -133,7 +133,7 @@ class HiRadixCache(RadixCache):
             parent = node.parent
             if parent is not self.root and self._device_leaf(parent) and self._unused(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
-        needs_host = _root_side_first([(n, p) for n, p in zip(victims, pages) if n.host_page < 0])
+        needs_host = [(n, p) for n, p in zip(victims, pages) if n.host_page < 0]
         unsaved = self._backup([n for n, _ in needs_host], [p for _, p in needs_host])
         self.allocator.free(pages)
         self.num_pages -= len(victims)
@@ -226,7 +226,11 @@ class HiRadixCache(RadixCache):
         return pages
 
     def _backup(self, nodes: list[_Node], device_pages: list[int]) -> list[_Node]:
-        """Copy device pages of nodes to new host pages; returns the nodes the host had no room for."""
+        """Copy device pages of nodes to new host pages; returns the nodes the host had no room for. Host pages
+        go to the nodes root side first along each chain (eviction frees leaves first), so they ascend along
+        every prefix and a prefix loaded back is one run of host pages; when the host is short, the deepest
+        nodes are the ones left out."""
+        nodes, device_pages = _root_side_first(nodes, device_pages)
         host_pages = self._alloc_host(len(nodes))
         saved = nodes[: len(host_pages)]
         if not saved:
@@ -284,13 +288,15 @@ class HiRadixCache(RadixCache):
             self.host.allocator.free([host_page])
 
     def _drop(self, node: _Node) -> None:
-        """Remove a node no tier holds, with its subtree (held by the host only, if at all)."""
+        """Remove a node no tier holds, with its subtree (held by the host only, if at all). Dropping a node
+        inside a subtree dropped before frees nothing twice."""
         del node.parent.children[node.key]
         stack = [node]
         while stack:
             n = stack.pop()
             if n.host_page >= 0:
                 self._free_host(n.host_page)
+                n.host_page = -1
             stack.extend(n.children.values())
 
     def _copy_in(self, tier: str, host_pages: list[int], device_pages: list[int]) -> None:
@@ -482,20 +488,19 @@ class HiRadixCache(RadixCache):
         self.stats.add("loads_total", tier, 1)
 
 
-def _root_side_first(pairs: list[tuple[_Node, int]]) -> list[tuple[_Node, int]]:
-    """(node, page) pairs in tree pre-order, each chain root side first (eviction frees leaves first): host
-    pages allocated in this order ascend along every prefix, so loading it back is one run per chain."""
-    chosen = {id(node): (node, page) for node, page in pairs}
+def _root_side_first(nodes: list[_Node], pages: list[int]) -> tuple[list[_Node], list[int]]:
+    """`nodes` (with their `pages`) in tree pre-order: every chain among them root side first."""
+    page_of = {id(node): page for node, page in zip(nodes, pages)}
     ordered = []
-    for node, _ in pairs:
-        if id(node.parent) in chosen:
+    for node in nodes:
+        if id(node.parent) in page_of:
             continue
         stack = [node]
         while stack:
             top = stack.pop()
-            ordered.append(chosen[id(top)])
-            stack.extend(c for c in top.children.values() if id(c) in chosen)
-    return ordered
+            ordered.append(top)
+            stack.extend(c for c in top.children.values() if id(c) in page_of)
+    return ordered, [page_of[id(n)] for n in ordered]
 
 
 def model_identity(model_path: str, layout: KVLayout, dummy_weights_seed: int | None = None) -> bytes:

@@ -84,6 +84,37 @@ def test_unknown_layout_is_refused():
         HostKVPool(LAYOUT, 4, "page_head", pin=False)
 
 
+def write_back_cache(device: KVPool, host_pages: int, mem_layout: str = "page_first"):
+    allocator = PageAllocator(LAYOUT.num_pages)
+    host = host_pool(host_pages, mem_layout, device.buffer.device.type)
+    return allocator, HiRadixCache(allocator, device, host, None, b"test", HiCachePolicy(write_policy="write_back"))
+
+
+def cache_chain(allocator: PageAllocator, cache: HiRadixCache, device: KVPool, tokens: list[int]) -> list:
+    """Insert tokens' full pages (fresh device pages) and return a copy of each page's content."""
+    pages = allocator.alloc(len(tokens) // LAYOUT.page_size)
+    content = [page(device, p).clone() for p in pages]
+    cache.insert(tokens, pages)
+    allocator.free(pages)  # the cache keeps its own references
+    return content
+
+
+def test_write_back_with_a_short_host_keeps_the_root_side_of_a_chain():
+    """Three free host pages for a four-page chain: the three pages nearest the root stay cached (a leaf-first
+    backup would keep the deepest three and lose them all with the dropped first page)."""
+    device = filled_device_pool()
+    allocator, cache = write_back_cache(device, host_pages=4)
+    tokens = list(range(100, 100 + 4 * LAYOUT.page_size))
+    content = cache_chain(allocator, cache, device, tokens)
+    assert cache.evict(4) == 4
+    device.buffer.zero_()
+    pages = cache.match_prefix(tokens + [0], len(tokens))
+    assert len(pages) == 3
+    assert all(torch.equal(page(device, p), c) for p, c in zip(pages, content))
+    allocator.free(pages)
+    assert cache.host_pool_is_consistent()
+
+
 @pytest.mark.parametrize("device_type", DEVICES)
 @pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
 def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout, device_type):
@@ -91,17 +122,9 @@ def test_write_back_gives_each_evicted_chain_one_host_run(mem_layout, device_typ
     prefix loaded back is one copy per chain, and the pages come back with their content (on CUDA through the
     load stream and the event the next forward waits on)."""
     device = filled_device_pool(device_type)
-    allocator = PageAllocator(LAYOUT.num_pages)
-    host = host_pool(16, mem_layout, device_type)
-    cache = HiRadixCache(allocator, device, host, None, b"test", HiCachePolicy(write_policy="write_back"))
-    ps = LAYOUT.page_size
-    chains = {start: list(range(start * 100, start * 100 + 4 * ps)) for start in (1, 2)}
-    originals = {}
-    for tokens in chains.values():
-        pages = allocator.alloc(4)
-        originals[tuple(tokens)] = [page(device, p).clone() for p in pages]
-        cache.insert(tokens, pages)
-        allocator.free(pages)  # the cache keeps its own references
+    allocator, cache = write_back_cache(device, host_pages=16, mem_layout=mem_layout)
+    chains = {start: list(range(start * 100, start * 100 + 4 * LAYOUT.page_size)) for start in (1, 2)}
+    originals = {tuple(tokens): cache_chain(allocator, cache, device, tokens) for tokens in chains.values()}
     assert cache.evict(8) == 8
     device.buffer.zero_()  # what comes back must come from the host
     for tokens in chains.values():
