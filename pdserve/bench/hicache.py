@@ -97,8 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         ceiling = copy_ceiling(nbytes, llm.scheduler.device)
         load_ms = statistics.median(r["load_copy_ms"] for r in host["runs"])
         # the host TTFT also includes the one-token extend, so its rate is a lower bound of the load rate
-        result.update(copy_ceiling_gbps=ceiling / 1e9, host_load_gbps_lower_bound=nbytes / host["min_ttft_ms"] * 1e3 / 1e9,
-                      host_load_copy_ms=load_ms, host_load_gbps=nbytes / load_ms * 1e3 / 1e9)
+        result.update(copy_ceiling_gbps=ceiling / 1e9, host_load_copy_ms=load_ms,
+                      host_load_gbps_lower_bound=nbytes / host["min_ttft_ms"] * 1e3 / 1e9,
+                      host_load_gbps=nbytes / load_ms * 1e3 / 1e9)
         result["host_load_fraction_of_ceiling"] = result["host_load_gbps"] / result["copy_ceiling_gbps"]
     for tier, r in result["tiers"].items():
         print(f"{tier:10s} TTFT {r['ttft_ms']:9.1f} ms median, {r['min_ttft_ms']:9.1f} ms best of {args.repeats} "

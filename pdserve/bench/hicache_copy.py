@@ -121,8 +121,9 @@ def plot(result: dict, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(1.6 * len(cases) + 2.5, 3.8))
     ax.bar([x - 0.2 for x in xs], [c["load_gbps"] for c in cases], 0.4, label="load (host → device)")
     ax.bar([x + 0.2 for x in xs], [c["backup_gbps"] for c in cases], 0.4, label="backup (device → host)")
-    ax.axhline(result["ceilings"]["h2d_gbps"], color="C0", linestyle="--", linewidth=0.9, label="host → device ceiling")
-    ax.axhline(result["ceilings"]["d2h_gbps"], color="C1", linestyle=":", linewidth=0.9, label="device → host ceiling")
+    for key, color, style, label in (("h2d_gbps", "C0", "--", "host → device ceiling"),
+                                     ("d2h_gbps", "C1", ":", "device → host ceiling")):
+        ax.axhline(result["ceilings"][key], color=color, linestyle=style, linewidth=0.9, label=label)
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("GB/s")
     ax.set_title(f"host KV tier, {result['pages']} pages of {result['page_nbytes'] / 2**20:.2f} MiB "
@@ -184,8 +185,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{mem_layout:11s} {host_order:10s} load {case.load_gbps:7.2f} GB/s ({case.load_fraction:6.1%}) "
                   f"backup {case.backup_gbps:7.2f} GB/s ({case.backup_fraction:6.1%}), "
                   f"{case.pages_verified}/{case.pages_loaded} pages verified", flush=True)
-    result = {"device": str(device), "dtype": str(layout.dtype).removeprefix("torch."), "tokens": num_pages * args.page_size,
-              "pages": num_pages, "page_nbytes": page_nbytes, "bytes": nbytes, "repeats": args.repeats,
+    result = {"device": str(device), "dtype": str(layout.dtype).removeprefix("torch."),
+              "tokens": num_pages * args.page_size, "pages": num_pages, "page_nbytes": page_nbytes, "bytes": nbytes, "repeats": args.repeats,
               "layout": layout.describe(), "ceilings": ceilings, "cases": cases}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
