@@ -121,6 +121,9 @@ def run_config(args: argparse.Namespace, model: str, config: str) -> dict:
     finally:
         proc.stop()
     run = json.loads((args.out / f"{config}.json").read_text())["runs"][0]
+    if run["completed"] != run["requests"]:
+        raise RuntimeError(f"{config}: {run['completed']} of {run['requests']} requests completed; "
+                           f"errors {run['error_kinds']}, e.g. {run['error_examples'][:2]} (see {args.out})")
     return summarize(run, stats)
 
 
@@ -206,10 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     c = result["comparison"]
     log(f"host tier vs tiers off: TTFT mean {c['ttft_mean_speedup']:.2f}x lower, p90 {c['ttft_p90_speedup']:.2f}x; "
         f"throughput {c['request_throughput_gain']:.2f}x -> {args.out / 'multiturn.json'}, multiturn.png")
-    failed = sum(r["errors"] for r in results.values())
-    if failed:
-        log(f"FAILED: {failed} requests failed (see {args.out}/bench_*.log)")
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":
