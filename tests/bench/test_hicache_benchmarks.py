@@ -69,3 +69,12 @@ def test_multiturn_script_compares_tiers_off_and_host_tier_end_to_end(tiny_model
     assert host["server"]["prefix_hit_fraction"] > off["server"]["prefix_hit_fraction"]
     assert set(result["comparison"]) >= {"ttft_mean_speedup", "request_throughput_gain", "host_tier_beats_tiers_off"}
     assert (tmp_path / "multiturn.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_multiturn_script_fails_clearly_when_a_server_cannot_start(tiny_models, tmp_path):
+    done = subprocess.run([sys.executable, "scripts/hicache_multiturn.py", "--device", "cpu", "--model-path",
+                           tiny_models["llama-tiny"], "--server-args", "--hicache-mem-layout page_head",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120, env=CHILD_ENV, cwd=REPO)
+    assert done.returncode == 1
+    assert "FAILED: tiers_off" in done.stdout and "--hicache-mem-layout" in done.stdout
+    assert not (tmp_path / "multiturn.json").exists()
