@@ -46,7 +46,7 @@ class ServerArgs:
     hicache_ratio: float = 2.0
     hicache_size: float = 0.0
     hicache_write_policy: str = "write_through"
-    hicache_mem_layout: str = "layer_first"
+    hicache_mem_layout: str = "page_first"
     hicache_storage_backend: str | None = None
     hicache_storage_backend_extra_config: str | None = None
     hicache_storage_dir: str | None = None
@@ -146,7 +146,7 @@ class ServerArgs:
     def _validate_hicache(self) -> None:
         choices = {
             "hicache_write_policy": ("write_through", "write_back"),
-            "hicache_mem_layout": ("layer_first", "page_first"),
+            "hicache_mem_layout": ("page_first", "layer_first"),
             "hicache_storage_prefetch_policy": ("best_effort", "wait_complete", "timeout"),
             "hicache_storage_backend": (None, "file", "mooncake"),
         }
@@ -244,7 +244,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "hicache_ratio": ("hicache", "Host KV pool size as a multiple of the device KV pool."),
     "hicache_size": ("hicache", "Host KV pool size in GB; overrides --hicache-ratio when > 0."),
     "hicache_write_policy": ("hicache", "write_through (copy pages to the host as they enter the cache) or write_back (on device eviction)."),
-    "hicache_mem_layout": ("hicache", "Host pool layout: layer_first (like the device pool) or page_first (each page contiguous)."),
+    "hicache_mem_layout": ("hicache", "Host pool layout: page_first (each page one contiguous block: one copy per run of host pages; the fastest) or layer_first (like the device pool: one copy per K/V layer slice of a run)."),
     "hicache_storage_backend": ("hicache", "Tier 3 shared by instances: file or mooncake (none when not given)."),
     "hicache_storage_backend_extra_config": ("hicache", "JSON settings of the storage backend (mooncake: master_server_address, ...; prefetch_timeout_base, prefetch_timeout_per_ki_token)."),
     "hicache_storage_dir": ("hicache", "Directory of the file backend (env SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR; default /tmp/hicache)."),

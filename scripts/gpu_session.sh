@@ -11,8 +11,11 @@
 #   kv_transfer  raw KV writes GPU0 -> GPU1 (mooncake, nccl)
 #   pd           PD through the router on two GPUs: greedy identity with colocated and added TTFT
 #   router       the router overhead bench on the lent host's idle cores
+#   hicache      the host KV tier (llama-3.1-8b, one GPU): copy rates per layout against the pinned copy ceiling,
+#                16k-token TTFT recomputed vs loaded from the host, bf16 output check (about 5 minutes)
+#   hicache_chat multi-turn chat with the KV tiers off and the host tier on (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
-SUITES=(tests engine offline kernels kv_transfer pd router)
+SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -71,6 +74,21 @@ suite_pd() {
 suite_router() {
   (cd router && TAILN=12 step 150 router_bench python3 -m tools.bench --router-cpu 0 --stub-cpu 2-9 --client-procs 4 \
     --per-stream 20 --json "$OUT/router.json")
+}
+
+suite_hicache() {
+  local big small
+  big=$(model llama-3.1-8b) small=$(model qwen3-0.6b)
+  TAILN=8 step 120 hicache_copy python3 -m pdserve.bench.hicache_copy --model-path "$big" --tokens 16384 \
+    --out "$OUT/hicache-copy-h200.json" --plot "$OUT/hicache-copy-h200.png"
+  TAILN=8 step 300 hicache_ttft python3 -m pdserve.bench.hicache --model-path "$big" --input-len 16384 --repeats 4 \
+    --dtype bfloat16 --max-total-tokens 40000 --hicache-size 12 --out "$OUT/hicache-llama-3.1-8b-h200.json"
+  step 180 hicache_check python3 scripts/hicache_host_tier_check.py "$small"
+}
+
+suite_hicache_chat() {
+  TAILN=12 step 420 hicache_multiturn python3 scripts/hicache_multiturn.py --model-path "$(model llama-3.1-8b)" \
+    --out "$OUT/hicache-multiturn"
 }
 
 [ "$*" = all ] && set -- "${SUITES[@]}"

@@ -78,11 +78,13 @@ class HiRadixCache(RadixCache):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="hicache-write") if storage else None
         self._load_stream = torch.cuda.Stream(device_pool.buffer.device) if device_pool.buffer.is_cuda else None
         self._load_event: torch.cuda.Event | None = None
+        self._timed_loads: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # (tier, start, end) in flight
 
     # ---- the RadixCache interface --------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: list[int], max_tokens: int, rid: str | None = None) -> list[int]:
         self._drain_writes()
+        self._count_copy_times()
         max_pages = max_tokens // self.page_size
         path = self._walk(token_ids, max_pages, touch=True)
         on_device = next((i for i, n in enumerate(path) if n.page < 0), len(path))
@@ -165,6 +167,7 @@ class HiRadixCache(RadixCache):
 
     def tier_stats(self) -> dict:
         self._drain_writes()
+        self._count_copy_times()
         host_pages = sum(1 for n in self._nodes() if n.host_page >= 0)
         return {
             "hicache": self.stats.snapshot(),
@@ -209,7 +212,7 @@ class HiRadixCache(RadixCache):
         if not pages:
             return []
         began = time.perf_counter()
-        self._copy_in([n.host_page for n in nodes], pages)
+        self._copy_in("host", [n.host_page for n in nodes], pages)
         for node, page in zip(nodes, pages):
             self._attach_page(node, page)
         self.num_pages += len(pages)
@@ -218,7 +221,11 @@ class HiRadixCache(RadixCache):
         return pages
 
     def _backup(self, nodes: list[_Node], device_pages: list[int]) -> list[_Node]:
-        """Copy device pages of nodes to new host pages; returns the nodes the host had no room for."""
+        """Copy device pages of nodes to new host pages; returns the nodes the host had no room for. Host pages
+        go to the nodes root side first along each chain (eviction frees leaves first), so they ascend along
+        every prefix and a prefix loaded back is one run of host pages; when the host is short, the deepest
+        nodes are the ones left out."""
+        nodes, device_pages = _root_side_first(nodes, device_pages)
         host_pages = self._alloc_host(len(nodes))
         saved = nodes[: len(host_pages)]
         if not saved:
@@ -276,24 +283,41 @@ class HiRadixCache(RadixCache):
             self.host.allocator.free([host_page])
 
     def _drop(self, node: _Node) -> None:
-        """Remove a node no tier holds, with its subtree (held by the host only, if at all)."""
+        """Remove a node no tier holds, with its subtree (held by the host only, if at all). Dropping a node
+        inside a subtree dropped before frees nothing twice."""
         del node.parent.children[node.key]
         stack = [node]
         while stack:
             n = stack.pop()
             if n.host_page >= 0:
                 self._free_host(n.host_page)
+                n.host_page = -1
             stack.extend(n.children.values())
 
-    def _copy_in(self, host_pages: list[int], device_pages: list[int]) -> None:
+    def _copy_in(self, tier: str, host_pages: list[int], device_pages: list[int]) -> None:
         if self._load_stream is None:
+            began = time.perf_counter()
             self.host.load(self.device, host_pages, device_pages)
+            self.stats.add("load_copy_seconds_total", tier, time.perf_counter() - began)
             return
         self._load_stream.wait_stream(torch.cuda.current_stream(self.device.buffer.device))
         with torch.cuda.stream(self._load_stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             self.host.load(self.device, host_pages, device_pages)
-            self._load_event = torch.cuda.Event()
-            self._load_event.record()
+            end.record()
+        self._load_event = end
+        self._timed_loads.append((tier, start, end))
+
+    def _count_copy_times(self) -> None:
+        """Device time of the loads whose copies have finished (CUDA), without waiting for the others."""
+        pending = []
+        for tier, start, end in self._timed_loads:
+            if end.query():
+                self.stats.add("load_copy_seconds_total", tier, start.elapsed_time(end) / 1e3)
+            else:
+                pending.append((tier, start, end))
+        self._timed_loads = pending
 
     # ---- tier 3 ---------------------------------------------------------------------------------------------
 
@@ -317,7 +341,7 @@ class HiRadixCache(RadixCache):
             node.children[key] = child
             self._attach_page(child, device_pages[i])
             node = child
-        self._copy_in(host_pages, device_pages)
+        self._copy_in("storage", host_pages, device_pages)
         self.num_pages += len(device_pages)
         self.allocator.incref(device_pages)
         self._count_load("storage", len(device_pages), time.perf_counter() - began)
@@ -454,6 +478,21 @@ class HiRadixCache(RadixCache):
         self.stats.add("loaded_bytes_total", tier, num_pages * self.host.page_nbytes)
         self.stats.add("load_seconds_total", tier, seconds)
         self.stats.add("loads_total", tier, 1)
+
+
+def _root_side_first(nodes: list[_Node], pages: list[int]) -> tuple[list[_Node], list[int]]:
+    """`nodes` (with their `pages`) in tree pre-order: every chain among them root side first."""
+    page_of = {id(node): page for node, page in zip(nodes, pages)}
+    ordered = []
+    for node in nodes:
+        if id(node.parent) in page_of:
+            continue
+        stack = [node]
+        while stack:
+            top = stack.pop()
+            ordered.append(top)
+            stack.extend(c for c in top.children.values() if id(c) in page_of)
+    return ordered, [page_of[id(n)] for n in ordered]
 
 
 def model_identity(model_path: str, layout: KVLayout, dummy_weights_seed: int | None = None) -> bytes:

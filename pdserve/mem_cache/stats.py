@@ -12,6 +12,8 @@ METRIC_HELP = {
     "pdserve_hicache_loaded_bytes_total": "KV bytes copied up to the device from this tier.",
     "pdserve_hicache_stored_bytes_total": "KV bytes written into this tier.",
     "pdserve_hicache_load_seconds_total": "Host seconds spent loading KV from this tier.",
+    "pdserve_hicache_load_copy_seconds_total": "Seconds the copies of loads from this tier took on the device "
+                                               "(CUDA events; the host time on CPU).",
     "pdserve_hicache_loads_total": "Loads of KV from this tier.",
     "pdserve_hicache_backend_errors_total": "Failed operations of this tier's backend (served by recompute).",
     "pdserve_hicache_corrupt_blocks_total": "Blocks of this tier dropped for a wrong key or checksum.",

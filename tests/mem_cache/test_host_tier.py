@@ -6,9 +6,11 @@ import pytest
 from hicache_util import assert_pools_free, hicache, prompts, run, tiered_llm
 
 from pdserve.config import ConfigError, ServerArgs
+from pdserve.mem_cache.host_pool import MEM_LAYOUTS
 
 
-@pytest.mark.parametrize("write_policy, mem_layout", [("write_back", "layer_first"), ("write_through", "page_first")])
+@pytest.mark.parametrize("mem_layout", MEM_LAYOUTS)
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
 def test_prefix_evicted_from_device_is_served_from_host(tiny_model, hf_greedy, write_policy, mem_layout):
     llm = tiered_llm(tiny_model, hicache_write_policy=write_policy, hicache_mem_layout=mem_layout)
     base, other1, other2 = prompts(64, 64, 64)
@@ -20,6 +22,7 @@ def test_prefix_evicted_from_device_is_served_from_host(tiny_model, hf_greedy, w
     assert out.cached_tokens == 64
     assert hicache(llm, "hit_tokens_total", "host") > 0
     assert hicache(llm, "loaded_bytes_total", "host") > 0
+    assert hicache(llm, "load_copy_seconds_total", "host") > 0
     assert out.token_ids == hf_greedy(followup)
     assert_pools_free(llm)
 
@@ -56,6 +59,7 @@ def test_flush_cache_empties_both_tiers(tiny_model):
     ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
       "hicache_storage_backend_extra_config": "[1]"}, "JSON object"),
     ({"hicache_ratio": 0.0}, "--hicache-ratio"),
+    ({"hicache_mem_layout": "page_head"}, "--hicache-mem-layout"),
 ])
 def test_bad_hicache_flags_are_refused(tiny_model, flags, message):
     with pytest.raises(ConfigError, match=message):

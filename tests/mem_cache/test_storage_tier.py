@@ -30,7 +30,7 @@ def close(llm) -> None:
 
 def test_file_backend_prefix_reused_by_another_instance_and_after_restart(tiny_model, hf_greedy, tmp_path):
     (base,) = prompts(64, seed=2)
-    first = file_llm(tiny_model, tmp_path)
+    first = file_llm(tiny_model, tmp_path, hicache_mem_layout="layer_first")  # blocks are the same in both layouts
     run(first, base)
     assert first.scheduler.radix.wait_for_writes(timeout=30)
     assert hicache(first, "stored_bytes_total", "storage") > 0
