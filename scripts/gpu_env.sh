@@ -15,7 +15,7 @@ export LD_LIBRARY_PATH="$SESSION_DIR/debroot/usr/lib/x86_64-linux-gnu:$SESSION_D
 
 # step LIMIT NAME CMD...: runs CMD under a time limit into $OUT/NAME.log and prints its exit code and last lines
 # (TAILN of them, default 6) without the progress-bar noise.
-M=$SESSION_DIR/models
+M=${PDSERVE_GPU_MODELS:-$SESSION_DIR/models}  # a fixed folder lets a second call on a warm machine reuse the models
 step() {
   local limit=$1 name=$2
   shift 2
