@@ -165,7 +165,8 @@ class DecodeScheduler(DisaggScheduler):
             h.req.pages = self.allocator.alloc(need)
             h.dst_pages = h.req.pages
             h.peer_control = info.control_endpoint
-            self.send_control(h.peer_control, self._transfer_request(h))
+            if self.tp.is_leader:  # the leader's message speaks for every rank
+                self.send_control(h.peer_control, self._transfer_request(h))
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.pages_sent_at = self.clock()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout

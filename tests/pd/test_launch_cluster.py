@@ -17,7 +17,7 @@ import time
 
 import pytest
 from cluster_util import CHILD_ENV, http, live_session_members
-from pd.conftest import mooncake_available
+from cluster_util import mooncake_available
 
 from pdserve import SamplingParams
 from pdserve.launch_cluster import PortPicker, parse_args, plan_cluster
