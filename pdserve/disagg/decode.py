@@ -232,8 +232,8 @@ class DecodeScheduler(DisaggScheduler):
         self.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
         if h.pages_sent_at is not None:  # not a fake-transfer request
-            layout = self.region.layout
-            self.transfer_stats.moved(len(req.pages) * layout.page_bytes * 2 * layout.num_layers)
+            layout = self.region.layout  # each rank received its own heads of the pages
+            self.transfer_stats.moved(len(req.pages) * layout.page_bytes * 2 * layout.num_layers * self.tp.size)
             self.transfer_stats.completed(self.clock() - h.pages_sent_at)
         req.num_cached_tokens = len(req.input_ids)
         req.output_ids.append(aux.first_token)

@@ -31,6 +31,7 @@ from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+WRITES_IN_FLIGHT_POLL_MS = 5
 
 
 class DisaggScheduler(Scheduler):
@@ -87,6 +88,13 @@ class DisaggScheduler(Scheduler):
 
     def wakeup_fds(self) -> list[int]:
         return [self.channel.wakeup_fd]
+
+    def idle_poll_ms(self) -> int:
+        """A follower's KV write result has no fd the leader polls: it reaches the leader at the next step's
+        gather, so while writes are in flight with tensor parallelism the leader looks again soon."""
+        if self.tp.size > 1 and any(h.writes_in_flight for h in self.handoffs.values()):
+            return WRITES_IN_FLIGHT_POLL_MS
+        return super().idle_poll_ms()
 
     def prepare_step(self) -> bool:
         for msg in self.step_events():
