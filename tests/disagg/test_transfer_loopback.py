@@ -7,6 +7,7 @@ import torch
 
 from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.transfer import (
+    HeadSlice,
     KVRegion,
     TransferError,
     coalesce_page_runs,
@@ -136,3 +137,19 @@ def test_tcp_receiver_refuses_malformed_messages():
     finally:
         client.close()
         receiver.close()
+
+
+def test_a_head_slice_lands_token_by_token_in_one_write_of_thousands_of_spans(pair):
+    """Source head 1 into destination head 0 (what one prefill rank of TP 2 writes into a TP 1 decode, were the
+    pools' head counts those): one span per token, leaving the other head untouched; the batch, repeated to more
+    spans than one mooncake call takes, still lands as one write."""
+    sender, src, hello, conn = pair
+    pages = list(range(1, 16))
+    spans = kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT),
+                              coalesce_page_runs(pages, pages), heads=[HeadSlice(1, 0, 1)])
+    assert len(spans[2]) == 2 * SRC_LAYOUT.num_layers * len(pages) * SRC_LAYOUT.page_size
+    sender.write(hello["session"], *(side * 6 for side in spans))
+    want = KVPool(DST_LAYOUT, "cpu").buffer
+    slots = slice(SRC_LAYOUT.page_size, 16 * SRC_LAYOUT.page_size)
+    want[:, :, slots, 0] = src.buffer[:, :, slots, 1]
+    assert torch.equal(_remote_pool(conn).view(torch.uint8), want.view(torch.uint8))
