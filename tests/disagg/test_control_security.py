@@ -234,9 +234,9 @@ def test_damaged_kv_pages_fail_the_request_with_502_when_checksums_are_on(tiny_m
 
         def corrupt_after_write(targets):
             write_local(targets)
-            _, ptr, _, _ = targets[-1]
+            _, block, _ = targets[-1]
             flat = decode.runner.pool.buffer.view(-1)
-            flat[(ptr - decode.region.base) // flat.element_size()] += 1.0
+            flat[(block.dst - decode.region.base) // flat.element_size()] += 1.0
 
         monkeypatch.setattr(decode.engine, "_write_local", corrupt_after_write)
         for s in (prefill, decode):

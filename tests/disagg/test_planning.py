@@ -11,6 +11,7 @@ from pdserve.disagg.head_map import head_slices, rank_heads
 from pdserve.disagg.transfer import HeadSlice, KVRegion, TransferError, coalesce_page_runs, kv_write_requests
 from pdserve.disagg.transfer import layout_from_description, make_transfer_engine
 from pdserve.disagg.transfer.base import RegionTable
+from pdserve.disagg.transfer.strided import StridedBlock, strided_blocks
 from pdserve.disagg.transfer.mooncake import select_transport
 from pdserve.disagg.transfer.nccl import (
     NCCL_UNIQUE_ID_BYTES,
@@ -205,3 +206,19 @@ def test_a_head_slice_within_tokens_is_one_span_per_token_and_whole_tokens_one_p
         kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, two_heads), [(1, 2, 3)], heads=[HeadSlice(0, 1, 2)])
     with pytest.raises(TransferError, match="say which heads go where"):
         kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, two_heads), [(1, 2, 3)])
+
+
+def test_spans_repeating_at_a_stride_fold_into_blocks():
+    fold = strided_blocks
+    assert fold([], [], [], 64) == []
+    # 3 tokens of a head slice (stride 16 here, 32 there), then a span of another length, then 2 that overlap
+    src, dst, lengths = [100, 116, 132, 500, 900, 904], [0, 32, 64, 300, 700, 704], [8, 8, 8, 4, 8, 8]
+    assert fold(src, dst, lengths, 64) == [StridedBlock(100, 0, 8, 3, 16, 32), StridedBlock(500, 300, 4),
+                                           StridedBlock(900, 700, 8), StridedBlock(904, 704, 8)]
+    assert fold(src, dst, lengths, 8) == [StridedBlock(p, q, n) for p, q, n in zip(src, dst, lengths)]  # too long
+    # the stride changes: a new block starts with the span where it changed
+    assert fold([0, 10, 20, 40, 60], [0, 10, 20, 40, 60], [5] * 5, 64) == [StridedBlock(0, 0, 5, 3, 10, 10),
+                                                                         StridedBlock(40, 40, 5, 2, 20, 20)]
+    spans = kv_write_requests(KVRegion(1000, KVLayout(2, 1, 4, 8, 10, torch.bfloat16)), KVRegion(9000, LAYOUT),
+                              [(1, 2, 3)], heads=[HeadSlice(0, 1, 1)])
+    assert len(fold(*spans, 64)) == 4 and sum(b.nbytes for b in fold(*spans, 64)) == sum(spans[2])

@@ -123,10 +123,15 @@ def test_tcp_receiver_refuses_malformed_messages():
     receiver.register(buf.data_ptr(), 64)
     client = ControlClient(receiver.session_id(), timeout_s=5)
     try:
+        ptr = buf.data_ptr()
         bad = [
-            ({"op": "write", "dst": [[buf.data_ptr(), "8"]]}, [b"x" * 8], "malformed span"),
-            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [b"x" * 7], "declares 8 bytes but carries 7"),
-            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [], "1 spans but 0 payload frames"),
+            ({"op": "write", "dst": [[ptr, "8", 1, 0]]}, [b"x" * 8], "malformed span"),
+            ({"op": "write", "dst": [[ptr, 8]]}, [b"x" * 8], "malformed span"),
+            ({"op": "write", "dst": [[ptr, 8, 1, 0]]}, [b"x" * 7], "declares 8 bytes but carries 7"),
+            ({"op": "write", "dst": [[ptr, 8, 2, 4]]}, [b"x" * 16], "spans must not overlap"),
+            ({"op": "write", "dst": [[ptr, 8, 0, 8]]}, [b""], "count must be positive"),
+            ({"op": "write", "dst": [[ptr, 8, 4, 32]]}, [b"x" * 32], "outside every registered region"),  # 104 B
+            ({"op": "write", "dst": [[ptr, 8, 1, 0]]}, [], "1 blocks but 0 payload frames"),
             ({"op": "read", "dst": []}, [], "unknown op"),
         ]
         for header, payload, message in bad:
@@ -134,6 +139,9 @@ def test_tcp_receiver_refuses_malformed_messages():
             with pytest.raises(TransferError, match=message):
                 client.recv("ack")
         assert not buf.any()
+        client.send({"op": "write", "dst": [[ptr + 4, 2, 3, 16]]}, [bytes(range(1, 7))])  # every 16 bytes, 2 of them
+        client.recv("ack")
+        assert buf.tolist()[:40] == [0] * 4 + [1, 2] + [0] * 14 + [3, 4] + [0] * 14 + [5, 6] + [0] * 2
     finally:
         client.close()
         receiver.close()
