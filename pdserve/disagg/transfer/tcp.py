@@ -138,8 +138,10 @@ class TcpTransferEngine(TransferEngine):
             torch.cuda.synchronize(device)
 
     def _strided(self, region: MemoryRegion, ptr: int, block: StridedBlock, stride: int) -> torch.Tensor:
-        """A (count, length) view of the block's spans at `ptr` in a CUDA region."""
-        return self._tensor(region).as_strided((block.count, block.length), (max(stride, 1), 1), ptr - region.ptr)
+        """A (count, length) view of the block's spans at `ptr` in a CUDA region (no copy)."""
+        whole = self._tensor(region)
+        return whole.as_strided((block.count, block.length), (max(stride, 1), 1),
+                                whole.storage_offset() + ptr - region.ptr)
 
     def _tensor(self, region: MemoryRegion) -> torch.Tensor:
         with self._lock:
