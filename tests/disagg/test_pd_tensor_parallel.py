@@ -122,6 +122,22 @@ def test_the_bootstrap_route_describes_every_prefill_rank(servers):
     assert layout["num_kv_heads"] == max(1, layout["total_kv_heads"] // 2)
 
 
+def test_deadlines_end_a_half_served_request_on_every_rank(servers):
+    """A TP 2 prefill whose room no decode claims, and a TP 2 decode whose prefill never computes the room's KV,
+    both end the request when the leader's clock says so: a 504, and every rank's pool free (the leader
+    answers only once every rank has freed the same pages)."""
+    if servers.backend != "tcp" or "mqa" in servers.model:
+        pytest.skip("the deadlines do not depend on the model or the backend")
+    body = {"input_ids": list(range(5, 45)), "bootstrap_host": "127.0.0.1", "bootstrap_port": servers.bootstraps["p2"],
+            "sampling_params": {"max_new_tokens": 4}}
+    with ThreadPoolExecutor(2) as pool:  # both wait out their 6 s deadline at once
+        unclaimed = pool.submit(servers["p2"].post, "/generate", {**body, "bootstrap_room": 7001})
+        never_filled = pool.submit(servers["d2"].post, "/generate", {**body, "bootstrap_room": 7002})
+    assert unclaimed.result().status == 504 and "no decode server claimed" in unclaimed.result().body.decode()
+    assert never_filled.result().status == 504 and "KV transfer timed out" in never_filled.result().body.decode()
+    wait_kv_free([servers["p2"], servers["d2"]])
+
+
 def follower_pid(proc: Proc) -> int:
     with open(proc.log_path, errors="replace") as f:
         return int(re.search(r"started the scheduler-tp1 process \(pid (\d+)\)", f.read()).group(1))
