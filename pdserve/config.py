@@ -116,11 +116,6 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            raise ConfigError(
-                f"--tp-size {self.tp_size} with --disaggregation-mode {self.disaggregation_mode}: the KV handoff "
-                "does not split heads across ranks yet; use --tp-size 1 on PD roles or serve TP colocated"
-            )
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tensor-parallel rank {self.tp_rank} is outside --tp-size {self.tp_size}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):

@@ -4,8 +4,9 @@
     python -m pdserve.launch_cluster --model-path DIR --prefill 2 --decode 2 -- --max-total-tokens 8192  # 2P2D
     python -m pdserve.launch_cluster --colocated --num-workers 2       # baseline: regular router, no PD
 
-Prefill i runs on GPU i, decode j on GPU N+j (each server's `--base-gpu-id`); with no GPU everything runs on
-the CPU.
+Each server takes as many GPUs as its TP size, prefills first: with `--prefill-tp-size 2 --decode-tp-size 1`,
+prefill 0 runs on GPUs 0-1, prefill 1 on GPUs 2-3, decode 0 on GPU 4 (each server's `--base-gpu-id`, and its own
+`--nccl-port` for its ranks to meet on); with no GPU everything runs on the CPU, one process per rank.
 Every server and the router is a child process in its own session, logging to a file under `--log-dir`.
 The launcher waits until each server's and then the router's /health answers, prints the router URL and a
 curl line, and stops everything on Ctrl-C/SIGTERM. If a child dies, it says which and stops the rest (exit 1).
@@ -42,8 +43,9 @@ class ChildSpec:
     name: str  # "prefill 0", "decode 1", "worker 0", "router"
     argv: tuple[str, ...]
     url: str  # where /health answers
-    gpu: int | None = None
+    gpu: int | None = None  # the first of its GPUs
     bootstrap_port: int | None = None
+    tp_size: int = 1
 
 
 # ---- command line ---------------------------------------------------------------------------------------------
@@ -73,6 +75,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--colocated", action="store_true",
                         help="Baseline without PD: --num-workers colocated servers behind a regular-mode router.")
     parser.add_argument("--num-workers", type=int, default=1, help="Colocated servers with --colocated (default: 1).")
+    parser.add_argument("--prefill-tp-size", type=int, default=None,
+                        help="Tensor-parallel ranks of each prefill server (default: --tp-size after `--`, else 1).")
+    parser.add_argument("--decode-tp-size", type=int, default=None,
+                        help="Tensor-parallel ranks of each decode server (default: --tp-size after `--`, else 1).")
     parser.add_argument("--transfer-backend", choices=BACKENDS, default="auto",
                         help="KV transfer backend of the PD servers (default: auto: mooncake if usable, else tcp).")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -95,21 +101,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         argv, engine_args = argv[:split], argv[split + 1 :]
     parser = build_arg_parser()
     ns = parser.parse_args(argv)
-    counts = {"--num-prefill": ns.num_prefill, "--num-decode": ns.num_decode, "--num-workers": ns.num_workers}
+    counts = {"--num-prefill": ns.num_prefill, "--num-decode": ns.num_decode, "--num-workers": ns.num_workers,
+              "--prefill-tp-size": ns.prefill_tp_size, "--decode-tp-size": ns.decode_tp_size}
     for flag, value in counts.items():
-        if value < 1:
+        if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if not 0 <= ns.port < 65536:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     owned = ("--model-path", "--model", "--port", "--host", "--device", "--base-gpu-id", "--disaggregation-mode",
-             "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend")
+             "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--nccl-port")
     clash = sorted({a.split("=")[0] for a in engine_args} & set(owned))
     if clash:
         parser.error(f"{', '.join(clash)} after `--` would override what the cluster launcher sets; "
                      "use the launcher's own flags (--model-path, --host, --device, --transfer-backend)")
     if ns.model_path is not None:
         check_model_path(ns.model_path)
-    check_engine_args(ns.model_path or "unchecked", engine_args)
+    engine_tp = check_engine_args(ns.model_path or "unchecked", engine_args).tp_size
+    ns.prefill_tp_size, ns.decode_tp_size = ns.prefill_tp_size or engine_tp, ns.decode_tp_size or engine_tp
+    ns.worker_tp_size = engine_tp
     return ns, engine_args
 
 
@@ -120,13 +129,13 @@ def check_model_path(path: str) -> None:
         raise LaunchConfigError(f"--model-path {path}: no config.json there (an HF-format model folder is needed)")
 
 
-def check_engine_args(model_path: str, engine_args: list[str]) -> None:
+def check_engine_args(model_path: str, engine_args: list[str]) -> ServerArgs:
     """The flags after `--` as every server will parse them, so that a bad one fails here and not in N servers."""
     parser = build_server_arg_parser()
     parser.error = _engine_flag_error
     ns = parser.parse_args(["--model-path", model_path, *engine_args])
     try:
-        ServerArgs.from_namespace(ns)
+        return ServerArgs.from_namespace(ns)
     except ConfigError as exc:
         raise LaunchConfigError(f"after `--`: {exc}") from exc
 
@@ -162,8 +171,8 @@ def reachable_host(bind_host: str) -> str:
     return bind_host
 
 
-def resolve_device(device: str, num_servers: int) -> str:
-    """cuda or cpu; cuda needs one visible GPU per server."""
+def resolve_device(device: str, num_gpus: int) -> str:
+    """cuda or cpu; cuda needs one visible GPU per rank of every server."""
     if device == "cpu":
         return "cpu"
     import torch
@@ -173,9 +182,9 @@ def resolve_device(device: str, num_servers: int) -> str:
         if device == "cuda":
             raise ClusterError("--device cuda was given but no CUDA device is visible")
         return "cpu"
-    if gpus < num_servers:
-        raise ClusterError(f"{num_servers} servers need {num_servers} GPUs (one each) but {gpus} are visible; "
-                           "start fewer servers or use --device cpu")
+    if gpus < num_gpus:
+        raise ClusterError(f"the servers need {num_gpus} GPUs (one per tensor-parallel rank) but {gpus} are visible; "
+                           "start fewer servers or ranks, or use --device cpu")
     return "cuda"
 
 
@@ -183,21 +192,24 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, device: str, engine_ar
                  ports: PortPicker) -> tuple[list[ChildSpec], ChildSpec]:
     """The servers to start, then the router that goes in front of them."""
     host, reach = ns.host, reachable_host(ns.host)
-    gpu = (lambda index: index) if device == "cuda" else (lambda index: None)
+    next_gpu = [0]
 
-    def spec(name: str, index: int, *role_flags: str, bootstrap: int | None = None) -> ChildSpec:
+    def spec(name: str, tp_size: int, *role_flags: str, bootstrap: int | None = None) -> ChildSpec:
         port = ports.pick()
-        argv = server_argv(model_path, port, *engine_args, *role_flags, host=host, device=device, gpu=gpu(index))
-        return ChildSpec(name, tuple(argv), http_url(reach, port), gpu(index), bootstrap)
+        gpu = next_gpu[0] if device == "cuda" else None
+        next_gpu[0] += tp_size
+        tp_flags = ["--tp-size", str(tp_size), *(["--nccl-port", str(ports.pick())] if tp_size > 1 else [])]
+        argv = server_argv(model_path, port, *engine_args, *role_flags, *tp_flags, host=host, device=device, gpu=gpu)
+        return ChildSpec(name, tuple(argv), http_url(reach, port), gpu, bootstrap, tp_size)
 
     if ns.colocated:
-        servers = [spec(f"worker {i}", i) for i in range(ns.num_workers)]
+        servers = [spec(f"worker {i}", ns.worker_tp_size) for i in range(ns.num_workers)]
         router_flags = ["--worker", *(s.url for s in servers)]
     else:
         bootstraps = [ports.pick() for _ in range(ns.num_prefill)]
-        prefills = [spec(f"prefill {i}", i, *prefill_flags(ns.transfer_backend, b), bootstrap=b)
+        prefills = [spec(f"prefill {i}", ns.prefill_tp_size, *prefill_flags(ns.transfer_backend, b), bootstrap=b)
                     for i, b in enumerate(bootstraps)]
-        decodes = [spec(f"decode {j}", ns.num_prefill + j, *decode_flags(ns.transfer_backend))
+        decodes = [spec(f"decode {j}", ns.decode_tp_size, *decode_flags(ns.transfer_backend))
                    for j in range(ns.num_decode)]
         servers = prefills + decodes
         router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
@@ -262,7 +274,9 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
             f"PD: {ns.num_prefill} prefill, {ns.num_decode} decode, transfer backend {ns.transfer_backend}")
     lines = [f"pdserve cluster ready ({mode}, on {device})"]
     for spec, proc in zip(specs, procs):
-        where = f"GPU {spec.gpu}" if spec.gpu is not None else ""
+        where = f"TP {spec.tp_size}" if spec.tp_size > 1 else ""
+        if spec.gpu is not None:
+            where = f"GPU {spec.gpu}" if spec.tp_size == 1 else f"GPUs {spec.gpu}-{spec.gpu + spec.tp_size - 1}"
         boot = f"bootstrap port {spec.bootstrap_port}" if spec.bootstrap_port is not None else ""
         extras = ", ".join(x for x in (boot, where) if x)
         lines.append(f"  {spec.name:<10} {spec.url}{f'  ({extras})' if extras else ''}  log: {proc.log_path}")
@@ -273,7 +287,8 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
 
 
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
-    num_servers = ns.num_workers if ns.colocated else ns.num_prefill + ns.num_decode
+    num_gpus = (ns.num_workers * ns.worker_tp_size if ns.colocated
+                else ns.num_prefill * ns.prefill_tp_size + ns.num_decode * ns.decode_tp_size)
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     os.makedirs(log_dir, exist_ok=True)
     cluster = Cluster(log_dir)
@@ -284,7 +299,7 @@ def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        device = resolve_device(ns.device, num_servers)
+        device = resolve_device(ns.device, num_gpus)
         model_path = ns.model_path or default_model_path()
         server_specs, router_spec = plan_cluster(ns, model_path, device, engine_args, PortPicker(ns.host))
         deadline = time.monotonic() + ns.startup_timeout

@@ -6,6 +6,7 @@ about one server's start-up time.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -26,6 +27,16 @@ PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "6", "--disaggregation-wait
                "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-failures", "2"]
 # one intra-op thread per process: several servers share a few cores, and oversubscription makes each token slower
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+NO_MOONCAKE = "mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"
+
+
+def mooncake_available() -> bool:
+    try:
+        return importlib.util.find_spec("mooncake.engine") is not None
+    except ImportError:
+        return False
 
 
 @dataclass

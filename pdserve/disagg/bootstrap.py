@@ -25,9 +25,11 @@ from aiohttp import web
 
 from pdserve.disagg.addressing import is_wildcard, join_endpoint, reachable_endpoint
 from pdserve.disagg.auth import HEADER, AuthError, ClusterAuth
+from pdserve.distributed.tensor_parallel import kv_heads_per_rank
 
-_LAYOUT_KEYS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "page_size")
-_TOPOLOGY_KEYS = ("model", "tp_size", "transfer_backend")
+_LAYOUT_KEYS = ("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size")  # equal on both sides
+_RANK_LAYOUT_KEYS = (*_LAYOUT_KEYS, "num_kv_heads")  # num_kv_heads: the rank's own, which depends on its TP size
+_TOPOLOGY_KEYS = ("model", "transfer_backend")
 
 
 class BootstrapError(RuntimeError):
@@ -57,7 +59,7 @@ class PrefillRankInfo:
         for name, typ in types.items():
             if not isinstance(data.get(name), typ) or isinstance(data.get(name), bool):
                 raise ValueError(f"field {name!r} must be {typ.__name__}, got {data.get(name)!r}")
-        missing = [k for k in _LAYOUT_KEYS if k not in data["kv_layout"]]
+        missing = [k for k in _RANK_LAYOUT_KEYS if k not in data["kv_layout"]]
         if missing:
             raise ValueError(f"kv_layout lacks {', '.join(missing)}")
         return cls(**{name: data[name] for name in types})
@@ -127,8 +129,9 @@ class BootstrapServer:
             info = PrefillRankInfo.from_json(await request.json())
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             return web.Response(status=400, text=f"bad registration: {exc}")
-        if not 0 <= info.rank < self.expected_ranks:
-            return web.Response(status=400, text=f"rank {info.rank} outside 0..{self.expected_ranks - 1}")
+        if not 0 <= info.rank < self.expected_ranks or info.tp_size != self.expected_ranks:
+            return web.Response(status=400, text=f"rank {info.rank} of {info.tp_size} outside "
+                                                 f"0..{self.expected_ranks - 1}")
         with self._lock:
             others = [r for r in self._ranks.values() if r.rank != info.rank]
             if others:
@@ -178,16 +181,43 @@ def describe(info: PrefillRankInfo) -> dict:
 
 
 def check_compatible(prefill: dict, decode: dict, sides: tuple[str, str] = ("prefill", "decode")) -> None:
-    """Refuse a pair that cannot exchange KV. Both dicts: {"model", "tp_size", "transfer_backend",
-    "kv_layout": KVLayout.describe()}; num_pages may differ."""
+    """Refuse a pair that cannot exchange KV; the message names the value that differs and both layouts. Both
+    dicts: {"model", "tp_size", "transfer_backend", "kv_layout": a rank's KVLayout.describe() plus
+    "total_kv_heads"}. num_pages may differ, and so may the TP sizes when each side's ranks hold the heads that TP
+    size gives them (then every head a decode rank holds is on some prefill rank)."""
     a, b = sides
+    both = f" ({a}: {layout_text(prefill)}; {b}: {layout_text(decode)})"
     for key in _TOPOLOGY_KEYS:
         if prefill.get(key) != decode.get(key):
-            raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}")
+            raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}{both}")
     pl, dl = _layout(prefill), _layout(decode)
     for key in _LAYOUT_KEYS:
         if pl.get(key) != dl.get(key):
-            raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}")
+            raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}{both}")
+    for name, side in ((a, prefill), (b, decode)):
+        problem = heads_problem(side)
+        if problem:
+            raise IncompatiblePeer(f"{name}'s KV heads do not map to its ranks: {problem}{both}")
+
+
+def heads_problem(side: dict) -> str | None:
+    """Why this side's per-rank KV heads are not what its TP size gives the model's heads (None when they are)."""
+    layout, tp = _layout(side), side.get("tp_size")
+    total, per_rank = layout.get("total_kv_heads"), layout.get("num_kv_heads")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tp, total, per_rank)):
+        return f"tp_size {tp!r}, total_kv_heads {total!r}, num_kv_heads {per_rank!r} must be positive ints"
+    if total % tp and tp % total:
+        return f"{total} KV heads cannot be split over or replicated on {tp} ranks"
+    if per_rank != kv_heads_per_rank(total, tp):
+        return f"{per_rank} KV heads per rank, but TP {tp} of {total} heads gives {kv_heads_per_rank(total, tp)}"
+    return None
+
+
+def layout_text(side: dict) -> str:
+    layout = _layout(side)
+    return (f"TP {side.get('tp_size')!r} x [{layout.get('num_layers')} layers, {layout.get('num_kv_heads')} of "
+            f"{layout.get('total_kv_heads')} KV heads x {layout.get('head_dim')}, {layout.get('dtype')}, "
+            f"page {layout.get('page_size')}]")
 
 
 def _layout(side: dict) -> dict:

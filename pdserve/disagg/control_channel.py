@@ -28,10 +28,11 @@ class ControlChannel:
     """Receives control messages on a background thread into a queue; sends fire-and-forget to peers.
 
     Every message posted to the inbox also makes `wakeup_fd` readable, so the scheduler process can sleep on
-    its request socket and this fd together instead of polling.
+    its request socket and this fd together instead of polling. A tensor-parallel follower rank's channel does
+    not `listen`: peers talk to the leader only, and its inbox holds what its own threads post.
     """
 
-    def __init__(self, host: str, name: str, auth: ClusterAuth | None = None):
+    def __init__(self, host: str, name: str, auth: ClusterAuth | None = None, listen: bool = True):
         self.auth = auth
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.wakeup_fd, self._wakeup_write_fd = os.pipe()
@@ -39,8 +40,8 @@ class ControlChannel:
         os.set_blocking(self._wakeup_write_fd, False)
         self._wakeup_lock = threading.Lock()  # a late wake-up (a route lookup ending) never writes to a closed fd
         self._closed = False
-        self.server = ControlServer(host, 0, self._on_message, name, auth, MAX_MESSAGE_BYTES)
-        self.endpoint = self.server.endpoint
+        self.server = ControlServer(host, 0, self._on_message, name, auth, MAX_MESSAGE_BYTES) if listen else None
+        self.endpoint = self.server.endpoint if listen else ""
         self.peers = self.new_peer_clients()  # used from the scheduler thread only
 
     def new_peer_clients(self) -> PeerClients:
@@ -72,15 +73,6 @@ class ControlChannel:
             logger.warning("cannot send %s to %r: %s", msg.tag, endpoint, exc)
             self.peers.drop(endpoint)
 
-    def dispatch(self, handlers: dict) -> None:
-        """Run the handler of every queued message (keyed by message class)."""
-        for msg in self.drain():
-            handler = handlers.get(type(msg))
-            if handler is None:
-                logger.warning("ignoring control message %s: this role does not handle it", msg.tag)
-                continue
-            handler(msg)
-
     def drain(self) -> list[Message]:
         try:
             while os.read(self.wakeup_fd, 4096):
@@ -96,7 +88,8 @@ class ControlChannel:
 
     def close(self) -> None:
         self.peers.close()
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         with self._wakeup_lock:
             self._closed = True
             os.close(self.wakeup_fd)

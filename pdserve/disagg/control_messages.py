@@ -7,7 +7,8 @@ refused from the network.
 
   decode -> prefill  TransferRequest, Abort
   prefill -> decode  KVDone (FirstToken inside), Failed
-  in-process         WriteDone, WriteFailed (the prefill's KV writer), PeerDead (the decode's heartbeat)
+  in-process         WriteDone, WriteFailed (the prefill's KV writer), PeerDead (the decode's heartbeat),
+                     RouteResolved (the decode's bootstrap lookup)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import functools
 import math
 import types
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 MAX_ROOM = 2**63
@@ -72,6 +73,13 @@ class TransferRequest(Message):
     dst_pages: list[int]
     kv_checksum: bool = False
     cached_pages: int = 0  # leading pages of dst_pages the decode already holds: the prefill does not write them
+    rank_targets: list[tuple[str, int]] = field(default_factory=list)  # see tp_targets
+
+
+def tp_targets(msg: TransferRequest) -> list[tuple[str, int]]:
+    """Every decode rank's (transfer session, KV base), in rank order: a decode with tensor parallelism lists
+    them all in `rank_targets` (rank 0's also in `session` / `kv_base`); a single-rank decode needs no list."""
+    return msg.rank_targets or [(msg.session, msg.kv_base)]
 
 
 @control("kv_done", remote=True)
@@ -104,7 +112,6 @@ class WriteDone(Message):
     """The prefill's writer finished `count` queued writes of the room: `nbytes` in `seconds`."""
 
     room: int
-    final: bool
     count: int
     nbytes: int = 0
     seconds: float = 0.0
@@ -124,6 +131,15 @@ class PeerDead(Message):
     """The decode's heartbeat lost the prefill bootstrap server at `addr`."""
 
     addr: str
+
+
+@control("route_resolved", remote=False)
+class RouteResolved(Message):
+    """The decode's lookup of the prefill's bootstrap route at `addr` ended: the route, or why it failed."""
+
+    addr: str
+    route: dict | None = None
+    error: str | None = None
 
 
 def to_wire(msg: Message) -> dict:

@@ -8,6 +8,10 @@ still be writing are quarantined after an abort until it confirms with `failed`,
 A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
 here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
 followed by a decode step, so a running request waits at most one chunk's forward between two tokens.
+
+With tensor parallelism every rank pre-allocates the same pages in its own pool (its own heads); the leader
+looks the route up, sends one `transfer_request` listing every rank's transfer session and KV buffer, and
+receives `kv_done`, which reaches every rank as a step event (see role.py).
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import msgpack
+
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_endpoint
 from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_healthy, check_compatible,
                                       fetch_prefill_route)
-from pdserve.disagg.control_messages import Abort, Failed, FirstToken, KVDone, Message, PeerDead, TransferRequest
-from pdserve.disagg.kv_checksum import pages_checksum
-from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
-                                     now)
+from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
+                                             RouteResolved, TransferRequest)
+from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill
 from pdserve.disagg.role import DisaggScheduler
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
@@ -43,13 +48,23 @@ class DecodeScheduler(DisaggScheduler):
                                       hicache_storage_backend=None, chunked_prefill_size=chunk), tokenizer)
         self.num_local_prefills = 0
         self._extended_last_step = False
-        self.routes: dict[str, Future] = {}  # bootstrap address -> route lookup
-        self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
+        self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, release deadline, prefill)
         self.dead_peers: set[str] = set()
-        self.heartbeat = Heartbeat(args, self.channel.post)
+        self.rank_targets = self._rank_targets()
+        self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
+        self.route_pool = self.heartbeat = None
+        if self.tp.is_leader:
+            self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
+            self.heartbeat = Heartbeat(args, self.channel.post)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
-        self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead}
+        self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
+                         RouteResolved: self._on_route_resolved}
+
+    def _rank_targets(self) -> list[tuple[str, int]]:
+        """Every rank's (transfer session, KV buffer address), in rank order (one collective over the ranks)."""
+        mine = msgpack.packb([self.engine.session_id(), self.region.base])
+        return [tuple(msgpack.unpackb(raw)) for raw in self.tp.all_gather_bytes(mine)]
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -62,15 +77,22 @@ class DecodeScheduler(DisaggScheduler):
             super().accept(req)
             return
         addr = bootstrap_addr(req)
-        h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
+        h = Handoff(req, req.bootstrap_room, deadline=self.clock() + self.args.disaggregation_bootstrap_timeout)
         self.handoffs[h.room] = h
-        if addr in self.dead_peers or (addr in self.routes and self.routes[addr].done() and self.routes[addr].exception()):
+        if addr in self.dead_peers or (addr in self.routes and self.routes[addr].error is not None):
             self.routes.pop(addr, None)
             self.dead_peers.discard(addr)
         if addr not in self.routes:
-            timeout = self.args.disaggregation_bootstrap_timeout
-            self.routes[addr] = self.route_pool.submit(fetch_prefill_route, addr, timeout, auth=self.auth)
-            self.routes[addr].add_done_callback(lambda _: self.channel.wake())
+            self._look_up(addr)
+
+    def _look_up(self, addr: str) -> None:
+        """The leader looks the route up off the scheduler thread; its end reaches every rank as RouteResolved."""
+        if not self.tp.is_leader or addr in self.lookups:
+            return
+        lookup = self.route_pool.submit(fetch_prefill_route, addr, self.args.disaggregation_bootstrap_timeout,
+                                        auth=self.auth)
+        self.lookups[addr] = lookup
+        lookup.add_done_callback(lambda done: self.channel.post(route_resolved(addr, done)))
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
@@ -78,7 +100,7 @@ class DecodeScheduler(DisaggScheduler):
         if not self._ensure_pages(req, len(req.input_ids)):
             self._finish(req, FinishReason("abort", message="KV cache full"))
             return
-        self._commit(Handoff(req, req.bootstrap_room, deadline=now()), FirstToken(0, req.input_ids[-1]))
+        self._commit(Handoff(req, req.bootstrap_room, deadline=self.clock()), FirstToken(0, req.input_ids[-1]))
 
     def has_work(self) -> bool:
         return super().has_work() or bool(self.quarantine)
@@ -93,8 +115,7 @@ class DecodeScheduler(DisaggScheduler):
         return any(self._route_ready(h) for h in self.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
-        route = self.routes.get(bootstrap_addr(h.req))
-        return route is not None and route.done()
+        return bootstrap_addr(h.req) in self.routes
 
     def prepare_step(self) -> bool:
         super().prepare_step()
@@ -139,16 +160,21 @@ class DecodeScheduler(DisaggScheduler):
                 self._free_when_blocked = self._available_pages()
                 break  # FIFO: later requests wait behind this one
             h.peer_control = info.control_endpoint
-            advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
-            self.channel.send(h.peer_control, TransferRequest(
-                h.room, h.req.rid, announced_endpoint(self.channel.endpoint, advertise, peer_host),
-                announced_endpoint(self.engine.session_id(), advertise, peer_host), self.description,
-                self.region.base, h.dst_pages, self.args.disaggregation_enable_kv_checksum, h.cached_pages,
-            ))
+            if self.tp.is_leader:  # the leader's message speaks for every rank
+                self.send_control(h.peer_control, self._transfer_request(h))
             h.advance(KVPoll.WAITING_FOR_INPUT)
-            h.pages_sent_at = now()
+            h.pages_sent_at = self.clock()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
             reserved += self._decode_reserve(h.req)
+
+    def _transfer_request(self, h: Handoff) -> TransferRequest:
+        advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
+        targets = [(announced_endpoint(session, advertise, peer_host), base) for session, base in self.rank_targets]
+        return TransferRequest(
+            h.room, h.req.rid, announced_endpoint(self.channel.endpoint, advertise, peer_host), targets[0][0],
+            self.description, targets[0][1], h.dst_pages, self.args.disaggregation_enable_kv_checksum,
+            h.cached_pages, rank_targets=targets,
+        )
 
     def _allocate_destination(self, h: Handoff, reserved: int) -> bool:
         """The prompt's pages: the prefix this server's radix cache holds (referenced, never written by the
@@ -168,14 +194,25 @@ class DecodeScheduler(DisaggScheduler):
             self.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
         return True
 
-    def _check_route(self, route: Future) -> PrefillRankInfo:
-        topology = route.result()
-        if not isinstance(topology, dict) or not isinstance(topology.get("ranks"), dict):
+    def _check_route(self, route: RouteResolved) -> PrefillRankInfo:
+        """Rank 0's registration (the leader's endpoint speaks for every prefill rank) once the whole topology
+        pairs with this server's."""
+        topology = route.route
+        if route.error is not None:
+            raise BootstrapError(route.error)
+        if not isinstance(topology.get("ranks"), dict):
             raise ValueError("the bootstrap server's route is not a map with 'ranks'")
         check_compatible(topology, self.description)
+        expected = [str(r) for r in range(topology["tp_size"])]
+        if sorted(topology["ranks"]) != sorted(expected):
+            raise ValueError(f"the route lists ranks {sorted(topology['ranks'])[:8]} for TP {topology['tp_size']}")
         return PrefillRankInfo.from_json(topology["ranks"].get("0"))
 
     # ---- control messages ---------------------------------------------------------------------------------
+
+    def _on_route_resolved(self, msg: RouteResolved) -> None:
+        self.lookups.pop(msg.addr, None)
+        self.routes[msg.addr] = msg
 
     def _on_kv_done(self, msg: KVDone) -> None:
         room = msg.room
@@ -201,8 +238,7 @@ class DecodeScheduler(DisaggScheduler):
         if not all(0 <= t < vocab for t, _ in aux.top_logprobs or ()):
             raise ValueError("a top-logprob token is outside the vocabulary")
         received = h.dst_pages[h.cached_pages :]
-        if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != pages_checksum(self.runner.pool,
-                                                                                             received):
+        if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != self.pages_checksum(received):
             raise ValueError("KV checksum mismatch: the pages did not arrive intact")
 
     def _commit(self, h: Handoff, aux: FirstToken) -> None:
@@ -210,9 +246,10 @@ class DecodeScheduler(DisaggScheduler):
         self.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
         if h.pages_sent_at is not None:  # not a fake-transfer request
-            layout = self.region.layout
-            self.transfer_stats.moved((len(h.dst_pages) - h.cached_pages) * layout.page_bytes * 2 * layout.num_layers)
-            self.transfer_stats.completed(now() - h.pages_sent_at)
+            layout = self.region.layout  # each rank received its own heads of the pages
+            self.transfer_stats.moved((len(h.dst_pages) - h.cached_pages) * layout.page_bytes * 2 * layout.num_layers
+                                      * self.tp.size)
+            self.transfer_stats.completed(self.clock() - h.pages_sent_at)
         req.num_cached_tokens = len(req.input_ids)
         req.output_ids.append(aux.first_token)
         if req.return_logprob and aux.logprob is not None:
@@ -251,7 +288,7 @@ class DecodeScheduler(DisaggScheduler):
             self._release_quarantine(room)  # a dead prefill writes nothing more
 
     def expire_handoffs(self) -> None:
-        t = now()
+        t = self.clock()
         for h in list(self.handoffs.values()):
             if t > h.deadline:
                 handshaking = h.poll == KVPoll.BOOTSTRAPPING
@@ -272,9 +309,9 @@ class DecodeScheduler(DisaggScheduler):
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.channel.send(h.peer_control, Abort(h.room, error))
+            self.send_control(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
-            grace = now() + self.args.disaggregation_waiting_timeout
+            grace = self.clock() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace, bootstrap_addr(h.req))
             h.req.pages = []
         self._finish(h.req, FinishReason("abort", message=error, status_code=status))
@@ -294,15 +331,29 @@ class DecodeScheduler(DisaggScheduler):
         return not self.quarantine and super().kv_pool_is_fully_free()
 
     def close(self) -> None:
-        self.heartbeat.close()
-        self.route_pool.shutdown(wait=False, cancel_futures=True)
+        if self.tp.is_leader:
+            self.heartbeat.close()
+            self.route_pool.shutdown(wait=False, cancel_futures=True)
         super().close()
 
 
-def _control_endpoint(route: Future) -> str | None:
-    """The prefill rank's control endpoint, when the route lookup itself succeeded (so it can be told to stop)."""
+def route_resolved(addr: str, lookup: Future) -> RouteResolved:
+    """How a finished route lookup ended, as the event every rank handles."""
+    if lookup.cancelled():
+        return RouteResolved(addr, error="the route lookup was cancelled")
+    exc = lookup.exception()
+    if exc is not None:
+        return RouteResolved(addr, error=f"{type(exc).__name__}: {exc}"[:MAX_STRING])
+    route = lookup.result()
+    if not isinstance(route, dict):
+        return RouteResolved(addr, error="the bootstrap server's route is not a map with 'ranks'")
+    return RouteResolved(addr, route=route)
+
+
+def _control_endpoint(route: RouteResolved) -> str | None:
+    """The prefill leader's control endpoint, when the route lookup itself succeeded (so it can be told to stop)."""
     try:
-        endpoint = route.result()["ranks"]["0"]["control_endpoint"]
+        endpoint = route.route["ranks"]["0"]["control_endpoint"]
     except Exception:  # the lookup failed or the answer is malformed: nobody to tell
         return None
     return endpoint if isinstance(endpoint, str) else None

@@ -23,13 +23,14 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import registered_endpoint
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, TransferRequest,
-                                             WriteDone, WriteFailed, to_wire)
+                                             WriteDone, WriteFailed, to_wire, tp_targets)
 from pdserve.disagg.early_requests import EarlyRequests
-from pdserve.disagg.kv_checksum import pages_checksum
+from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
-                                     checked_cached_pages, checked_pages, now)
+                                     checked_cached_pages, checked_pages)
 from pdserve.disagg.role import DisaggScheduler
-from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests, layout_from_description
+from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs, kv_write_requests,
+                                     layout_from_description)
 from pdserve.disagg.transfer.channel import PeerClients
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
@@ -103,7 +104,7 @@ class TransferWorker:
 
     def _write(self, job: WriteJob) -> WriteDone | WriteFailed:
         if job.room in self.cancelled:
-            return WriteDone(job.room, job.final, job.count)
+            return WriteDone(job.room, job.count)
         started = time.perf_counter()
         try:
             if job.spans[2]:
@@ -113,7 +114,7 @@ class TransferWorker:
                 self.peers.get(endpoint).send(to_wire(msg))
         except Exception as exc:  # any engine failure fails this room only
             return WriteFailed(job.room, job.count, f"{type(exc).__name__}: {exc}")
-        return WriteDone(job.room, job.final, job.count, sum(job.spans[2]), time.perf_counter() - started)
+        return WriteDone(job.room, job.count, sum(job.spans[2]), time.perf_counter() - started)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -147,20 +148,37 @@ class KVWriters:
 
 
 class PrefillScheduler(DisaggScheduler):
+    """With tensor parallelism every rank pushes its own KV heads straight into the decode ranks that hold them
+    (`KVTarget`s), each through its own transfer engine; a room counts as written once the writes of all ranks
+    landed (see `_on_write_done`), and then the leader sends `kv_done`."""
+
     def __init__(self, args: ServerArgs, tokenizer=None):
         super().__init__(args, tokenizer)
         self.writers = KVWriters(self.engine, self.channel.post, self.channel.new_peer_clients)
-        self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, auth=self.auth)
-        advertise = args.disaggregation_advertise_host
-        register_prefill_rank(self.bootstrap.local_address, PrefillRankInfo(
-            rank=0, control_endpoint=registered_endpoint(self.channel.endpoint, advertise),
-            transfer_session=registered_endpoint(self.engine.session_id(), advertise),
-            transfer_backend=self.engine.name, kv_layout=self.runner.pool.layout.describe(),
-            model=self.description["model"], tp_size=args.tp_size,
-        ), auth=self.auth)
+        self.bootstrap = None
+        sessions = self._rank_sessions()
+        if self.tp.is_leader:
+            self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, self.tp.size, self.auth)
+            for rank, session in enumerate(sessions):
+                register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.auth)
+        self.kv_done_after_writes: dict[int, KVDone] = {}  # room -> kv_done the leader sends once all writes landed
         self.early_requests = EarlyRequests(self.runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
         self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
                          WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
+
+    def _rank_sessions(self) -> list[str]:
+        """Every rank's transfer session as peers reach it, in rank order (one collective over the ranks)."""
+        mine = registered_endpoint(self.engine.session_id(), self.args.disaggregation_advertise_host)
+        return [raw.decode() for raw in self.tp.all_gather_bytes(mine.encode())]
+
+    def _rank_info(self, rank: int, session: str) -> PrefillRankInfo:
+        """The bootstrap registration of one rank: its transfer session; control messages for every rank go to
+        the leader's endpoint; every rank's pool has the same layout (its own heads)."""
+        return PrefillRankInfo(
+            rank=rank, control_endpoint=registered_endpoint(self.channel.endpoint, self.args.disaggregation_advertise_host),
+            transfer_session=session, transfer_backend=self.engine.name, kv_layout=self.description["kv_layout"],
+            model=self.description["model"], tp_size=self.tp.size,
+        )
 
     # ---- requests -----------------------------------------------------------------------------------------
 
@@ -168,7 +186,7 @@ class PrefillScheduler(DisaggScheduler):
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             self.waiting.append(req)  # prefilled like any request; nothing is sent
             return
-        h = Handoff(req, req.bootstrap_room, deadline=now() + self.args.disaggregation_bootstrap_timeout)
+        h = Handoff(req, req.bootstrap_room, deadline=self.clock() + self.args.disaggregation_bootstrap_timeout)
         self.handoffs[h.room] = h
         early = self.early_requests.pop(h.room)
         if early is not None:
@@ -203,8 +221,8 @@ class PrefillScheduler(DisaggScheduler):
         def push_layer(layer: int) -> None:
             computed = self._record_event()
             for h, runs in plans:
-                spans = kv_write_requests(self.region, h.peer_region, runs, range(layer, layer + 1))
-                self._submit(h, spans, final=False, computed=computed)
+                for target in h.peer_targets:
+                    self._submit(h, target, self._spans(target, runs, range(layer, layer + 1)), False, computed)
 
         return push_layer
 
@@ -230,19 +248,30 @@ class PrefillScheduler(DisaggScheduler):
         h.advance(KVPoll.TRANSFERRING)
 
     def _push(self, h: Handoff, upto_page: int, final: bool) -> None:
-        """All layers of the pages not sent yet, up to `upto_page`; `final` also releases the first token."""
+        """All layers of the pages not sent yet, up to `upto_page`; `final` also releases the first token: from
+        the writer once its write landed when it is the room's only writer, else from the leader once every
+        rank's writes landed."""
         if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
             return
         runs = self._runs_to_send(h, upto_page)
-        spans = kv_write_requests(self.region, h.peer_region, runs) if runs else ([], [], [])
-        notify = None
-        if final:
-            notify = (h.peer_control, KVDone(h.room, h.req.rid, self._first_token(h)))
-        self._submit(h, spans, final, self._record_event(), notify)
+        kv_done = KVDone(h.room, h.req.rid, self._first_token(h)) if final else None
+        sole_writer = self.tp.size == 1 and len(h.peer_targets) == 1
+        if kv_done is not None and not sole_writer:
+            self.kv_done_after_writes[h.room] = kv_done
+        computed = self._record_event()
+        for target in h.peer_targets:
+            notify = (h.peer_control, kv_done) if kv_done is not None and sole_writer else None
+            self._submit(h, target, self._spans(target, runs), final, computed, notify)
+
+    def _spans(self, target: KVTarget, runs: list, layers: range | None = None):
+        """This rank's heads for `target` in the page `runs` (no spans when it takes none of them from us)."""
+        if not runs or not target.heads:
+            return [], [], []
+        return kv_write_requests(self.region, target.region, runs, layers, target.heads)
 
     def _first_token(self, h: Handoff) -> FirstToken:
         sent = h.req.pages[h.cached_pages : len(h.dst_pages)]
-        checksum = pages_checksum(self.runner.pool, sent) if h.kv_checksum else None
+        checksum = self.pages_checksum(sent) if h.kv_checksum else None
         return _first_token_record(h, checksum)
 
     def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
@@ -250,9 +279,13 @@ class PrefillScheduler(DisaggScheduler):
         start, h.pages_sent = h.pages_sent, max(h.pages_sent, upto_page)
         return coalesce_page_runs(h.req.pages[start:upto_page], h.dst_pages[start:upto_page])
 
-    def _submit(self, h: Handoff, spans, final: bool, computed: torch.cuda.Event | None, notify=None) -> None:
-        h.writes_in_flight += 1
-        self.writers.submit(WriteJob(h.room, h.peer_session, spans, final, computed, notify))
+    def _submit(self, h: Handoff, target: KVTarget, spans, final: bool, computed: torch.cuda.Event | None,
+                notify=None) -> None:
+        """Every rank submits the same jobs (same code on the same state; a rank with no heads for a target writes
+        nothing), so the room's writes in flight count one job per rank, and the results of all ranks' writers,
+        which every rank receives (`step_events`), count them down together."""
+        h.writes_in_flight += self.tp.size
+        self.writers.submit(WriteJob(h.room, target.session, spans, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":
@@ -267,7 +300,7 @@ class PrefillScheduler(DisaggScheduler):
         room = msg.room
         h = self.handoffs.get(room)
         if h is None:
-            if not self.early_requests.add(msg, now()):
+            if not self.early_requests.add(msg, self.clock()):
                 logger.warning("room %d: dropping an early transfer_request for %d pages", room, len(msg.dst_pages))
             return
         if h.poll != KVPoll.BOOTSTRAPPING:
@@ -280,10 +313,7 @@ class PrefillScheduler(DisaggScheduler):
                                         math.ceil(len(h.req.input_ids) / self.page_size))
             h.cached_pages = h.pages_sent = checked_cached_pages(msg.cached_pages, len(h.req.input_ids),
                                                                  self.page_size)
-            h.peer_session = msg.session
-            if msg.kv_base <= 0:
-                raise ValueError(f"bad kv_base {msg.kv_base!r}")
-            h.peer_region = KVRegion(msg.kv_base, layout)
+            h.peer_targets = self._targets(msg, layout)
             h.kv_checksum = msg.kv_checksum
         except (IncompatiblePeer, ValueError, TypeError, TransferError) as exc:
             logger.warning("room %d: refusing decode peer: %s", room, exc)
@@ -291,6 +321,17 @@ class PrefillScheduler(DisaggScheduler):
             return
         h.advance(KVPoll.WAITING_FOR_INPUT)
         self.waiting.append(h.req)
+
+    def _targets(self, msg: TransferRequest, layout) -> list[KVTarget]:
+        """The decode ranks of `msg`, each with the heads this rank writes into it."""
+        targets, decode_tp = tp_targets(msg), msg.peer["tp_size"]  # check_compatible saw a positive int
+        if len(targets) != decode_tp:
+            raise ValueError(f"the decode runs {decode_tp} ranks but lists {len(targets)} transfer targets")
+        if any(base <= 0 for _, base in targets):
+            raise ValueError(f"bad kv_base in {targets[:8]!r}")
+        heads = self.model_config.num_kv_heads
+        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, self.tp.size, self.tp.rank, decode_tp, j))
+                for j, (session, base) in enumerate(targets)]
 
     def _on_peer_abort(self, msg: Abort) -> None:
         h = self.handoffs.get(msg.room)
@@ -305,7 +346,10 @@ class PrefillScheduler(DisaggScheduler):
         h.writes_in_flight -= msg.count
         self.transfer_stats.moved(msg.nbytes)
         h.write_seconds += msg.seconds
-        if msg.final and h.poll == KVPoll.TRANSFERRING:  # the writer has sent kv_done
+        if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed
+            kv_done = self.kv_done_after_writes.pop(h.room, None)
+            if kv_done is not None:  # else the room's only writer has sent it
+                self.send_control(h.peer_control, kv_done)
             h.advance(KVPoll.SUCCESS)
             self.transfer_stats.completed(h.write_seconds)
             self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
@@ -318,7 +362,7 @@ class PrefillScheduler(DisaggScheduler):
             self._fail(h, f"KV transfer to the decode server failed: {msg.error}", reason="write_failed")
 
     def expire_handoffs(self) -> None:
-        t = now()
+        t = self.clock()
         for h in self.bootstrap_queue():
             if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
@@ -353,10 +397,11 @@ class PrefillScheduler(DisaggScheduler):
         if h.writes_in_flight > 0 or not h.req.finished or self.handoffs.get(h.room) is not h:
             return
         del self.handoffs[h.room]
+        self.kv_done_after_writes.pop(h.room, None)
         self.writers.cancelled.discard(h.room)
         self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
-            self.channel.send(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
+            self.send_control(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
 
     @property
     def warmup_bootstrap(self) -> dict:
@@ -367,11 +412,12 @@ class PrefillScheduler(DisaggScheduler):
         return super().queued_prefill_tokens() + sum(len(h.req.all_ids) for h in self.bootstrap_queue())
 
     def server_info(self) -> dict:
-        return {**super().server_info(), "bootstrap": self.bootstrap.address}
+        return {**super().server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}
 
     def close(self) -> None:
         self.writers.close()
-        self.bootstrap.close()
+        if self.bootstrap is not None:
+            self.bootstrap.close()
         super().close()
 
 

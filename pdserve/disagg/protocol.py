@@ -18,7 +18,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pdserve.disagg.transfer.base import KVRegion
+    from pdserve.disagg.transfer.base import KVTarget
     from pdserve.scheduler.request import Req
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
@@ -45,8 +45,7 @@ class Handoff:
     poll: KVPoll = KVPoll.BOOTSTRAPPING
     error: str | None = None
     peer_control: str | None = None  # the other side's control endpoint
-    peer_session: str | None = None  # the other side's transfer-engine session
-    peer_region: KVRegion | None = None
+    peer_targets: list[KVTarget] = field(default_factory=list)  # prefill: each decode rank it writes into
     dst_pages: list[int] = field(default_factory=list)
     pages_sent: int = 0
     writes_in_flight: int = 0

@@ -1,4 +1,12 @@
-"""What both PD roles share: the transfer engine, the control channel and one `Handoff` per bootstrap room."""
+"""What both PD roles share: the transfer engine, the control channel and one `Handoff` per bootstrap room.
+
+With tensor parallelism every rank runs its role's scheduler on its own KV heads, and all ranks must form the same
+batches and free the same pages. The invariant, enforced by `step_events`: every control event (a peer's message,
+a route lookup's end, a heartbeat verdict, a KV write's result on any rank) reaches every rank's handlers in the
+same order at the same step, and every deadline is read against the same clock (the leader's). Only the leader
+listens for peers, looks routes up, runs the heartbeat and sends control messages; each rank runs its own
+transfer engine, which moves its own heads.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +14,25 @@ import logging
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 
+import msgpack
+
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_host
 from pdserve.disagg.auth import make_auth
 from pdserve.disagg.control_channel import ControlChannel
-from pdserve.disagg.control_messages import Message
-from pdserve.disagg.protocol import Handoff, KVPoll, validate_pd_request
+from pdserve.disagg.control_messages import Message, WriteDone, WriteFailed, from_wire, to_wire
+from pdserve.disagg.kv_checksum import combined_checksum, head_checksums
+from pdserve.disagg.protocol import Handoff, KVPoll, now, validate_pd_request
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer_stats import TransferStats
+from pdserve.distributed.tensor_parallel import kv_head_start
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+WRITES_IN_FLIGHT_POLL_MS = 5
 
 
 class DisaggScheduler(Scheduler, metaclass=ABCMeta):
@@ -42,7 +55,9 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
         )
         self.engine.register(pool.data_ptr, pool.nbytes, str(self.device))
         self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}", self.auth)
+        self.tp = self.runner.tp
+        self.leader_clock = now()  # the leader's clock as of the last step (see `clock`)
+        self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}", self.auth, listen=self.tp.is_leader)
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
         self.handlers: dict[type[Message], Callable] = {}
@@ -75,10 +90,57 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
     def wakeup_fds(self) -> list[int]:
         return [self.channel.wakeup_fd]
 
+    def idle_poll_ms(self) -> int:
+        """A follower's KV write result has no fd the leader polls: it reaches the leader at the next step's
+        gather, so while writes are in flight with tensor parallelism the leader looks again soon."""
+        if self.tp.size > 1 and any(h.writes_in_flight for h in self.handoffs.values()):
+            return WRITES_IN_FLIGHT_POLL_MS
+        return super().idle_poll_ms()
+
     def prepare_step(self) -> bool:
-        self.channel.dispatch(self.handlers)
+        for msg in self.step_events():
+            handler = self.handlers.get(type(msg))
+            if handler is None:
+                logger.warning("ignoring control message %s: this role does not handle it", msg.tag)
+                continue
+            handler(msg)
         self.expire_handoffs()
         return True
+
+    def step_events(self) -> list[Message]:
+        """This step's control events, the same list on every rank: the leader's inbox (peers' messages, its route
+        lookups and heartbeat verdicts, its KV writes' results), then each follower's (its KV writes' results
+        only), gathered in one collective over the CPU group together with the leader's clock."""
+        local = self.channel.drain()
+        if self.tp.size == 1:
+            return local
+        if not self.tp.is_leader and any(not isinstance(m, (WriteDone, WriteFailed)) for m in local):
+            raise RuntimeError(f"a follower rank's inbox holds {[m.tag for m in local]}: only the leader talks "
+                               "to peers")
+        payload = msgpack.packb([now(), [to_wire(m) for m in local]], use_bin_type=True)
+        gathered = [msgpack.unpackb(p, raw=False) for p in self.tp.all_gather_bytes(payload)]
+        self.leader_clock = gathered[0][0]
+        return [from_wire(wire, remote=False) for _, wires in gathered for wire in wires]
+
+    def clock(self) -> float:
+        """The time every deadline is set and read with: a single rank's own, the leader's as of this step with
+        tensor parallelism (so that every rank expires the same handoffs at the same step)."""
+        return now() if self.tp.size == 1 else self.leader_clock
+
+    def pages_checksum(self, pages: list[int]) -> int:
+        """The KV checksum of `pages` over the model's every head; with tensor parallelism one collective joins
+        the ranks' heads, so every rank must call it at the same step."""
+        cfg = self.model_config
+        mine = head_checksums(self.runner.pool, pages, kv_head_start(cfg.num_kv_heads, self.tp.size, self.tp.rank))
+        per_head = {}
+        for raw in self.tp.all_gather_bytes(msgpack.packb(list(mine.items()))):
+            per_head.update(dict(msgpack.unpackb(raw)))
+        return combined_checksum(per_head)
+
+    def send_control(self, endpoint: str, msg: Message) -> None:
+        """To a peer's control endpoint; the followers send nothing (the leader speaks for all ranks)."""
+        if self.tp.is_leader:
+            self.channel.send(endpoint, msg)
 
     @abstractmethod
     def expire_handoffs(self) -> None:
@@ -104,6 +166,7 @@ def model_fingerprint(cfg: ModelConfig) -> str:
 
 
 def peer_description(args: ServerArgs, cfg: ModelConfig, pool: KVPool, backend: str) -> dict:
-    """The fields both sides must agree on (see bootstrap.check_compatible)."""
+    """The fields both sides must agree on (see bootstrap.check_compatible); `kv_layout` is this rank's pool plus
+    the model's KV head count, so that a peer with another TP size can map heads to ranks."""
     return {"model": model_fingerprint(cfg), "tp_size": args.tp_size, "transfer_backend": backend,
-            "kv_layout": pool.layout.describe()}
+            "kv_layout": {**pool.layout.describe(), "total_kv_heads": cfg.num_kv_heads}}

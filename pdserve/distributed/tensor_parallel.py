@@ -54,6 +54,21 @@ class TPGroup:
         dist.broadcast(buffer, src=0, group=self.cpu_group)
         return buffer.numpy().tobytes()
 
+    def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, in rank order, on every rank."""
+        if self.size == 1:
+            return [payload]
+        lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64), group=self.cpu_group)
+        longest = max(int(n.item()) for n in lengths)
+        if longest == 0:
+            return [b""] * self.size
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
+        return [p[: int(n.item())].numpy().tobytes() for p, n in zip(parts, lengths)]
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest of the ranks' `value`s, so that sizes measured per rank agree."""
         if self.size == 1:

@@ -29,6 +29,7 @@ from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
+IDLE_POLL_MS = 100
 
 
 class Scheduler(OverlapMixin):
@@ -142,6 +143,11 @@ class Scheduler(OverlapMixin):
     def can_step(self) -> bool:
         """The next step makes progress without waiting for a request, a wake-up fd or a deadline."""
         return bool(self.waiting or self.running or self.chunked or self._changed or self.inflight)
+
+    def idle_poll_ms(self) -> int:
+        """How long the scheduler process may sleep waiting for a request or a wake-up fd when it cannot step: the
+        longest a deadline check waits."""
+        return IDLE_POLL_MS
 
     def wakeup_fds(self) -> list[int]:
         """File descriptors that become readable when work arrives other than through add_request."""

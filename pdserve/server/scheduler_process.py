@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 100
 EXIT_CONFIG_ERROR = 2
 STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"  # seconds; see SchedulerProcess.step_delay_s
 
@@ -98,7 +97,7 @@ class SchedulerProcess:
 
     def recv_requests(self) -> list[Any]:
         """Everything queued now (on a follower: what the leader received). With nothing to do the leader
-        first sleeps until a request or a wake-up (a PD control message) arrives, or IDLE_POLL_MS pass so
+        first sleeps until a request or a wake-up (a PD control message) arrives, or `idle_poll_ms` pass so
         that deadlines are checked."""
         raws = self._recv_raw() if self.tp.is_leader else None
         messages = []
@@ -111,7 +110,7 @@ class SchedulerProcess:
 
     def _recv_raw(self) -> list[bytes]:
         if not self.sched.can_step():
-            self.poller.poll(IDLE_POLL_MS)
+            self.poller.poll(self.sched.idle_poll_ms())
         raws = []
         while True:
             try:

@@ -17,7 +17,8 @@ from pdserve.disagg.bootstrap import (
     register_prefill_rank,
 )
 
-LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "page_size": 16, "num_pages": 100, "dtype": "bfloat16"}
+LAYOUT = {"num_layers": 4, "num_kv_heads": 2, "total_kv_heads": 4, "head_dim": 64, "page_size": 16, "num_pages": 100,
+          "dtype": "bfloat16"}  # a rank of TP 2
 
 
 def rank_info(rank: int, **changes) -> PrefillRankInfo:
@@ -82,7 +83,7 @@ def test_unreachable_server_times_out():
         ("page_size", 16, 32, "page_size mismatch: prefill has 16, decode has 32"),
         ("dtype", "bfloat16", "float16", "dtype mismatch: prefill has bfloat16, decode has float16"),
         ("num_layers", 4, 5, "num_layers mismatch: prefill has 4, decode has 5"),
-        ("num_kv_heads", 2, 8, "num_kv_heads mismatch"),
+        ("total_kv_heads", 4, 8, "total_kv_heads mismatch: prefill has 4, decode has 8"),
         ("head_dim", 64, 128, "head_dim mismatch"),
     ],
 )
@@ -98,10 +99,20 @@ def test_topology_mismatch_and_page_count_freedom():
     check_compatible(prefill, describe(rank_info(0, kv_layout={**LAYOUT, "num_pages": 7})))
     with pytest.raises(IncompatiblePeer, match="model mismatch: prefill has 'tiny-llama', decode has 'other'"):
         check_compatible(prefill, describe(rank_info(0, model="other")))
-    with pytest.raises(IncompatiblePeer, match="tp_size mismatch: prefill has 2, decode has 1"):
-        check_compatible(prefill, describe(rank_info(0, tp_size=1)))
     with pytest.raises(IncompatiblePeer, match="transfer_backend mismatch"):
         check_compatible(prefill, describe(rank_info(0, transfer_backend="mooncake")))
+
+
+def test_different_tp_sizes_pair_when_each_side_holds_its_share_of_the_heads():
+    prefill = describe(rank_info(0))  # TP 2, 2 of 4 heads per rank
+    check_compatible(prefill, describe(rank_info(0, tp_size=1, kv_layout={**LAYOUT, "num_kv_heads": 4})))
+    check_compatible(prefill, describe(rank_info(0, tp_size=8, kv_layout={**LAYOUT, "num_kv_heads": 1})))  # replicated
+    with pytest.raises(IncompatiblePeer, match=r"decode's KV heads do not map to its ranks: 2 KV heads per rank, but "
+                                               r"TP 1 of 4 heads gives 4 \(prefill: TP 2 x \[4 layers, 2 of 4 KV heads "
+                                               r"x 64, bfloat16, page 16\]; decode: TP 1 x \[4 layers, 2 of 4"):
+        check_compatible(prefill, describe(rank_info(0, tp_size=1)))
+    with pytest.raises(IncompatiblePeer, match="4 KV heads cannot be split over or replicated on 3 ranks"):
+        check_compatible(prefill, describe(rank_info(0, tp_size=3, kv_layout={**LAYOUT, "num_kv_heads": 1})))
 
 
 def test_port_in_use_is_a_clear_error(server):

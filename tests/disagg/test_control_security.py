@@ -115,9 +115,12 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
                              transfer_request(3, dst_pages=[1, "2"]),
                              transfer_request(3, kv_base=None),
                              transfer_request(3, extra=1),
+                             transfer_request(3, rank_targets=[["127.0.0.1:1", "4096"]]),
+                             transfer_request(3, rank_targets="127.0.0.1:1"),
                              {"type": "abort"})
     assert all("never accepted from a peer" in e for e in prefill_errors[:2])
     assert "peer must be dict" in prefill_errors[2]
+    assert "rank_targets[] must be int" in prefill_errors[6] and "rank_targets must be a list" in prefill_errors[7]
     serves_a_pd_request(open_pair, "after-garbage", room=4001)
 
 
@@ -158,6 +161,11 @@ def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
     delivered(prefill.channel.endpoint, transfer_request(4300, peer={**decode.description, "kv_layout": [1]}))
     finish = run([prefill])[(0, "bad-layout")]["finish"]
     assert finish["status_code"] == PEER_FAILED and "decode peer refused: num_layers mismatch" in finish["message"]
+    prefill.add_request(pd_req("bad-targets", [5, 6, 7], 1, room=4302))  # a TP 1 decode naming two ranks
+    delivered(prefill.channel.endpoint, transfer_request(4302, peer=decode.description,
+                                                         rank_targets=[["127.0.0.1:1", 4096], ["127.0.0.1:2", 8192]]))
+    finish = run([prefill])[(0, "bad-targets")]["finish"]
+    assert "decode peer refused: the decode runs 1 ranks but lists 2 transfer targets" in finish["message"]
     serves_a_pd_request(open_pair, "after-bad-peers", room=4301)
 
 
@@ -226,9 +234,9 @@ def test_damaged_kv_pages_fail_the_request_with_502_when_checksums_are_on(tiny_m
 
         def corrupt_after_write(targets):
             write_local(targets)
-            _, ptr, _, _ = targets[-1]
+            _, block, _ = targets[-1]
             flat = decode.runner.pool.buffer.view(-1)
-            flat[(ptr - decode.region.base) // flat.element_size()] += 1.0
+            flat[(block.dst - decode.region.base) // flat.element_size()] += 1.0
 
         monkeypatch.setattr(decode.engine, "_write_local", corrupt_after_write)
         for s in (prefill, decode):

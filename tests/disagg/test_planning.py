@@ -7,9 +7,11 @@ import ctypes
 import pytest
 import torch
 
-from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests
+from pdserve.disagg.head_map import head_slices, rank_heads
+from pdserve.disagg.transfer import HeadSlice, KVRegion, TransferError, coalesce_page_runs, kv_write_requests
 from pdserve.disagg.transfer import layout_from_description, make_transfer_engine
 from pdserve.disagg.transfer.base import RegionTable
+from pdserve.disagg.transfer.strided import StridedBlock, strided_blocks
 from pdserve.disagg.transfer.mooncake import select_transport
 from pdserve.disagg.transfer.nccl import (
     NCCL_UNIQUE_ID_BYTES,
@@ -153,3 +155,70 @@ def test_nccl_group_plan():
     assert [len(g) for g in groups] == [1024, 1024, 452]
     assert [s for g in groups for s in g] == spans
     assert plan_groups([], 4) == []
+
+
+@pytest.mark.parametrize("num_kv_heads, prefill_tp, decode_tp",
+                         [(2, 2, 1), (2, 1, 2), (2, 2, 2), (1, 2, 1), (1, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 1)])
+def test_head_slices_fill_every_decode_rank_from_the_prefill_ranks_exactly_once(num_kv_heads, prefill_tp, decode_tp):
+    """Each prefill rank's spans, executed byte by byte, leave every decode rank with its heads of the moved pages;
+    a replicated head is sent once per decode rank, so the bytes written equal the bytes each decode rank holds."""
+    layers, head_dim, page_size, src_pages, dst_pages = 2, 4, 2, [1, 2, 4], [5, 3, 4]
+    full = torch.randn(2, layers, 6 * page_size, num_kv_heads, head_dim)  # the model's KV at the prefill: 6 pages
+
+    def pool(tp: int, rank: int, num_pages: int, source: torch.Tensor | None) -> tuple[KVRegion, torch.Tensor]:
+        heads = rank_heads(num_kv_heads, tp, rank)
+        layout = KVLayout(layers, len(heads), head_dim, page_size, num_pages, torch.float32)
+        data = source[:, :, :, heads.start:heads.stop].contiguous() if source is not None else \
+            torch.full((2, layers, num_pages * page_size, len(heads), head_dim), float("nan"))
+        return KVRegion(0, layout), data  # base 0: the spans are byte offsets into `data`
+
+    decode = [pool(decode_tp, j, 8, None) for j in range(decode_tp)]
+    runs = coalesce_page_runs(src_pages, dst_pages)
+    for i in range(prefill_tp):
+        src_region, src_data = pool(prefill_tp, i, 6, full)
+        src_bytes = src_data.view(-1).view(torch.uint8)
+        for j, (dst_region, dst_data) in enumerate(decode):
+            slices = head_slices(num_kv_heads, prefill_tp, i, decode_tp, j)
+            if not slices:
+                continue
+            dst_bytes = dst_data.view(-1).view(torch.uint8)
+            for s, d, n in zip(*kv_write_requests(src_region, dst_region, runs, heads=slices)):
+                assert dst_bytes[d : d + n].view(torch.float32).isnan().all()  # no byte is written twice
+                dst_bytes[d : d + n] = src_bytes[s : s + n]
+    for j, (_, dst_data) in enumerate(decode):
+        heads = rank_heads(num_kv_heads, decode_tp, j)
+        for src_page, dst_page in zip(src_pages, dst_pages):
+            got = dst_data[:, :, dst_page * page_size : (dst_page + 1) * page_size]
+            assert torch.equal(got, full[:, :, src_page * page_size : (src_page + 1) * page_size,
+                                         heads.start:heads.stop])
+
+
+def test_a_head_slice_within_tokens_is_one_span_per_token_and_whole_tokens_one_per_run():
+    two_heads, one_head = LAYOUT, KVLayout(2, 1, 4, 8, 10, torch.bfloat16)
+    whole = kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, one_head), [(1, 2, 3)],
+                              heads=[HeadSlice(0, 0, 1)])
+    assert whole[2] == [3 * one_head.page_bytes] * 4  # K and V of 2 layers: one span each
+    into_second_head = kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, two_heads), [(1, 2, 3)],
+                                         heads=[HeadSlice(0, 1, 1)])
+    assert len(into_second_head[2]) == 4 * 3 * 8 and set(into_second_head[2]) == {4 * 2}
+    assert into_second_head[1][:2] == [9000 + 2 * two_heads.page_bytes + 8, 9000 + 2 * two_heads.page_bytes + 8 + 16]
+    with pytest.raises(TransferError, match="out of range"):
+        kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, two_heads), [(1, 2, 3)], heads=[HeadSlice(0, 1, 2)])
+    with pytest.raises(TransferError, match="say which heads go where"):
+        kv_write_requests(KVRegion(1000, one_head), KVRegion(9000, two_heads), [(1, 2, 3)])
+
+
+def test_spans_repeating_at_a_stride_fold_into_blocks():
+    fold = strided_blocks
+    assert fold([], [], [], 64) == []
+    # 3 tokens of a head slice (stride 16 here, 32 there), then a span of another length, then 2 that overlap
+    src, dst, lengths = [100, 116, 132, 500, 900, 904], [0, 32, 64, 300, 700, 704], [8, 8, 8, 4, 8, 8]
+    assert fold(src, dst, lengths, 64) == [StridedBlock(100, 0, 8, 3, 16, 32), StridedBlock(500, 300, 4),
+                                           StridedBlock(900, 700, 8), StridedBlock(904, 704, 8)]
+    assert fold(src, dst, lengths, 8) == [StridedBlock(p, q, n) for p, q, n in zip(src, dst, lengths)]  # too long
+    # the stride changes: a new block starts with the span where it changed
+    assert fold([0, 10, 20, 40, 60], [0, 10, 20, 40, 60], [5] * 5, 64) == [StridedBlock(0, 0, 5, 3, 10, 10),
+                                                                         StridedBlock(40, 40, 5, 2, 20, 20)]
+    spans = kv_write_requests(KVRegion(1000, KVLayout(2, 1, 4, 8, 10, torch.bfloat16)), KVRegion(9000, LAYOUT),
+                              [(1, 2, 3)], heads=[HeadSlice(0, 1, 1)])
+    assert len(fold(*spans, 64)) == 4 and sum(b.nbytes for b in fold(*spans, 64)) == sum(spans[2])

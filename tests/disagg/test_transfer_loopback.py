@@ -7,6 +7,7 @@ import torch
 
 from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.transfer import (
+    HeadSlice,
     KVRegion,
     TransferError,
     coalesce_page_runs,
@@ -122,10 +123,15 @@ def test_tcp_receiver_refuses_malformed_messages():
     receiver.register(buf.data_ptr(), 64)
     client = ControlClient(receiver.session_id(), timeout_s=5)
     try:
+        ptr = buf.data_ptr()
         bad = [
-            ({"op": "write", "dst": [[buf.data_ptr(), "8"]]}, [b"x" * 8], "malformed span"),
-            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [b"x" * 7], "declares 8 bytes but carries 7"),
-            ({"op": "write", "dst": [[buf.data_ptr(), 8]]}, [], "1 spans but 0 payload frames"),
+            ({"op": "write", "dst": [[ptr, "8", 1, 0]]}, [b"x" * 8], "malformed span"),
+            ({"op": "write", "dst": [[ptr, 8]]}, [b"x" * 8], "malformed span"),
+            ({"op": "write", "dst": [[ptr, 8, 1, 0]]}, [b"x" * 7], "declares 8 bytes but carries 7"),
+            ({"op": "write", "dst": [[ptr, 8, 2, 4]]}, [b"x" * 16], "spans must not overlap"),
+            ({"op": "write", "dst": [[ptr, 8, 0, 8]]}, [b""], "count must be positive"),
+            ({"op": "write", "dst": [[ptr, 8, 4, 32]]}, [b"x" * 32], "outside every registered region"),  # 104 B
+            ({"op": "write", "dst": [[ptr, 8, 1, 0]]}, [], "1 blocks but 0 payload frames"),
             ({"op": "read", "dst": []}, [], "unknown op"),
         ]
         for header, payload, message in bad:
@@ -133,6 +139,25 @@ def test_tcp_receiver_refuses_malformed_messages():
             with pytest.raises(TransferError, match=message):
                 client.recv("ack")
         assert not buf.any()
+        client.send({"op": "write", "dst": [[ptr + 4, 2, 3, 16]]}, [bytes(range(1, 7))])  # every 16 bytes, 2 of them
+        client.recv("ack")
+        assert buf.tolist()[:40] == [0] * 4 + [1, 2] + [0] * 14 + [3, 4] + [0] * 14 + [5, 6] + [0] * 2
     finally:
         client.close()
         receiver.close()
+
+
+def test_a_head_slice_lands_token_by_token_in_one_write_of_thousands_of_spans(pair):
+    """Source head 1 into destination head 0 (what one prefill rank of TP 2 writes into a TP 1 decode, were the
+    pools' head counts those): one span per token, leaving the other head untouched; the batch, repeated to more
+    spans than one mooncake call takes, still lands as one write."""
+    sender, src, hello, conn = pair
+    pages = list(range(1, 16))
+    spans = kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT),
+                              coalesce_page_runs(pages, pages), heads=[HeadSlice(1, 0, 1)])
+    assert len(spans[2]) == 2 * SRC_LAYOUT.num_layers * len(pages) * SRC_LAYOUT.page_size
+    sender.write(hello["session"], *(side * 6 for side in spans))
+    want = KVPool(DST_LAYOUT, "cpu").buffer
+    slots = slice(SRC_LAYOUT.page_size, 16 * SRC_LAYOUT.page_size)
+    want[:, :, slots, 0] = src.buffer[:, :, slots, 1]
+    assert torch.equal(_remote_pool(conn).view(torch.uint8), want.view(torch.uint8))

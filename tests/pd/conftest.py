@@ -6,11 +6,11 @@ transfer backend, a prefill + decode pair behind its own router.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import PDCluster, Proc, decode_server, free_port, prefill_server, router, server, start_all, stop_all
+from cluster_util import (NO_MOONCAKE, PDCluster, Proc, decode_server, free_port, mooncake_available,
+                          prefill_server, router, server, start_all, stop_all)
 
 CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
 # tcp pair: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it; the mooncake
@@ -18,14 +18,6 @@ CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts 
 LAYERWISE_ARGS = {"tcp": ["--disaggregation-layerwise-min-tokens", "16"], "mooncake": []}
 
 
-def mooncake_available() -> bool:
-    try:
-        return importlib.util.find_spec("mooncake.engine") is not None
-    except ImportError:
-        return False
-
-
-NO_MOONCAKE = "mooncake.engine cannot be imported (pip install mooncake-transfer-engine-non-cuda)"
 BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason=NO_MOONCAKE))]
 
 

@@ -17,10 +17,10 @@ import time
 
 import pytest
 from cluster_util import CHILD_ENV, http, live_session_members
-from pd.conftest import mooncake_available
+from cluster_util import mooncake_available
 
 from pdserve import SamplingParams
-from pdserve.launch_cluster import PortPicker, parse_args, plan_cluster
+from pdserve.launch_cluster import LaunchConfigError, PortPicker, parse_args, plan_cluster
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
 
@@ -190,3 +190,25 @@ def test_a_config_error_is_one_line(args, message, tmp_path):
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"pdserve-cluster: error: {message}"), \
         result.stderr
     assert not list(tmp_path.iterdir())  # nothing started
+
+
+def test_tensor_parallel_servers_take_a_block_of_gpus_and_a_rendezvous_port_each():
+    """--prefill-tp-size / --decode-tp-size (default: --tp-size after `--`): each server gets its TP size, as many
+    GPUs as ranks from the next free one on, and its own --nccl-port."""
+    ns, engine_args = parse_args(["--prefill", "2", "--decode", "2", "--prefill-tp-size", "2", "--", "--tp-size", "1"])
+    servers, _ = plan_cluster(ns, "/models/m", "cuda", engine_args, PortPicker("127.0.0.1"))
+
+    def flag(spec, name):  # the value a server parses: the last one given
+        values = [spec.argv[i + 1] for i, arg in enumerate(spec.argv) if arg == name]
+        return values[-1] if values else None
+
+    assert [(s.name, s.gpu, flag(s, "--tp-size")) for s in servers] == [
+        ("prefill 0", 0, "2"), ("prefill 1", 2, "2"), ("decode 0", 4, "1"), ("decode 1", 5, "1")]
+    rendezvous = [flag(s, "--nccl-port") for s in servers]
+    assert rendezvous[2:] == [None, None] and None not in rendezvous[:2] and len(set(rendezvous[:2])) == 2
+    ns, _ = parse_args(["--decode-tp-size", "1", "--", "--tp-size", "2"])
+    assert (ns.prefill_tp_size, ns.decode_tp_size) == (2, 1)
+    with pytest.raises(LaunchConfigError, match="--nccl-port after `--`"):
+        parse_args(["--", "--nccl-port", "1234"])
+    with pytest.raises(LaunchConfigError, match="--decode-tp-size must be at least 1"):
+        parse_args(["--decode-tp-size", "0"])

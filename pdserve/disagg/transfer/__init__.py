@@ -6,7 +6,9 @@ import logging
 
 from pdserve.disagg.auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
+    HeadSlice,
     KVRegion,
+    KVTarget,
     MemoryRegion,
     PageRun,
     TransferEngine,
@@ -19,7 +21,7 @@ from pdserve.disagg.transfer.base import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "KVRegion", "MemoryRegion", "PageRun", "TransferEngine", "TransferError", "coalesce_page_runs",
+    "HeadSlice", "KVRegion", "KVTarget", "MemoryRegion", "PageRun", "TransferEngine", "TransferError", "coalesce_page_runs",
     "kv_write_requests", "layout_from_description", "make_transfer_engine", "resolve_backend",
 ]
 

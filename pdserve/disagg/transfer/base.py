@@ -152,31 +152,86 @@ class KVRegion:
         return self.base + self.layout.region_offset(kv, layer) + page * self.layout.page_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """`count` KV heads from the source pool's head index `src_head` on into the destination's from `dst_head` on
+    (indexes within each pool: a tensor-parallel rank's pool holds its own heads only)."""
+
+    src_head: int
+    dst_head: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVTarget:
+    """A decode rank a prefill rank writes into: its transfer session, its KV buffer and the heads it takes from
+    this prefill rank (none: that decode rank gets its heads from other prefill ranks)."""
+
+    session: str
+    region: KVRegion
+    heads: list[HeadSlice]
+
+
 def kv_write_requests(
-    src: KVRegion, dst: KVRegion, runs: list[PageRun], layers: range | None = None
+    src: KVRegion, dst: KVRegion, runs: list[PageRun], layers: range | None = None,
+    heads: list[HeadSlice] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
-    """Byte spans for every run in each layer's K and V (all layers by default), in one batch.
-    Page 0 is never transferred."""
-    if (src.layout.num_layers, src.layout.page_bytes) != (dst.layout.num_layers, dst.layout.page_bytes):
-        raise TransferError(
-            f"KV layouts differ: {src.layout.num_layers} layers x {src.layout.page_bytes} B/page locally, "
-            f"{dst.layout.num_layers} layers x {dst.layout.page_bytes} B/page at the peer"
-        )
+    """Byte spans for every run in each layer's K and V (all layers by default), in one batch; page 0 is never
+    transferred. `heads` (default: every head, the same on both sides) picks head ranges out of each token.
+
+    The pool stores a token's heads side by side (`[slots, heads, head_dim]`), so a slice that is a whole token
+    on both sides moves as one span per page run, and any other slice as one span per token: the transfer
+    engine reads and writes the heads in place, no gather copy is made."""
+    heads = _checked_heads(src.layout, dst.layout, heads)
     for run in runs:
         _check_run(run, src.layout.num_pages, dst.layout.num_pages)
-    src_ptrs: list[int] = []
-    dst_ptrs: list[int] = []
-    lengths: list[int] = []
-    page_bytes = src.layout.page_bytes
+    spans: tuple[list[int], list[int], list[int]] = ([], [], [])
     for kv in (0, 1):
         for layer in layers if layers is not None else range(src.layout.num_layers):
-            src_layer = src.page_ptr(kv, layer, 0)
-            dst_layer = dst.page_ptr(kv, layer, 0)
-            for s, d, n in runs:
-                src_ptrs.append(src_layer + s * page_bytes)
-                dst_ptrs.append(dst_layer + d * page_bytes)
-                lengths.append(n * page_bytes)
-    return src_ptrs, dst_ptrs, lengths
+            for head_slice in heads:
+                _add_spans(spans, src.page_ptr(kv, layer, 0), dst.page_ptr(kv, layer, 0), src.layout, dst.layout,
+                           runs, head_slice)
+    return spans
+
+
+def _checked_heads(src: KVLayout, dst: KVLayout, heads: list[HeadSlice] | None) -> list[HeadSlice]:
+    geometry = (src.num_layers, src.page_size, src.head_dim, src.itemsize)
+    if geometry != (dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize):
+        raise TransferError(
+            f"KV layouts differ: {src.num_layers} layers x {src.page_size}-token pages x {src.head_dim}-dim heads of "
+            f"{src.itemsize} B locally, {dst.num_layers} x {dst.page_size} x {dst.head_dim} of {dst.itemsize} B "
+            "at the peer"
+        )
+    if heads is None:
+        if src.num_kv_heads != dst.num_kv_heads:
+            raise TransferError(f"{src.num_kv_heads} KV heads locally but {dst.num_kv_heads} at the peer: "
+                                "say which heads go where")
+        return [HeadSlice(0, 0, src.num_kv_heads)]
+    for h in heads:
+        if h.count <= 0 or h.src_head < 0 or h.dst_head < 0 or h.src_head + h.count > src.num_kv_heads \
+                or h.dst_head + h.count > dst.num_kv_heads:
+            raise TransferError(f"head slice {h} out of range: {src.num_kv_heads} heads locally, "
+                                f"{dst.num_kv_heads} at the peer")
+    return heads
+
+
+def _add_spans(spans, src_layer: int, dst_layer: int, src: KVLayout, dst: KVLayout, runs: list[PageRun],
+               h: HeadSlice) -> None:
+    src_ptrs, dst_ptrs, lengths = spans
+    head_bytes = src.head_dim * src.itemsize
+    src_first, dst_first = src_layer + h.src_head * head_bytes, dst_layer + h.dst_head * head_bytes
+    if h.count == src.num_kv_heads == dst.num_kv_heads:  # whole tokens on both sides: one span per run
+        for s, d, n in runs:
+            src_ptrs.append(src_first + s * src.page_bytes)
+            dst_ptrs.append(dst_first + d * dst.page_bytes)
+            lengths.append(n * src.page_bytes)
+        return
+    for s, d, n in runs:  # one span per token
+        tokens = n * src.page_size
+        start_src, start_dst = src_first + s * src.page_bytes, dst_first + d * dst.page_bytes
+        src_ptrs.extend(range(start_src, start_src + tokens * src.token_bytes, src.token_bytes))
+        dst_ptrs.extend(range(start_dst, start_dst + tokens * dst.token_bytes, dst.token_bytes))
+        lengths.extend([h.count * head_bytes] * tokens)
 
 
 def _check_run(run: PageRun, src_pages: int, dst_pages: int) -> None:

@@ -156,13 +156,14 @@ class PeerClients:
             self.drop(session)
 
 
-def parse_spans(header: dict, key: str = "dst") -> list[tuple[int, int]]:
+def parse_spans(header: dict, key: str = "dst", width: int = 2) -> list[tuple[int, ...]]:
+    """The header's list of spans: [ptr, length] each, or `width` ints each."""
     spans = header.get(key)
     if not isinstance(spans, list):
-        raise TransferError(f"header field {key!r} must be a list of [ptr, length]")
+        raise TransferError(f"header field {key!r} must be a list of spans of {width} ints")
     out = []
     for span in spans:
-        if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)):
+        if not (isinstance(span, list) and len(span) == width and all(type(x) is int for x in span)):
             raise TransferError(f"malformed span {span!r}")
-        out.append((span[0], span[1]))
+        out.append(tuple(span))
     return out

@@ -22,6 +22,11 @@ from pdserve.disagg.transfer.listen_filter import listening_fds, restrict_new_li
 
 logger = logging.getLogger(__name__)
 
+# One batch_transfer_sync_write call takes at most this many spans: mooncake-transfer-engine 0.3.13 fails a batch
+# of 3000 (rc=-1, whatever the bytes) and takes 2048. A head slice moves one span per token, a scattered page
+# list one per page: more in one write is common.
+MAX_SPANS_PER_BATCH = 2048
+
 IB_SYSFS = Path("/sys/class/infiniband")
 
 # Presence-tested switches, in the order Mooncake's TransferEngineImpl::init checks them.
@@ -136,12 +141,15 @@ class MooncakeTransferEngine(TransferEngine):
             return
         for ptr, n in zip(src_ptrs, lengths):
             self.regions.find(ptr, n)
-        rc = self._engine.batch_transfer_sync_write(peer_session, src_ptrs, dst_ptrs, lengths)
-        if rc != 0:
-            raise TransferError(
-                f"mooncake batch write of {len(lengths)} spans ({sum(lengths)} B) to {peer_session} "
-                f"over {self._transport} failed (rc={rc})"
-            )
+        for start in range(0, len(lengths), MAX_SPANS_PER_BATCH):
+            end = start + MAX_SPANS_PER_BATCH
+            rc = self._engine.batch_transfer_sync_write(peer_session, src_ptrs[start:end], dst_ptrs[start:end],
+                                                        lengths[start:end])
+            if rc != 0:
+                raise TransferError(
+                    f"mooncake batch write of {len(lengths[start:end])} spans ({sum(lengths[start:end])} B) to "
+                    f"{peer_session} over {self._transport} failed (rc={rc})"
+                )
 
     def close(self) -> None:
         if self._engine is None:
