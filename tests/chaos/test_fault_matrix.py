@@ -164,7 +164,7 @@ def cells():
                     yield pytest.param(*cell, marks=marks, id="-".join(cell))
 
 
-@pytest.mark.parametrize("backend,fault,target,phase", cells())
+@pytest.mark.parametrize("backend,fault,target,phase", list(cells()))
 def test_fault_cell(clusters, backend, fault, target, phase):
     if backend == "mooncake":
         pytest.importorskip("mooncake.engine", reason="pip install mooncake-transfer-engine-non-cuda")
