@@ -168,7 +168,8 @@ class HiRadixCache(RadixCache):
     def tier_stats(self) -> dict:
         self._drain_writes()
         self._count_copy_times()
-        host_pages = sum(1 for n in self._nodes() if n.host_page >= 0)
+        host = self.host.allocator  # held pages: by nodes, or freed while a storage write still reads them
+        host_pages = host.capacity - host.num_free - len(self._deferred_free)  # no walk: stats are polled
         return {
             "hicache": self.stats.snapshot(),
             "hicache_host_cached_tokens": host_pages * self.page_size,

@@ -39,3 +39,5 @@ def assert_pools_free(llm: LLM) -> None:
     sched = llm.scheduler
     assert sched.kv_pool_is_fully_free()
     assert sched.radix.host_pool_is_consistent()
+    host_nodes = sum(1 for n in sched.radix._nodes() if n.host_page >= 0)
+    assert sched.stats()["hicache_host_cached_tokens"] == host_nodes * sched.page_size
