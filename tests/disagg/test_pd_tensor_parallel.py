@@ -126,8 +126,6 @@ def test_deadlines_end_a_half_served_request_on_every_rank(servers):
     """A TP 2 prefill whose room no decode claims, and a TP 2 decode whose prefill never computes the room's KV,
     both end the request when the leader's clock says so: a 504, and every rank's pool free (the leader
     answers only once every rank has freed the same pages)."""
-    if servers.backend != "tcp" or "mqa" in servers.model:
-        pytest.skip("the deadlines do not depend on the model or the backend")
     body = {"input_ids": list(range(5, 45)), "bootstrap_host": "127.0.0.1", "bootstrap_port": servers.bootstraps["p2"],
             "sampling_params": {"max_new_tokens": 4}}
     with ThreadPoolExecutor(2) as pool:  # both wait out their 6 s deadline at once
@@ -144,8 +142,6 @@ def follower_pid(proc: Proc) -> int:
 
 
 def test_a_dead_rank_stops_its_server_and_the_router_drops_it(servers):
-    if servers.backend != "tcp" or "mqa" in servers.model:
-        pytest.skip("once per run is enough")
     rr = router([(servers["p2"], servers.bootstraps["p2"])], [servers["d1"], servers["d2"]],
                 "--decode-policy", "round_robin", "--health-failure-threshold", "2")
     start_all([rr])
