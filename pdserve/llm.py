@@ -11,8 +11,8 @@ from multiprocessing.process import BaseProcess
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
-from pdserve.distributed.rendezvous import free_rendezvous_port
 from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.launcher import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
@@ -42,7 +42,7 @@ class LLM:
     def __init__(self, model_path: str, **engine_args):
         self.args = ServerArgs.from_kwargs(model_path, **engine_args)
         if self.args.tp_size > 1 and self.args.nccl_port is None:
-            self.args = self.args.replace(nccl_port=free_rendezvous_port())
+            self.args = self.args.replace(nccl_port=free_port())
         self.tokenizer = load_tokenizer(self.args)
         followers = _spawn_followers(self.args)
         try:

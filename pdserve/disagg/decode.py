@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -255,7 +254,6 @@ class DecodeScheduler(DisaggScheduler):
         if req.return_logprob and aux.logprob is not None:
             req.output_logprobs.append(aux.logprob)
             req.output_top_logprobs.append(list(aux.top_logprobs or [])[: req.top_logprobs_num])
-        req.first_token_time = time.time()
         self._changed[req.rid] = req
         reason = self.check_stop(req)
         if reason is not None:

@@ -67,7 +67,6 @@ class Req:
     num_cached_tokens: int = 0  # tokens whose KV is in `pages` and computed
     num_prefix_hit: int = 0  # tokens reused from the radix cache at admission
     finish_reason: FinishReason | None = None
-    first_token_time: float | None = None  # written by disagg/decode.py; unread (the PD role change drops it)
     num_reported: int = 0  # output tokens already reported in a TokenOut
     stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
 

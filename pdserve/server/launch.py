@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
-from pdserve.distributed.rendezvous import free_rendezvous_port
+from pdserve.launcher import free_port
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
 from pdserve.server.ipc import no_process_shared_locks, setup_logging
@@ -57,7 +57,7 @@ def launch_server(args: ServerArgs) -> int:
     ipc_dir = tempfile.mkdtemp(prefix="pdserve-ipc-")  # mode 0700: only this user can reach the sockets
     args = args.replace(ipc_dir=ipc_dir)
     if args.tp_size > 1 and args.nccl_port is None:
-        args = args.replace(nccl_port=free_rendezvous_port())
+        args = args.replace(nccl_port=free_port())
     ctx = multiprocessing.get_context("spawn")
     children = [
         *(ctx.Process(target=run_scheduler_process, args=(args.replace(tp_rank=rank),),
