@@ -448,17 +448,6 @@ class HiRadixCache(RadixCache):
 
     # ---- tree helpers ---------------------------------------------------------------------------------------
 
-    def _walk(self, token_ids: list[int], max_pages: int, touch: bool) -> list[_Node]:
-        path, node, now = [], self.root, next(_clock)
-        for key in self._page_keys(token_ids, max_pages):
-            node = node.children.get(key)
-            if node is None:
-                break
-            if touch:
-                node.last_access = now
-            path.append(node)
-        return path
-
     def _hash_of(self, node: _Node) -> bytes:
         """Tier-3 hash of a node's page, computing the missing links of the chain from the nearest known one."""
         missing = []

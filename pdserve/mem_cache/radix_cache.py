@@ -53,17 +53,21 @@ class RadixCache:
         """Pages caching the longest full-page prefix of token_ids[:max_tokens]; the caller gets a reference to each.
 
         `rid` names the request (a hierarchical cache pairs it with the prefetch started for it)."""
-        pages: list[int] = []
-        node, now = self.root, next(_clock)
-        for key in self._page_keys(token_ids, max_tokens // self.page_size):
-            child = node.children.get(key)
-            if child is None:
-                break
-            child.last_access = now
-            pages.append(child.page)
-            node = child
+        pages = [n.page for n in self._walk(token_ids, max_tokens // self.page_size, touch=True)]
         self.allocator.incref(pages)
         return pages
+
+    def _walk(self, token_ids: list[int], max_pages: int, touch: bool) -> list[_Node]:
+        """The nodes of the longest cached path along token_ids' first max_pages pages (touched: now recent)."""
+        path, node, now = [], self.root, next(_clock)
+        for key in self._page_keys(token_ids, max_pages):
+            node = node.children.get(key)
+            if node is None:
+                break
+            if touch:
+                node.last_access = now
+            path.append(node)
+        return path
 
     def reset_hit_counts(self) -> None:
         self.query_tokens = self.hit_tokens = 0
@@ -171,8 +175,7 @@ class RadixCache:
 
     def _evictable_leaf(self, node: _Node) -> bool:
         """Node's device page is in the tree, nobody else references it, and no child has a device page."""
-        return (node.page >= 0 and self._node_of_page.get(node.page) is node and self._unused(node)
-                and all(c.page < 0 for c in node.children.values()))
+        return node.page >= 0 and self._unused(node) and all(c.page < 0 for c in node.children.values())
 
     def _unused(self, node: _Node) -> bool:
         return self.allocator.refcount(node.page) == 1
