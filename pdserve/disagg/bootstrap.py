@@ -185,19 +185,26 @@ def check_compatible(prefill: dict, decode: dict, sides: tuple[str, str] = ("pre
     dicts: {"model", "tp_size", "transfer_backend", "kv_layout": a rank's KVLayout.describe() plus
     "total_kv_heads"}. num_pages may differ, and so may the TP sizes when each side's ranks hold the heads that TP
     size gives them (then every head a decode rank holds is on some prefill rank)."""
+    problem = _pairing_problem(prefill, decode, sides)
+    if problem:
+        a, b = sides
+        raise IncompatiblePeer(f"{problem} ({a}: {layout_text(prefill)}; {b}: {layout_text(decode)})")
+
+
+def _pairing_problem(prefill: dict, decode: dict, sides: tuple[str, str]) -> str | None:
     a, b = sides
-    both = f" ({a}: {layout_text(prefill)}; {b}: {layout_text(decode)})"
     for key in _TOPOLOGY_KEYS:
         if prefill.get(key) != decode.get(key):
-            raise IncompatiblePeer(f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}{both}")
+            return f"{key} mismatch: {a} has {prefill.get(key)!r}, {b} has {decode.get(key)!r}"
     pl, dl = _layout(prefill), _layout(decode)
     for key in _LAYOUT_KEYS:
         if pl.get(key) != dl.get(key):
-            raise IncompatiblePeer(f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}{both}")
+            return f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}"
     for name, side in ((a, prefill), (b, decode)):
         problem = heads_problem(side)
         if problem:
-            raise IncompatiblePeer(f"{name}'s KV heads do not map to its ranks: {problem}{both}")
+            return f"{name}'s KV heads do not map to its ranks: {problem}"
+    return None
 
 
 def heads_problem(side: dict) -> str | None:

@@ -8,6 +8,8 @@ holders), so replicas share the sending and no byte is written twice.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pdserve.disagg.transfer.base import HeadSlice
 from pdserve.distributed.tensor_parallel import kv_head_start, kv_heads_per_rank
 
@@ -24,7 +26,8 @@ def sender_of(num_kv_heads: int, head: int, src_tp: int, dst_rank: int) -> int:
     return holders[dst_rank % len(holders)]
 
 
-def head_slices(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> list[HeadSlice]:
+@lru_cache(maxsize=256)  # a few distinct arguments per server, asked on every transfer request
+def head_slices(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int) -> tuple[HeadSlice, ...]:
     """The heads prefill rank `src_rank` writes into decode rank `dst_rank`'s pool, as runs of pool-local head
     indexes (empty when that decode rank takes nothing from this prefill rank)."""
     src_heads = rank_heads(num_kv_heads, src_tp, src_rank)
@@ -39,4 +42,4 @@ def head_slices(num_kv_heads: int, src_tp: int, src_rank: int, dst_tp: int, dst_
             slices[-1] = HeadSlice(last.src_head, last.dst_head, last.count + 1)
         else:
             slices.append(HeadSlice(src_index, dst_index, 1))
-    return slices
+    return tuple(slices)

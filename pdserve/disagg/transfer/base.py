@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -169,12 +170,12 @@ class KVTarget:
 
     session: str
     region: KVRegion
-    heads: list[HeadSlice]
+    heads: Sequence[HeadSlice]
 
 
 def kv_write_requests(
     src: KVRegion, dst: KVRegion, runs: list[PageRun], layers: range | None = None,
-    heads: list[HeadSlice] | None = None,
+    heads: Sequence[HeadSlice] | None = None,
 ) -> tuple[list[int], list[int], list[int]]:
     """Byte spans for every run in each layer's K and V (all layers by default), in one batch; page 0 is never
     transferred. `heads` (default: every head, the same on both sides) picks head ranges out of each token.
@@ -194,7 +195,7 @@ def kv_write_requests(
     return spans
 
 
-def _checked_heads(src: KVLayout, dst: KVLayout, heads: list[HeadSlice] | None) -> list[HeadSlice]:
+def _checked_heads(src: KVLayout, dst: KVLayout, heads: Sequence[HeadSlice] | None) -> Sequence[HeadSlice]:
     geometry = (src.num_layers, src.page_size, src.head_dim, src.itemsize)
     if geometry != (dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize):
         raise TransferError(
@@ -220,17 +221,19 @@ def _add_spans(spans, src_layer: int, dst_layer: int, src: KVLayout, dst: KVLayo
     src_ptrs, dst_ptrs, lengths = spans
     head_bytes = src.head_dim * src.itemsize
     src_first, dst_first = src_layer + h.src_head * head_bytes, dst_layer + h.dst_head * head_bytes
+    src_page, dst_page = src.page_bytes, dst.page_bytes
     if h.count == src.num_kv_heads == dst.num_kv_heads:  # whole tokens on both sides: one span per run
         for s, d, n in runs:
-            src_ptrs.append(src_first + s * src.page_bytes)
-            dst_ptrs.append(dst_first + d * dst.page_bytes)
-            lengths.append(n * src.page_bytes)
+            src_ptrs.append(src_first + s * src_page)
+            dst_ptrs.append(dst_first + d * dst_page)
+            lengths.append(n * src_page)
         return
+    src_token, dst_token, page_size = src.token_bytes, dst.token_bytes, src.page_size
     for s, d, n in runs:  # one span per token
-        tokens = n * src.page_size
-        start_src, start_dst = src_first + s * src.page_bytes, dst_first + d * dst.page_bytes
-        src_ptrs.extend(range(start_src, start_src + tokens * src.token_bytes, src.token_bytes))
-        dst_ptrs.extend(range(start_dst, start_dst + tokens * dst.token_bytes, dst.token_bytes))
+        tokens = n * page_size
+        start_src, start_dst = src_first + s * src_page, dst_first + d * dst_page
+        src_ptrs.extend(range(start_src, start_src + tokens * src_token, src_token))
+        dst_ptrs.extend(range(start_dst, start_dst + tokens * dst_token, dst_token))
         lengths.extend([h.count * head_bytes] * tokens)
 
 
