@@ -173,8 +173,12 @@ class HiRadixCache(RadixCache):
         return {
             "hicache": self.stats.snapshot(),
             "hicache_host_cached_tokens": host_pages * self.page_size,
-            "hicache_host_total_tokens": self.host.allocator.capacity * self.page_size,
+            "hicache_host_total_tokens": self.host_capacity_pages * self.page_size,
         }
+
+    @property
+    def host_capacity_pages(self) -> int:
+        return self.host.allocator.capacity
 
     def close(self) -> None:
         self.wait_for_writes(timeout=30.0)

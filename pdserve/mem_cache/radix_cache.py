@@ -106,6 +106,11 @@ class RadixCache:
     def tier_stats(self) -> dict:
         return {}
 
+    @property
+    def host_capacity_pages(self) -> int:
+        """Pages the host tier holds at most (none without one)."""
+        return 0
+
     def close(self) -> None:
         """Release threads and connections (a hierarchical cache flushes its pending storage writes)."""
 

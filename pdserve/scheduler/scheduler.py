@@ -72,6 +72,7 @@ class Scheduler(OverlapMixin):
             "device": str(self.device),
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.capacity * self.page_size,
+            "hicache_host_total_tokens": (self.radix.host_capacity_pages if self.radix else 0) * self.page_size,
             "attention_backend": self.runner.backend_name,
             "cuda_graphs": self.runner.graph_runner is not None,
             "disaggregation_mode": self.args.disaggregation_mode,

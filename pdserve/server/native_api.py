@@ -166,9 +166,9 @@ async def load(request: web.Request) -> web.Response:
 
 async def cache_report(request: web.Request) -> web.Response:
     """The prefix blocks this instance holds per tier, for the router's cache-aware policy (`prefix_digest`)."""
-    tm = request.app[TM_KEY]
-    stats = await _scheduler_stats(tm)
-    return json_response(tm.prefix_digest.report(stats["kv_total_tokens"], stats.get("hicache_host_total_tokens", 0)))
+    tm = request.app[TM_KEY]  # the capacities never change: the scheduler told them once, at start
+    info = tm.model_info
+    return json_response(tm.prefix_digest.report(info["max_total_tokens"], info["hicache_host_total_tokens"]))
 
 
 async def _scheduler_stats(tm: TokenizerManager) -> dict:
