@@ -39,7 +39,7 @@ class RecentErrors(logging.Handler):
 
 
 class Dashboard:
-    def __init__(self, registry: WorkerRegistry, config: RouterConfig, policy_names: Callable[[], list[str]]):
+    def __init__(self, registry: WorkerRegistry, config: RouterConfig, policy_names: Callable[[], dict[str, str]]):
         self.registry = registry
         self.config = config
         self.policy_names = policy_names
@@ -58,7 +58,7 @@ class Dashboard:
 
     async def status(self, request: web.Request) -> web.Response:
         workers = list(self.registry.workers.values())
-        instances = [{**w.describe(), "in_rotation": w.healthy and w.breaker.state != "open"} for w in workers]
+        instances = [{**w.describe(), "in_rotation": w.in_rotation} for w in workers]
         in_rotation = {i["url"]: i["in_rotation"] for i in instances}
         prefills = [w.url for w in workers if w.role == "prefill" and in_rotation[w.url]]
         decodes = [w.url for w in workers if w.role == "decode" and in_rotation[w.url]]
@@ -70,7 +70,7 @@ class Dashboard:
 
 
 def add_dashboard(app: web.Application, registry: WorkerRegistry, config: RouterConfig,
-                  policy_names: Callable[[], list[str]]) -> None:
+                  policy_names: Callable[[], dict[str, str]]) -> None:
     dashboard = Dashboard(registry, config, policy_names)
     app.on_startup.insert(0, dashboard.attach)  # before the router's first health-check round, which may warn
     app.on_cleanup.append(dashboard.detach)

@@ -31,7 +31,7 @@ class _WorkerGauges:
         for worker in self.workers:
             labels = (worker.url, worker.role)
             in_flight.add_metric(labels, worker.in_flight)
-            healthy.add_metric(labels, int(worker.healthy and worker.breaker.state != "open"))
+            healthy.add_metric(labels, int(worker.in_rotation))
         return [in_flight, healthy]
 
 

@@ -83,6 +83,11 @@ class Worker:
     def available(self, now: float) -> bool:
         return self.healthy and self.breaker.allows(now)
 
+    @property
+    def in_rotation(self) -> bool:
+        """What `available` would say, without letting an open breaker turn half-open (for reports)."""
+        return self.healthy and self.breaker.state != "open"
+
     def describe(self) -> dict:
         info = {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
                 "ready": self.ready, "circuit": self.breaker.state, "in_flight": self.in_flight}
