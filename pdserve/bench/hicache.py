@@ -17,6 +17,7 @@ from random import Random
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.hicache_copy import copy_ceilings
 from pdserve.bench.offline import parse_engine_flags
 
 
@@ -31,18 +32,6 @@ def ttft(llm: LLM, prompt: list[int]) -> float:
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
     _sync()
     return time.perf_counter() - start
-
-
-def copy_ceiling(nbytes: int, device: torch.device) -> float:
-    """Bytes per second of one pinned host→device copy (host memcpy on CPU)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst.copy_(src)
-    _sync()
-    start = time.perf_counter()
-    dst.copy_(src, non_blocking=True)
-    _sync()
-    return nbytes / (time.perf_counter() - start)
 
 
 def measure(llm: LLM, prompt: list[int], tier: str, run: int) -> dict:
@@ -94,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
     host = result["tiers"]["host"]
     nbytes = host["runs"][0]["loaded_bytes"]
     if nbytes:
-        ceiling = copy_ceiling(nbytes, llm.scheduler.device)
+        ceiling = copy_ceilings(nbytes, llm.scheduler.device, repeats=3)["h2d_gbps"] * 1e9
         load_ms = statistics.median(r["load_copy_ms"] for r in host["runs"])
         # the host TTFT also includes the one-token extend, so its rate is a lower bound of the load rate
         result.update(copy_ceiling_gbps=ceiling / 1e9, host_load_copy_ms=load_ms,
