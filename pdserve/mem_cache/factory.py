@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -25,7 +24,7 @@ def create_prefix_cache(args: ServerArgs, allocator: PageAllocator, pool: KVPool
         return None
     if not args.enable_hierarchical_cache:
         return RadixCache(allocator, args.page_size)
-    extra = json.loads(args.hicache_storage_backend_extra_config or "{}")
+    extra = args.hicache_extra_config  # a fresh dict: the policy keys are popped from it
     policy = HiCachePolicy(
         write_policy=args.hicache_write_policy, prefetch_policy=args.hicache_storage_prefetch_policy,
         **{k: float(extra.pop(k)) for k in _POLICY_KEYS if k in extra},
