@@ -7,14 +7,42 @@ Every launcher works on any device Triton can run on (CUDA, or CPU tensors under
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-DECODE_BLOCK_N = 64
-DECODE_MIN_SPLIT_LEN = 256  # a split covers at least this many tokens; shorter contexts run unsplit
 DECODE_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Block shape of the split-KV decode kernel. A split covers at least `min_split_len` tokens (shorter
+    contexts run unsplit); the split and reduce kernels must be launched with the same value."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split_len: int = 256
+
+
+SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
+LARGE_BATCH_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=3, min_split_len=256)
+
+
+def decode_config(batch_size: int) -> DecodeConfig:
+    """The decode kernel's block shape for a batch size (fixed per batch size, so CUDA graphs keep it).
+
+    From pdserve.bench.decode_sweep on an H200 (2026-11-23, benchmarks/results/2026-11-23/issue15): up to batch 8
+    the step is latency-bound, so shorter splits spread one request over more SMs (llama-8b heads, batch 1 x 1k:
+    10.5 -> 7.8 us; 1 x 8k: 15.2 -> 12.8 us); from batch 64 up wider KV blocks and one more pipeline stage keep
+    more bytes in flight (qwen3-0.6b heads, 256 x 600: 162 -> 153 us, 94% -> 99.9% of the copy ceiling).
+    """
+    if batch_size <= 8:
+        return SMALL_BATCH_DECODE
+    return LARGE_BATCH_DECODE
 
 
 def num_sms(device: torch.device) -> int:
@@ -27,7 +55,7 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) 
     """Upper bound of KV splits per (request, kv head): enough programs to cover the GPU ~4 times.
 
     Depends on the batch size only (never on sequence lengths), so a CUDA graph captured for a batch size
-    keeps a fixed grid; each request uses min(bound, ceil(seq_len / DECODE_MIN_SPLIT_LEN)) splits in-kernel.
+    keeps a fixed grid; each request uses min(bound, ceil(seq_len / DecodeConfig.min_split_len)) splits in-kernel.
     """
     want = triton.cdiv(4 * num_sms(device), batch_size * num_kv_heads)
     return max(1, min(DECODE_MAX_SPLITS, triton.next_power_of_2(want)))
@@ -171,12 +199,14 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scaling: float, page_size: int, max_splits: int,
     partial_o: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: request b's single query attends to KV positions 0..seq_lens[b]-1.
 
     q: [B, H_q, D] (head_dim contiguous), k_cache/v_cache: [num_slots, H_kv, D], page_table: [B, >=pages] int32,
     seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
     max_splits: power of 2 (see decode_num_splits); partial_o/partial_lse from decode_workspace when it is > 1.
+    config: block shape (default decode_config(B)).
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
     batch, num_heads, head_dim = q.shape
@@ -186,19 +216,20 @@ def decode_attention(
     assert max_splits & (max_splits - 1) == 0
     if max_splits > 1 and partial_o is None:
         partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
+    cfg = config or decode_config(batch)
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         scaling * LOG2E,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=DECODE_BLOCK_N, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=DECODE_MIN_SPLIT_LEN,
-        num_warps=4, num_stages=2,
+        BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if max_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             partial_o, partial_lse, seq_lens, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=DECODE_MIN_SPLIT_LEN, num_warps=4,
+            HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4,
         )
     return out
 

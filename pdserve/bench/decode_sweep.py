@@ -1,0 +1,92 @@
+"""Block-shape sweep of the paged split-KV decode kernel on one CUDA GPU, against the measured copy ceiling.
+
+python -m pdserve.bench.decode_sweep --out FILE.json
+Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64, qwen3-0.6b heads (16 / 8) at
+batch 256 with uniform and mixed context lengths. Each config's output is checked against the default's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton.testing
+
+from pdserve.bench.kernels import PagedPool
+from pdserve.bench.roofline import Ceilings
+from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_num_splits, decode_workspace
+
+BF16 = torch.bfloat16
+CASES = [  # name, q heads, kv heads, batch, context lengths (a list: one per request)
+    ("llama bs1 ctx1024", 32, 8, 1, [1024]),
+    ("llama bs1 ctx8192", 32, 8, 1, [8192]),
+    ("llama bs8 ctx1024", 32, 8, 8, [1024] * 8),
+    ("llama bs64 ctx1024", 32, 8, 64, [1024] * 64),
+    ("qwen bs256 ctx600", 16, 8, 256, [600] * 256),
+    ("qwen bs256 ctx100-2048", 16, 8, 256, None),
+]
+
+
+def configs(batch: int) -> list[DecodeConfig]:
+    splits = (64, 128, 256) if batch <= 8 else (256,)
+    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product((32, 64, 128), (4, 8), (2, 3), splits)]
+
+
+def run_case(name, hq, hkv, batch, lens, ceiling_gbps) -> list[dict]:
+    if lens is None:
+        gen = torch.Generator().manual_seed(0)
+        lens = torch.randint(100, 2049, (batch,), generator=gen).tolist()
+    pool = PagedPool(batch * (max(lens) + 16) + 64, hkv, 128, 16)
+    table = pool.page_table(batch, max(lens))
+    seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
+    q = torch.randn(batch, hq, 128, device="cuda", dtype=BF16)
+    splits = decode_num_splits(batch, hkv, q.device)
+    po, pl = decode_workspace(batch, hq, 128, splits, q.device)
+    ref = torch.empty_like(q)
+    decode_attention(q, pool.k, pool.v, table, seq_lens, ref, 0.088, 16, splits, po, pl, DecodeConfig())
+    nbytes = sum(lens) * hkv * 128 * 2 * 2 + 2 * q.numel() * 2
+    rows = []
+    for cfg in configs(batch):
+        out = torch.full_like(q, float("nan"))
+        fn = lambda: decode_attention(q, pool.k, pool.v, table, seq_lens, out, 0.088, 16, splits, po, pl, cfg)  # noqa: E731
+        try:
+            fn()
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            us = 1e3 * triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+        except Exception as e:  # a block shape the compiler rejects is a result
+            rows.append(dict(case=name, config=cfg.__repr__(), error=repr(e)[:200]))
+            continue
+        rows.append(dict(case=name, batch=batch, block_n=cfg.block_n, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, min_split_len=cfg.min_split_len, max_splits=splits, us=us,
+                         gbps=nbytes / us / 1e3, frac_copy=nbytes / us / 1e3 / ceiling_gbps, rel_err=err))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    ceiling = Ceilings.measure().hbm_gbps
+    rows = []
+    for case in CASES:
+        t = time.perf_counter()
+        case_rows = run_case(*case, ceiling)
+        rows += case_rows
+        ok = [r for r in case_rows if "us" in r and r["rel_err"] < 2e-2]
+        default = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 4, 2)
+                       and r["min_split_len"] == 256)
+        best = min(ok, key=lambda r: r["us"])
+        bad = [r for r in case_rows if "error" in r or r.get("rel_err", 0) >= 2e-2]
+        print(f"{case[0]:24s} default {default['us']:8.1f} us ({100 * default['frac_copy']:4.1f}%)  best "
+              f"{best['us']:8.1f} us ({100 * best['frac_copy']:4.1f}%) bn={best['block_n']} w={best['num_warps']} "
+              f"s={best['num_stages']} split={best['min_split_len']}  failed {len(bad)}  [{time.perf_counter() - t:.0f} s]")
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
+                   "copy_gbps": ceiling, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
