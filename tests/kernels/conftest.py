@@ -21,6 +21,7 @@ def interpreted(monkeypatch):
 
     import pdserve.kernels.attention as attention
     import pdserve.kernels.fused as fused
+    import pdserve.kernels.skinny_triton as skinny_triton
 
     from triton.runtime import interpreter
 
@@ -35,7 +36,7 @@ def interpreted(monkeypatch):
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_index)
     # Triton's own library functions (tl.cdiv, tl.sigmoid, ...) are jitted at import time as well.
-    for module in (attention, fused, tl, tl_standard):
+    for module in (attention, fused, skinny_triton, tl, tl_standard):
         for name, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction):
                 monkeypatch.setattr(module, name, interpreter.InterpretedFunction(obj.fn))

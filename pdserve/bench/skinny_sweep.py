@@ -1,0 +1,68 @@
+"""Few-row linear layers on one CUDA GPU: cuBLAS against the skinny Triton kernel's block shapes, on the weight
+shapes of qwen3-0.6b and llama-3.1-8b, timed inside CUDA graphs (as the decode step runs them).
+
+python -m pdserve.bench.skinny_sweep --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from pdserve.bench.roofline import Ceilings
+from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
+
+SHAPES = {  # name: (out features N, in features K)
+    "llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096), "llama down": (4096, 14336),
+    "llama lm_head": (128256, 4096), "qwen qkv": (4096, 1024), "qwen o": (1024, 2048), "qwen gate_up": (6144, 1024),
+    "qwen down": (1024, 3072), "qwen lm_head": (151936, 1024),
+}
+SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
+         if bn * bk <= 16384]
+
+
+def graph_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    args = parser.parse_args()
+    ceiling = Ceilings.measure().hbm_gbps
+    rows = []
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.rows):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = F.linear(x.float(), w.float())
+        nbytes = w.numel() * 2
+        cublas = graph_us(lambda: F.linear(x, w))
+        best = None
+        for cfg in SWEEP:
+            out = skinny_linear(x, w, None, cfg)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            us = graph_us(lambda c=cfg: skinny_linear(x, w, None, c))
+            row = dict(shape=name, n=n, k=k, rows=m, config=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages],
+                       candidate=cfg in CANDIDATES, us=us, rel_err=err, cublas_us=cublas,
+                       frac_copy=nbytes / us / 1e3 / ceiling, cublas_frac_copy=nbytes / cublas / 1e3 / ceiling)
+            rows.append(row)
+            if err < 1e-2 and (best is None or us < best["us"]):
+                best = row
+        cand = min((r for r in rows if r["shape"] == name and r["rows"] == m and r["candidate"]), key=lambda r: r["us"])
+        print(f"{name:14s} M={m}  cuBLAS {cublas:7.1f} us ({100 * nbytes / cublas / 1e3 / ceiling:4.1f}%)  "
+              f"best {best['us']:7.1f} us ({100 * best['frac_copy']:4.1f}%) {best['config']}  "
+              f"best candidate {cand['us']:7.1f} us {cand['config']}")
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "copy_gbps": ceiling,
+                   "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
