@@ -2,8 +2,8 @@
 chosen per (rows, out, in) shape only where it measured faster than cuBLAS on this GPU.
 
 At batch 1 a decode step is the weights read once; cuBLAS reaches the copy ceiling on the large projections but
-not on the small ones (llama-3.1-8b on an H200, 2026-11-23: gate_up 4.27 TB/s, qkv and o_proj 3.1 TB/s, plus 64
-split-K reduce launches per step). `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA
+not on the small ones (H200, 2026-11-23, inside CUDA graphs: llama-3.1-8b qkv 15.9 us, skinny 14.7; o_proj 10.3
+vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling). `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA
 graphs are captured; `linear` then routes each call by the recorded choice (cuBLAS for any shape not tuned).
 """
 
@@ -30,11 +30,12 @@ class SkinnyConfig:
     num_stages: int
 
 
+# the block shapes that won some shape of pdserve.bench.skinny_sweep on an H200 (2026-11-23)
 CANDIDATES = (
-    SkinnyConfig(16, 256, 4, 4),
     SkinnyConfig(32, 256, 4, 4),
-    SkinnyConfig(16, 512, 4, 3),
-    SkinnyConfig(64, 128, 4, 5),
+    SkinnyConfig(16, 256, 4, 3),
+    SkinnyConfig(64, 128, 4, 4),
+    SkinnyConfig(32, 128, 4, 3),
 )
 
 _choice: dict[tuple[int, int, int, torch.dtype], SkinnyConfig | None] = {}  # None: cuBLAS measured faster
