@@ -13,6 +13,8 @@ from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner
 from pdserve.forward_batch import ForwardBatch
+from pdserve.kernels.skinny import MAX_ROWS, SkinnyTuner
+from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.models.loader import load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
@@ -58,6 +60,8 @@ class ModelRunner:
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
+        if self.device.type == "cuda":
+            SkinnyTuner(list(range(1, MAX_ROWS + 1))).tune(self._linear_weights())
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(
@@ -69,6 +73,10 @@ class ModelRunner:
             args.tp_rank, args.tp_size, model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
             self.pool.layout.num_slots, args.page_size,
         )
+
+    def _linear_weights(self) -> list[torch.Tensor]:
+        linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+        return [m.weight for m in self.model.modules() if isinstance(m, linears)]
 
     @property
     def num_kv_heads(self) -> int:

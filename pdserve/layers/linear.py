@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads_per_rank
+from pdserve.kernels.skinny import linear
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _new_param(out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     @torch.no_grad()
     def load_shard(self, attr: str, tensor: torch.Tensor, part: int = 0) -> None:
@@ -69,7 +70,7 @@ class RowParallelLinear(nn.Module):
         self.bias = _new_param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
@@ -119,5 +120,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Each rank scores its vocabulary rows; the logits are gathered and the padding cut off."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight))
         return logits[..., : self.vocab_size]
