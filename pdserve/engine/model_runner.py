@@ -11,9 +11,9 @@ from pdserve.attention import create_backend, resolve_backend_name
 from pdserve.attention.base import ForwardContext
 from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
-from pdserve.engine.cuda_graph import CudaGraphRunner
+from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kernels.skinny import MAX_ROWS, SkinnyTuner
+from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.models.loader import load_model
@@ -60,14 +60,13 @@ class ModelRunner:
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
-        if self.device.type == "cuda":
-            SkinnyTuner(list(range(1, MAX_ROWS + 1))).tune(self._linear_weights())
+        graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        if self.device.type == "cuda":  # decode batch sizes the graphs run (eager: the smallest)
+            SkinnyTuner(range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)).tune(self._linear_weights())
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
-            self.graph_runner = CudaGraphRunner(
-                self.model, self.backend, self.pool, min(args.cuda_graph_max_bs, args.max_running_requests),
-                self.context_len, self.device,
-            )
+            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.pool, graph_bs, self.context_len,
+                                                self.device)
         logger.info(
             "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
             args.tp_rank, args.tp_size, model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,

@@ -1,16 +1,18 @@
-"""Linear layers for a few rows (decode at batch 1-8): a Triton matrix-vector kernel that streams the weight once,
-chosen per (rows, out, in) shape only where it measured faster than cuBLAS on this GPU.
+"""Linear layers for few rows (decode batches up to 64): a Triton kernel that streams the weight once with all rows
+in one MMA tile, chosen per (rows, out, in) shape only where it measured faster than cuBLAS on this GPU.
 
 At batch 1 a decode step is the weights read once; cuBLAS reaches the copy ceiling on the large projections but
 not on the small ones (H200, 2026-11-23, inside CUDA graphs: llama-3.1-8b qkv 15.9 us, skinny 14.7; o_proj 10.3
-vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling). `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA
-graphs are captured; `linear` then routes each call by the recorded choice (cuBLAS for any shape not tuned).
+vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling).
+`SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured; `linear` then
+routes each call by the recorded choice (cuBLAS for any shape not tuned).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +20,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 8  # rows padded to one 16-row MMA tile; above this cuBLAS's tiles are the better fit
-ROW_TILE = 16
+MAX_ROWS = 64  # rows padded to one MMA tile of 16, 32 or 64 rows; above this cuBLAS's tiles are the better fit
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +64,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS=ROW_TILE, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        ROWS=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -85,7 +86,7 @@ def _median_us(fn, reps: int = 25) -> float:
 class SkinnyTuner:
     """Times cuBLAS and every candidate config on each weight shape for each row count; records the fastest."""
 
-    def __init__(self, rows: list[int]):
+    def __init__(self, rows: Iterable[int]):
         self.rows = [m for m in rows if m <= MAX_ROWS]
 
     def tune(self, weights: list[torch.Tensor]) -> dict:
@@ -97,11 +98,22 @@ class SkinnyTuner:
             for m in self.rows:
                 x = torch.randn(m, k, device=w.device, dtype=dtype)
                 cublas = _median_us(lambda: F.linear(x, w))
-                timed = [(_median_us(lambda c=c: skinny_linear(x, w, None, c)), c) for c in CANDIDATES]
-                best_us, best = min(timed, key=lambda t: t[0])
+                best_us, best = min(self._timings(x, w), key=lambda t: t[0], default=(float("inf"), None))
                 _choice[(m, n, k, dtype)] = best if best_us < cublas else None
                 report[(m, n, k)] = (cublas, best_us)
-        logger.info("skinny linear tuned %d shapes x %d row counts in %.1f s; faster than cuBLAS on %d of %d",
-                    len(shapes), len(self.rows), time.perf_counter() - start,
-                    sum(c is not None for c in _choice.values()), len(_choice))
+        faster = [key for key, (cublas, best) in report.items() if best < cublas]
+        logger.info("skinny linear tuned %d shapes x rows %s in %.1f s; faster than cuBLAS on %d of %d: %s",
+                    len(shapes), self.rows, time.perf_counter() - start, len(faster), len(report),
+                    ", ".join(f"{m}x{n}x{k} {report[(m, n, k)][0]:.1f}->{report[(m, n, k)][1]:.1f} us"
+                              for m, n, k in faster))
         return report
+
+    @staticmethod
+    def _timings(x: torch.Tensor, w: torch.Tensor) -> list[tuple[float, SkinnyConfig]]:
+        timed = []
+        for cfg in CANDIDATES:
+            try:
+                timed.append((_median_us(lambda c=cfg: skinny_linear(x, w, None, c)), cfg))
+            except Exception as e:  # a block shape the GPU cannot hold (shared memory) for this many rows
+                logger.debug("skinny config %s does not run %d rows: %r", cfg, x.shape[0], e)
+        return timed
