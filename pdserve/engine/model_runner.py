@@ -61,8 +61,9 @@ class ModelRunner:
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        if self.device.type == "cuda":  # decode batch sizes the graphs run (eager: the smallest)
-            SkinnyTuner(range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)).tune(self._linear_weights())
+        if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
+            rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
+            SkinnyTuner(rows).tune(self._linear_weights())
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(self.model, self.backend, self.pool, graph_bs, self.context_len,
