@@ -1,11 +1,12 @@
-"""Linear layers for few rows (decode batches up to 64): a Triton kernel that streams the weight once with all rows
-in one MMA tile, chosen per (rows, out, in) shape only where it measured faster than cuBLAS on this GPU.
+"""Linear layers for few rows (decode batches up to 16): a Triton kernel that streams the weight once with all rows
+in one 16-row MMA tile, chosen per (rows, out, in) shape only where it measured faster than cuBLAS on this GPU.
 
 At batch 1 a decode step is the weights read once; cuBLAS reaches the copy ceiling on the large projections but
 not on the small ones (H200, 2026-11-23, inside CUDA graphs: llama-3.1-8b qkv 15.9 us, skinny 14.7; o_proj 10.3
 vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling).
 `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured; `linear` then
-routes each call by the recorded choice (cuBLAS for any shape not tuned).
+routes each call by the recorded choice (cuBLAS for any shape not tuned). From 32 rows on cuBLAS's tiles win
+(pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 64  # rows padded to one MMA tile of 16, 32 or 64 rows; above this cuBLAS's tiles are the better fit
+MAX_ROWS = 16  # the rows of one MMA tile; fewer rows are padded
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +65,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        ROWS=max(16, triton.next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -114,6 +115,6 @@ class SkinnyTuner:
         for cfg in CANDIDATES:
             try:
                 timed.append((_median_us(lambda c=cfg: skinny_linear(x, w, None, c)), cfg))
-            except Exception as e:  # a block shape the GPU cannot hold (shared memory) for this many rows
-                logger.debug("skinny config %s does not run %d rows: %r", cfg, x.shape[0], e)
+            except Exception as e:  # a block shape this GPU cannot hold in shared memory
+                logger.debug("skinny config %s does not run here: %r", cfg, e)
         return timed

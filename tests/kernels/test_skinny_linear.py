@@ -11,7 +11,7 @@ from paged_attention_reference import rel_err
 from pdserve.kernels import skinny
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 20, 64])  # row tiles of 16, 32 and 64
+@pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("n, k", [(40, 256), (64, 200)])  # a partial column block; a partial K block
 def test_skinny_linear_matches_f_linear_interpreted(interpreted, rows, n, k):
     gen = torch.Generator().manual_seed(rows * 1000 + n + k)
@@ -39,9 +39,9 @@ def test_skinny_linear_on_gpu_and_tuner_choice():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     w = torch.randn(4096 + 48, 1024, device="cuda", dtype=torch.bfloat16)
-    report = skinny.SkinnyTuner([1, 4, 64, 65]).tune([w])
-    assert set(report) == {(m, w.shape[0], 1024) for m in (1, 4, 64)}  # 65 rows is above MAX_ROWS
-    for rows in (1, 4, 8, 33, 64):
+    report = skinny.SkinnyTuner([1, 4, 16, 17]).tune([w])
+    assert set(report) == {(m, w.shape[0], 1024) for m in (1, 4, 16)}  # 17 rows is above MAX_ROWS
+    for rows in (1, 4, 16):
         x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16)
         ref = F.linear(x.float(), w.float())
         for cfg in skinny.CANDIDATES:
