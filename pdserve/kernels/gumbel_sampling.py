@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.sampling import GUMBEL_QUARTER, GUMBEL_TILE
-
 TARGET_PROGRAMS = 512  # programs of step 1: a few waves of a Hopper GPU's 132 SMs, for any batch size
 NO_TOKEN = tl.constexpr(2**31 - 1)  # a lane or split that saw no finite score
 
@@ -91,26 +89,28 @@ def _best_of_row_kernel(BestVal, BestCol, Out, Rng, splits, V, SPLITS: tl.conste
         tl.store(Rng + 1, tl.load(Rng + 1) + 1)
 
 
-def split_plan(rows: int, vocab: int) -> tuple[int, int]:
+def split_plan(rows: int, vocab: int, tile: int) -> tuple[int, int]:
     """(splits, tiles per split): enough programs to fill the GPU for small batches, whole tiles per split."""
-    tiles = triton.cdiv(vocab, GUMBEL_TILE)
+    tiles = triton.cdiv(vocab, tile)
     wanted = max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS, rows)))
     per_split = triton.cdiv(tiles, wanted)
     return triton.cdiv(tiles, per_split), per_split
 
 
-def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, rng: torch.Tensor) -> torch.Tensor:
+def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, rng: torch.Tensor, quarter: int
+                      ) -> torch.Tensor:
+    """`sampling.gumbel_max_sample` on CUDA; `quarter`: the stream's quarter tile (`sampling.GUMBEL_QUARTER`)."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    splits, per_split = split_plan(rows, vocab)
+    splits, per_split = split_plan(rows, vocab, 4 * quarter)
     best_val = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
     best_col = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
     # no FMA contraction: logits * (1 / T) and the noise round as the torch reference does
     _best_of_split_kernel[(rows, splits)](
         logits, logits.stride(0), temperatures, rng, best_val, best_col, vocab, per_split,
-        QUARTER=GUMBEL_QUARTER, num_warps=4, enable_fp_fusion=False,
+        QUARTER=quarter, num_warps=4, enable_fp_fusion=False,
     )
     _best_of_row_kernel[(rows,)](best_val, best_col, out, rng, splits, vocab,
                                  SPLITS=triton.next_power_of_2(splits), num_warps=1)

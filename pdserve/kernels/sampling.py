@@ -59,25 +59,23 @@ def top_k_top_p_min_p_candidates(
 def sample(
     logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
     min_ps: torch.Tensor, *, max_top_k: int = 1024, generator: torch.Generator | None = None,
-    any_filter: bool = True,
 ) -> torch.Tensor:
     """One token id per row: [B] int64. No host sync, fixed shapes (CUDA-graph safe with a fixed generator).
 
     logits: [B, V] any float dtype (not modified); temperatures: [B] float, <= 0 means greedy (argmax of
     logits); top_ks: [B] int, <= 0 or >= V means no top-k; top_ps: [B] float in (0, 1], 1 means off;
     min_ps: [B] float in [0, 1], 0 means off. See the module docstring for the exact filter semantics.
-    any_filter=False (the caller knows no row filters) skips the top-k candidate pass.
+    A batch without any filtered row is served faster by `gumbel_max_sample`.
     """
     vocab = logits.shape[-1]
     greedy = temperatures <= 0
     scaled = logits.float() / torch.where(greedy, 1.0, temperatures.float())[:, None]
     probs = scaled.softmax(dim=-1)
     drawn = _exponential_race(probs, generator)
-    if any_filter:
-        filtered = ((top_ks > 0) & (top_ks < vocab)) | (top_ps < 1) | (min_ps > 0)
-        weights, token_ids = top_k_top_p_min_p_candidates(probs, top_ks, top_ps.float(), min_ps.float(), max_top_k)
-        from_candidates = token_ids.gather(1, _exponential_race(weights, generator)[:, None]).squeeze(1)
-        drawn = torch.where(filtered, from_candidates, drawn)
+    filtered = ((top_ks > 0) & (top_ks < vocab)) | (top_ps < 1) | (min_ps > 0)
+    weights, token_ids = top_k_top_p_min_p_candidates(probs, top_ks, top_ps.float(), min_ps.float(), max_top_k)
+    from_candidates = token_ids.gather(1, _exponential_race(weights, generator)[:, None]).squeeze(1)
+    drawn = torch.where(filtered, from_candidates, drawn)
     return torch.where(greedy, logits.argmax(dim=-1), drawn)
 
 
@@ -137,5 +135,5 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, rng: tor
     if HAS_TRITON and logits.is_cuda:
         from pdserve.kernels import gumbel_sampling
 
-        return gumbel_sampling.gumbel_max_sample(logits, temperatures, rng)
+        return gumbel_sampling.gumbel_max_sample(logits, temperatures, rng, GUMBEL_QUARTER)
     return gumbel_max_sample_ref(logits, temperatures, rng)

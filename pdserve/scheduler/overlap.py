@@ -50,8 +50,7 @@ class OverlapMixin:
             return False
         prev = self.inflight
         input_ids, fix_ids = self._decode_inputs(prev, reqs)
-        logits = self._decode_forward(state, positions, input_ids, fix_ids)
-        tokens = self.sampler.sample_tokens(logits, state.plain_rows, state.sampling)
+        tokens = self._device_tokens(state, self._decode_batch(state, positions, input_ids, fix_ids))
         self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids=state.req_ids)
         if prev is not None:
             self._read_back(prev)

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from pdserve.kernels import sample, top_k_top_p_min_p_candidates
-from pdserve.kernels.sampling import GUMBEL_TILE, gumbel_max_sample, gumbel_max_sample_ref
+from pdserve.kernels.sampling import GUMBEL_QUARTER, GUMBEL_TILE, gumbel_max_sample, gumbel_max_sample_ref
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -127,27 +129,31 @@ def test_gumbel_reference_is_reproducible_per_seed_and_step():
     assert [gumbel_max_sample_ref(logits, temps, rng).tolist() for _ in range(2)] == [draw(1, 0), draw(1, 1)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gumbel_kernel_interpreted_matches_reference(interpreted, monkeypatch, dtype):
+@pytest.fixture
+def interpreted_gumbel(interpreted):
+    """The Triton kernels of `gumbel_max_sample`, run by Triton's interpreter."""
     from pdserve.kernels import gumbel_sampling
 
+    return partial(gumbel_sampling.gumbel_max_sample, quarter=GUMBEL_QUARTER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gumbel_kernel_interpreted_matches_reference(interpreted_gumbel, monkeypatch, dtype):
     gen = torch.Generator().manual_seed(7)
     logits = (torch.randn(6, 2 * GUMBEL_TILE + 300, generator=gen) * 3).to(dtype)
     temps = torch.tensor([0.0, 1.0, 0.6, -1.0, 2.0, 0.05])
     expect = gumbel_max_sample_ref(logits, temps, torch.tensor([12345, 7]))
     for programs in (1, 10_000):  # one split per row, one tile per split: the same tokens
-        monkeypatch.setattr(gumbel_sampling, "TARGET_PROGRAMS", programs)
+        monkeypatch.setattr("pdserve.kernels.gumbel_sampling.TARGET_PROGRAMS", programs)
         rng = torch.tensor([12345, 7])
-        assert torch.equal(gumbel_sampling.gumbel_max_sample(logits, temps, rng), expect)
+        assert torch.equal(interpreted_gumbel(logits, temps, rng), expect)
         assert rng.tolist() == [12345, 8]
-    check_special_rows(gumbel_sampling.gumbel_max_sample, "cpu")
+    check_special_rows(interpreted_gumbel, "cpu")
 
 
-def test_gumbel_kernel_interpreted_draws_follow_softmax(interpreted):
-    from pdserve.kernels import gumbel_sampling
-
+def test_gumbel_kernel_interpreted_draws_follow_softmax(interpreted_gumbel):
     row = torch.linspace(-1.5, 1.5, 8)
-    tokens = draw_many(row, 0.7, 512, gumbel_sampling.gumbel_max_sample, seed=9)
+    tokens = draw_many(row, 0.7, 512, interpreted_gumbel, seed=9)
     assert chi_square_p_value(tokens, (row / 0.7).softmax(-1)) > 1e-3
     assert torch.equal(tokens, draw_many(row, 0.7, 512, gumbel_max_sample_ref, seed=9))
 
