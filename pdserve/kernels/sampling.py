@@ -1,4 +1,5 @@
-"""Batched top-k / top-p / min-p / temperature sampling without sorting the vocabulary (torch ops only).
+"""Sampling: batched top-k / top-p / min-p / temperature without sorting the vocabulary (torch ops), and
+`gumbel_max_sample` for the rows that filter nothing (Triton on CUDA, its torch reference elsewhere).
 
 Filters follow the sort-based reference semantics (as in SGLang's torch sampler): with the probabilities
 p = softmax(logits / T) ranked in descending order, rank r survives iff r < top_k and the mass strictly
