@@ -1,9 +1,9 @@
 """Triton kernels of `sampling.gumbel_max_sample` (semantics, random stream and tie rule are documented there).
 
 Two launches per call, both CUDA-graph safe (no host sync, every shape fixed by the batch size):
-1. `_best_of_split_kernel`, grid (rows, splits): each program scans whole tiles of one row's vocabulary slice once,
+1. `_gumbel_sample_split_kernel`, grid (rows, splits): each program scans whole tiles of one row's vocabulary slice once,
    in the logits' own dtype, keeping per lane the best score and its column, and writes the slice's best.
-2. `_best_of_row_kernel`, grid (rows,): the best over a row's splits, written as the token; program 0 then advances
+2. `_gumbel_sample_row_kernel`, grid (rows,): the best over a row's splits, written as the token; program 0 then advances
    the draw counter, once every program of step 1 has read it.
 The split count only spreads small batches over the GPU: the random stream and the tie rule make the tokens the
 same for any split count, so a graph captured for a padded batch samples what an eager call samples.
@@ -51,7 +51,7 @@ def _scan_tiles(row_start, first_tile, last_tile, V, inv_t, seed, row_ctr, step_
 
 
 @triton.jit
-def _best_of_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol, V, tiles_per_split,
+def _gumbel_sample_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol, V, tiles_per_split,
                           QUARTER: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -76,7 +76,7 @@ def _best_of_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol, V, t
 
 
 @triton.jit
-def _best_of_row_kernel(BestVal, BestCol, Out, Rng, splits, V, SPLITS: tl.constexpr):
+def _gumbel_sample_row_kernel(BestVal, BestCol, Out, Rng, splits, V, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS)
     mask = offs < splits
@@ -108,10 +108,10 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, rng: tor
     best_val = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
     best_col = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
     # no FMA contraction: logits * (1 / T) and the noise round as the torch reference does
-    _best_of_split_kernel[(rows, splits)](
+    _gumbel_sample_split_kernel[(rows, splits)](
         logits, logits.stride(0), temperatures, rng, best_val, best_col, vocab, per_split,
         QUARTER=quarter, num_warps=4, enable_fp_fusion=False,
     )
-    _best_of_row_kernel[(rows,)](best_val, best_col, out, rng, splits, vocab,
+    _gumbel_sample_row_kernel[(rows,)](best_val, best_col, out, rng, splits, vocab,
                                  SPLITS=triton.next_power_of_2(splits), num_warps=1)
     return out
