@@ -227,8 +227,8 @@ def bench_gumbel(logits: torch.Tensor, temps: torch.Tensor) -> list[dict]:
     cases = {
         "gumbel_greedy_bf16": lambda: sampling.gumbel_max_sample(logits, torch.zeros_like(temps), rng),
         "gumbel_temperature_bf16": lambda: sampling.gumbel_max_sample(logits, temps, rng),
-        "torch_sample_unfiltered_bf16": lambda: sampling.sample(logits, temps, torch.zeros_like(temps, dtype=torch.int64),
-                                                          torch.ones_like(temps), torch.zeros_like(temps)),
+        "torch_sample_unfiltered_bf16": lambda: sampling.sample(
+            logits, temps, torch.zeros_like(temps, dtype=torch.int64), torch.ones_like(temps), torch.zeros_like(temps)),
     }
     rows = []
     for impl, fn in cases.items():

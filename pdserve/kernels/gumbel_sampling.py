@@ -1,10 +1,10 @@
 """Triton kernels of `sampling.gumbel_max_sample` (semantics, random stream and tie rule are documented there).
 
 Two launches per call, both CUDA-graph safe (no host sync, every shape fixed by the batch size):
-1. `_gumbel_sample_split_kernel`, grid (rows, splits): each program scans whole tiles of one row's vocabulary slice once,
-   in the logits' own dtype, keeping per lane the best score and its column, and writes the slice's best.
-2. `_gumbel_sample_row_kernel`, grid (rows,): the best over a row's splits, written as the token; program 0 then advances
-   the draw counter, once every program of step 1 has read it.
+1. `_gumbel_sample_split_kernel`, grid (rows, splits): each program scans whole tiles of one row's vocabulary slice
+   once, in the logits' own dtype, keeping per lane the best score and its column, and writes the slice's best.
+2. `_gumbel_sample_row_kernel`, grid (rows,): the best over a row's splits, written as the token; program 0 then
+   advances the draw counter, once every program of step 1 has read it.
 The split count only spreads small batches over the GPU: the random stream and the tie rule make the tokens the
 same for any split count, so a graph captured for a padded batch samples what an eager call samples.
 """

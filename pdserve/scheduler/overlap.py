@@ -3,8 +3,8 @@
 The CPU work of reading a step back (appending tokens, stop checks, outputs) and of preparing the next one then
 runs while the GPU computes. Greedy and sampled requests take part when the batch's device sampling tensors alone
 sample them (greedy and temperature-only batches inside the decode CUDA graph, `ModelRunner.decode_tokens`); a batch
-with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. Pages of a request that ends while a launched batch still writes its KV are freed once that batch
-has been read back.
+with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. Pages of a
+request that ends while a launched batch still writes its KV are freed once that batch has been read back.
 """
 
 from __future__ import annotations
