@@ -1,7 +1,8 @@
 """Host time per decode step: the real scheduler decoding one fixed batch, each step's wall time split into the
-model forward (`runner.forward`: on a GPU the launch or graph replay, on a CPU the model's compute), the sampler's
-tensor ops (`sampler.sample_tokens`) and everything else (scheduling, batch building, copies, stop checks,
-outputs): the Python that keeps a GPU idle when it is longer than the GPU's step.
+model forward (`runner.forward`, or `runner.decode_tokens` for greedy and temperature-only batches, whose sampling
+it includes: on a GPU the launch or graph replay, on a CPU the model's compute), the sampler's tensor ops after a
+forward (`sampler.sample_tokens`) and everything else (scheduling, batch building, copies, stop checks, outputs):
+the Python that keeps a GPU idle when it is longer than the GPU's step.
 
 python -m pdserve.bench.decode_host --model-path DIR [--batch-size 64] [--input-len 128] [--steps 64]
     [--temperature 0.6] [--repeats 3] [--profile FILE] [engine flags as --key value]
@@ -70,16 +71,17 @@ def measure(llm: LLM, args: argparse.Namespace, seed: int, profiler: cProfile.Pr
     for _ in range(WARMUP_STEPS):
         sched.step()
     forward, sampler = SectionTimer(sched.runner, "forward"), SectionTimer(sched.sampler, "sample_tokens")
+    forward_and_sampling = SectionTimer(sched.runner, "decode_tokens")
     steps: list[tuple[float, float, float]] = []
     if profiler is not None:
         profiler.enable()
     for _ in range(args.steps):
         start = time.perf_counter()
         sched.step()
-        steps.append((time.perf_counter() - start, forward.take(), sampler.take()))
+        steps.append((time.perf_counter() - start, forward.take() + forward_and_sampling.take(), sampler.take()))
     if profiler is not None:
         profiler.disable()
-    del sched.runner.forward, sched.sampler.sample_tokens  # the instance wrappers; the class methods remain
+    del sched.runner.forward, sched.runner.decode_tokens, sched.sampler.sample_tokens  # the instance wrappers
     while sched.has_work():
         sched.step()
     if not sched.kv_pool_is_fully_free():

@@ -216,6 +216,24 @@ def bench_sampling() -> list[dict]:
             rows.append(dict(kind="sampling", batch=batch, impl=f"torch_topk{k}_only", us=ms * 1e3))
         ms = ms_graph(lambda: logits.softmax(-1).sort(dim=-1, descending=True))
         rows.append(dict(kind="sampling", batch=batch, impl="full_sort_only", us=ms * 1e3))
+        rows += bench_gumbel(logits.to(BF16), temps)
+    return rows
+
+
+def bench_gumbel(logits: torch.Tensor, temps: torch.Tensor) -> list[dict]:
+    """The decode graph's sampling of bf16 logits (one read) against the torch ops of an unfiltered draw."""
+    batch, vocab = logits.shape
+    rng = torch.zeros(2, dtype=torch.int64, device="cuda")
+    cases = {
+        "gumbel_greedy_bf16": lambda: sampling.gumbel_max_sample(logits, torch.zeros_like(temps), rng),
+        "gumbel_temperature_bf16": lambda: sampling.gumbel_max_sample(logits, temps, rng),
+        "torch_sample_unfiltered_bf16": lambda: sampling.sample(
+            logits, temps, torch.zeros_like(temps, dtype=torch.int64), torch.ones_like(temps), torch.zeros_like(temps)),
+    }
+    rows = []
+    for impl, fn in cases.items():
+        ms = ms_graph(fn)
+        rows.append(dict(kind="sampling", batch=batch, impl=impl, us=ms * 1e3, gbps=batch * vocab * 2 / ms / 1e6))
     return rows
 
 

@@ -1,9 +1,16 @@
-"""Decode CUDA graphs: one graph per padded batch size, captured once, LM head included."""
+"""Decode CUDA graphs: one graph per padded batch size, captured once, LM head and sampling included.
+
+Each graph runs the model to the logits (in the model's dtype) and then `sample(logits, temperatures)` on a static
+temperature buffer, writing the tokens into a static buffer: `tokens` replays it for a batch of greedy or
+temperature-only rows (the buffer is refilled by one device copy when the batch's temperatures change), `logits`
+for the rest, whose sampling needs the logits on the host side of the step (the in-graph draw is then unused).
+"""
 
 from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -22,7 +29,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, model, backend: AttentionBackend, pool: KVPool, max_bs: int, max_context_len: int,
-                 device: torch.device):
+                 device: torch.device, sample: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.model = model
         self.backend = backend
         self.pool = pool
@@ -34,8 +41,11 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
         self.logits_rows = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        self.temperatures = torch.zeros(self.max_bs, dtype=torch.float32, device=device)
+        self._temperatures_of: torch.Tensor | None = None  # the batch tensor `temperatures` holds a copy of
+        self.sample = sample
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (logits, tokens)
         self.pool_handle = None
         self._context = ForwardContext
         self._capture_all(device)
@@ -57,20 +67,35 @@ class CudaGraphRunner:
             self.backend.init_forward_metadata_capture_cuda_graph(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up kernels (Triton autotune/JIT) outside the graph
-                    self.model(ctx)
+                    self._logits_and_tokens(ctx, bs)
             torch.cuda.current_stream(device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool_handle, stream=stream):
-                self.outputs[bs] = self.model(ctx)
+                self.outputs[bs] = self._logits_and_tokens(ctx, bs)
             self.pool_handle = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
+    def _logits_and_tokens(self, ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.model(ctx)
+        return logits, self.sample(logits, self.temperatures[:bs])
+
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's logits [B, V] (a static buffer: valid until the next replay)."""
+        return self._replay(batch)[0][: batch.batch_size]
+
+    def tokens(self, batch: ForwardBatch, temperatures: torch.Tensor) -> torch.Tensor:
+        """The batch's next tokens [B] drawn at `temperatures` [B] (a static buffer: valid until the next replay)."""
+        if temperatures is not self._temperatures_of:
+            self.temperatures[: batch.batch_size].copy_(temperatures, non_blocking=True)
+            self._temperatures_of = temperatures
+        return self._replay(batch)[1][: batch.batch_size]
+
+    def _replay(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
@@ -78,4 +103,4 @@ class CudaGraphRunner:
         self.positions[n:bs].zero_()
         self.backend.init_forward_metadata_replay_cuda_graph(batch, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        return self.outputs[bs]

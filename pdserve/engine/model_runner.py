@@ -12,6 +12,7 @@ from pdserve.attention.base import ForwardContext
 from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
+from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -64,10 +65,12 @@ class ModelRunner:
         if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
             SkinnyTuner(rows).tune(self._linear_weights())
+        self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
             self.graph_runner = CudaGraphRunner(self.model, self.backend, self.pool, graph_bs, self.context_len,
-                                                self.device)
+                                                self.device, self.sampler.sample_temperature_only)
+            self.sampler.reseed(args.random_seed)  # the capture's warm-up runs drew
         logger.info(
             "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
             args.tp_rank, args.tp_size, model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
@@ -105,10 +108,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """float32 logits [len(batch.logits_indices), vocab]; `on_layer_done(i)` follows layer i (eager only)."""
+        """Logits [len(batch.logits_indices), vocab] in the model's dtype (whoever needs float32 casts);
+        `on_layer_done(i)` follows layer i (eager only)."""
+        self._observe(batch)
+        if on_layer_done is None and self._graphed(batch):
+            return self.graph_runner.logits(batch)
+        return self._run_model(batch, on_layer_done)
+
+    @torch.inference_mode()
+    def decode_tokens(self, batch: ForwardBatch, sampling: SamplingTensors) -> torch.Tensor | None:
+        """The next token of every row [B] on the device, no host sync, when every row is greedy or samples at a
+        temperature alone (`sampling.temperature_only`): drawn inside the decode CUDA graph, or eagerly after the
+        forward where no graph runs. None otherwise (nothing ran): then `forward` and the `Sampler`. The caller
+        checks what the sampling tensors do not carry: no row wants logprobs or has ids suppressed."""
+        if not sampling.temperature_only:
+            return None
+        self._observe(batch)
+        if self._graphed(batch):
+            return self.graph_runner.tokens(batch, sampling.temperatures)
+        return self.sampler.sample_temperature_only(self._run_model(batch), sampling.temperatures)
+
+    def _observe(self, batch: ForwardBatch) -> None:
         for observe in self.forward_observers:
             observe(batch)
-        if on_layer_done is None and self.graph_runner is not None and self.graph_runner.can_run(batch):
-            return self.graph_runner.replay(batch)
+
+    def _graphed(self, batch: ForwardBatch) -> bool:
+        return self.graph_runner is not None and self.graph_runner.can_run(batch)
+
+    def _run_model(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
         return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))

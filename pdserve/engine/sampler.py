@@ -1,4 +1,18 @@
-"""Turns the last-position logits of a batch into next tokens (and logprobs), per-request parameters."""
+"""Turns the last-position logits of a batch into next tokens (and logprobs), per-request parameters.
+
+Logits arrive in the model's dtype (bf16 on a GPU); only what needs float32 casts: penalties (applied to a float32
+copy) and logprobs (log-softmax of the rows that asked). Three ways to a token:
+- all rows greedy: argmax of the logits as they are;
+- no row filters (top-k / top-p / min-p): `gumbel_max_sample`, one read of the logits, greedy rows by argmax and
+  the others by Gumbel-max over logits / T with counter-based Philox noise keyed by `gumbel_rng` = [seed, step] on
+  the device, the step advanced on the device by every call. `ModelRunner.decode_tokens` runs it inside the decode
+  CUDA graph (batches of greedy or temperature-only rows, the common case), so such a decode step samples with no
+  [B, V] float32 intermediate and no launch outside the graph; on a CPU it runs the same sampling eagerly through
+  the torch reference of the same random stream;
+- rows with filters: the sort-free torch sampler (`kernels/sampling.py::sample`) with the torch generator.
+Rows with their own seed then draw again with a generator of their own, so their tokens do not depend on the batch.
+Both random states start from `--random-seed` and `reseed` puts them back (the warm-up does, before serving).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.forward_batch import to_device
-from pdserve.kernels.sampling import sample
+from pdserve.kernels.sampling import gumbel_max_sample, sample
 from pdserve.sampling_params import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -36,6 +50,11 @@ class SamplingTensors:
     any_filter: bool
     any_penalties: bool
     seeded_rows: list[int]  # rows sampled with their own seeded generator
+
+    @property
+    def temperature_only(self) -> bool:
+        """Every row greedy or sampled from softmax(logits / T) alone: `gumbel_max_sample` draws the whole batch."""
+        return not (self.any_filter or self.any_penalties or self.seeded_rows)
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingTensors:
@@ -86,11 +105,21 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int):
         self.device = device
         self.generator = torch.Generator(device=device)
+        self.gumbel_rng = torch.zeros(2, dtype=torch.int64, device=device)  # [seed, step]; a CUDA graph reads it
+        self.reseed(seed)
+
+    def reseed(self, seed: int) -> None:
+        """Both random states as they were at start with this seed."""
         self.generator.manual_seed(seed)
+        self.gumbel_rng.copy_(torch.tensor([seed % 2**63, 0]))
+
+    def sample_temperature_only(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        """Next tokens [B] on the device for rows greedy (T <= 0) or sampled at temperature T, nothing else."""
+        return gumbel_max_sample(logits, temperatures, self.gumbel_rng)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], tensors: SamplingTensors | None = None
                ) -> SampleResult:
-        """logits: float32 [B, V], one row per request."""
+        """logits: [B, V] in any float dtype, one row per request."""
         token_list = self.sample_tokens(logits, rows, tensors).tolist()
         return SampleResult(token_list, *self._logprobs(logits, token_list, rows))
 
@@ -100,15 +129,17 @@ class Sampler:
         device (else they are uploaded now)."""
         penalties = tensors.any_penalties if tensors is not None else any(r.params.has_penalties for r in rows)
         if penalties or any(r.suppressed_ids for r in rows):
-            logits = logits.clone()
+            logits = logits.to(torch.float32, copy=True)  # a copy: the caller's logits stay as they are
             apply_penalties(logits, rows)
         if tensors.all_greedy if tensors is not None else all(r.params.is_greedy for r in rows):
             return logits.argmax(dim=-1)
         return self._sample_random(logits, rows, tensors or SamplingTensors.of([r.params for r in rows], logits.device))
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], t: SamplingTensors) -> torch.Tensor:
-        tokens = sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, generator=self.generator,
-                        any_filter=t.any_filter)
+        if t.any_filter:
+            tokens = sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, generator=self.generator)
+        else:
+            tokens = self.sample_temperature_only(logits, t.temperatures)
         for i in t.seeded_rows:
             g = _seeded_generator(rows[i].params.seed, len(rows[i].output_ids), logits.device)
             one = slice(i, i + 1)
@@ -123,7 +154,7 @@ class Sampler:
             return None, None
         logprobs: list[float] = [0.0] * len(rows)
         tops: list[list[tuple[int, float]]] = [[] for _ in rows]
-        lp = torch.log_softmax(raw[wanted], dim=-1)
+        lp = torch.log_softmax(raw[wanted].float(), dim=-1)
         chosen = lp[torch.arange(len(wanted)), torch.tensor([tokens[i] for i in wanted])].tolist()
         max_k = max(rows[i].num_logprobs for i in wanted)
         top_vals, top_ids = lp.topk(max_k, dim=-1) if max_k else (None, None)

@@ -94,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Returns float32 logits of the rows in ctx.batch.logits_indices."""
+        """Returns the logits of the rows in ctx.batch.logits_indices, in the model's dtype."""
         batch = ctx.batch
         hidden, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
@@ -102,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
             if ctx.on_layer_done is not None:
                 ctx.on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)
-        return self.lm_head(hidden[batch.logits_indices]).float()
+        return self.lm_head(hidden[batch.logits_indices])
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -2,9 +2,9 @@
 
 The CPU work of reading a step back (appending tokens, stop checks, outputs) and of preparing the next one then
 runs while the GPU computes. Greedy and sampled requests take part when the batch's device sampling tensors alone
-sample them; a batch with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes
-synchronously. Pages of a request that ends while a launched batch still writes its KV are freed once that batch
-has been read back.
+sample them (greedy and temperature-only batches inside the decode CUDA graph, `ModelRunner.decode_tokens`); a batch
+with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. Pages of a
+request that ends while a launched batch still writes its KV are freed once that batch has been read back.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ class OverlapMixin:
             return False
         prev = self.inflight
         input_ids, fix_ids = self._decode_inputs(prev, reqs)
-        logits = self._decode_forward(state, positions, input_ids, fix_ids)
-        tokens = self.sampler.sample_tokens(logits, state.plain_rows, state.sampling)
+        tokens = self._device_tokens(state, self._decode_batch(state, positions, input_ids, fix_ids))
         self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids=state.req_ids)
         if prev is not None:
             self._read_back(prev)

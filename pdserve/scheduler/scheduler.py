@@ -16,7 +16,8 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors
+from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.factory import create_prefix_cache
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.messages import TokenOut
@@ -42,7 +43,7 @@ class Scheduler(OverlapMixin):
         self.context_len = self.runner.context_len
         self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
         self.radix = create_prefix_cache(args, self.allocator, self.runner.pool)
-        self.sampler = Sampler(self.device, args.random_seed)
+        self.sampler = self.runner.sampler
         self.stop_checker = StopChecker(args, self.model_config, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
@@ -310,8 +311,11 @@ class Scheduler(OverlapMixin):
         if not reqs:
             return
         state = self._input_batch_of(reqs)
-        logits = self._decode_forward(state, [r.num_cached_tokens for r in reqs], [r.output_ids[-1] for r in reqs])
-        self._sample_and_append(reqs, logits, state.sampling)
+        batch = self._decode_batch(state, [r.num_cached_tokens for r in reqs], [r.output_ids[-1] for r in reqs])
+        if state.device_sampling_only():
+            self._append_sampled(reqs, SampleResult(self._device_tokens(state, batch).tolist(), None, None))
+        else:
+            self._sample_and_append(reqs, self.runner.forward(batch), state.sampling)
         self.running = [r for r in self.running if not r.finished]
 
     def _input_batch_of(self, reqs: list[Req]) -> InputBatch:
@@ -321,17 +325,24 @@ class Scheduler(OverlapMixin):
             self.input_batch = InputBatch(reqs, self.page_size, max_pages, self.device)
         return self.input_batch
 
-    def _decode_forward(self, state: InputBatch, positions: list[int], input_ids: list[int], fix_ids=None
-                        ) -> torch.Tensor:
-        """One decode pass over state.reqs where request i feeds input_ids[i] at positions[i]: its
-        num_cached_tokens, the position after its computed KV."""
-        reqs = state.reqs
+    def _decode_batch(self, state: InputBatch, positions: list[int], input_ids: list[int], fix_ids=None
+                      ) -> ForwardBatch:
+        """The decode pass over state.reqs where request i feeds input_ids[i] at positions[i] (its
+        num_cached_tokens, the position after its computed KV, which this pass computes)."""
         batch = state.forward_batch(input_ids, positions)
         if fix_ids is not None:
             fix_ids(batch.input_ids)
-        for r in reqs:
+        for r in state.reqs:
             r.num_cached_tokens += 1
-        return self.runner.forward(batch)
+        return batch
+
+    def _device_tokens(self, state: InputBatch, batch: ForwardBatch) -> torch.Tensor:
+        """Run the pass and sample it on the device, for a batch that needs no host-side sampling state
+        (`state.device_sampling_only()`): inside the decode graph when every row is greedy or temperature-only."""
+        tokens = self.runner.decode_tokens(batch, state.sampling)
+        if tokens is None:
+            tokens = self.sampler.sample_tokens(self.runner.forward(batch), state.plain_rows, state.sampling)
+        return tokens
 
     def _make_room_for_decode(self) -> None:
         """Give every running request a slot for its next token, retracting the newest requests if KV runs out."""
@@ -364,7 +375,9 @@ class Scheduler(OverlapMixin):
                         r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
-        result = self.sampler.sample(logits, rows, tensors)
+        self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
+
+    def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:
         for i, req in enumerate(reqs):
             if req.sampling_params.max_tokens == 0:
                 self._finish(req, FinishReason("length", message=None))
@@ -393,7 +406,7 @@ class Scheduler(OverlapMixin):
         targets = req.input_ids[item.start + 1 : item.end + 1]
         if not targets:
             return
-        lp = torch.log_softmax(logits[: len(targets)], dim=-1)
+        lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
         idx = torch.tensor(targets, device=lp.device)
         chosen = lp.gather(1, idx[:, None]).squeeze(1).tolist()
         k = req.top_logprobs_num

@@ -84,7 +84,7 @@ def warm_up(sched: Scheduler) -> WarmupReport:
                      for i, name in enumerate(names)])
     finally:
         sched.runner.forward_observers.remove(observe)
-    sched.sampler.generator.manual_seed(sched.args.random_seed)
+    sched.sampler.reseed(sched.args.random_seed)
     sched.reset_stats()
     report = WarmupReport(tuple(lengths), tuple(names), tuple(extend_tokens), tuple(decode_sizes),
                           time.perf_counter() - started)

@@ -67,10 +67,11 @@ def new_llm(path: str, **kw) -> LLM:
     return LLM(path, device="cpu", dtype="float32", page_size=4, max_total_tokens=4096, chunked_prefill_size=256, **kw)
 
 
-def test_sampled_batches_overlap_and_draw_what_synchronous_decode_draws(tiny_model):
+@pytest.mark.parametrize("filters", [dict(top_p=0.9), {}])  # the Sampler after the forward; decode_tokens
+def test_sampled_batches_overlap_and_draw_what_synchronous_decode_draws(tiny_model, filters):
     rng = random.Random(3)
     ps = [[rng.randrange(3, 900) for _ in range(rng.randrange(5, 40))] for _ in range(5)]
-    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=14, ignore_eos=True)
+    sp = SamplingParams(temperature=0.8, max_tokens=14, ignore_eos=True, **filters)
     sync = new_llm(tiny_model, disable_overlap_schedule=True)
     sched = new_llm(tiny_model).scheduler
     for i, p in enumerate(ps):

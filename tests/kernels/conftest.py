@@ -17,10 +17,12 @@ def interpreted(monkeypatch):
     from triton.runtime.jit import JITFunction
 
     import triton.language as tl
+    import triton.language.random as tl_random
     import triton.language.standard as tl_standard
 
     import pdserve.kernels.attention as attention
     import pdserve.kernels.fused as fused
+    import pdserve.kernels.gumbel_sampling as gumbel_sampling
     import pdserve.kernels.skinny_triton as skinny_triton
 
     from triton.runtime import interpreter
@@ -35,8 +37,8 @@ def interpreted(monkeypatch):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_index)
-    # Triton's own library functions (tl.cdiv, tl.sigmoid, ...) are jitted at import time as well.
-    for module in (attention, fused, skinny_triton, tl, tl_standard):
+    # Triton's own library functions (tl.cdiv, tl.sigmoid, tl.random.philox, ...) are jitted at import time as well.
+    for module in (attention, fused, gumbel_sampling, skinny_triton, tl, tl_random, tl_standard):
         for name, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction):
                 monkeypatch.setattr(module, name, interpreter.InterpretedFunction(obj.fn))
