@@ -33,7 +33,7 @@ def test_bf16_greedy_agrees_with_hf(qwen3_06b, backend):
               chunked_prefill_size=256)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 100000) for _ in range(n)] for n in (7, 120, 600)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     checked = agreed = 0
     for prompt, out in zip(prompts, outs):
         ids = torch.tensor([prompt + out.token_ids], device="cuda")
