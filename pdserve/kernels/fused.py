@@ -158,6 +158,7 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
     num_tokens, num_kv_heads, dim = k.shape
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin_cache.stride(1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride(0) == num_kv_heads * dim
+    assert cos_sin_cache.shape[1] <= dim
     if num_tokens == 0:
         return
     has_norm = q_norm_weight is not None
