@@ -13,14 +13,23 @@ from pdserve.mem_cache.kv_pool import KVPool
 
 
 class AttentionBackend(ABC):
-    """Stores the new K/V into the paged pool and computes attention for a ForwardBatch.
+    """Attention over the paged KV pool for a ForwardBatch.
 
-    `init_forward_metadata` runs once per forward pass (outside the layers); `forward` once per layer.
-    q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim]; returns [T, num_heads, head_dim].
+    `init_forward_metadata` runs once per forward pass (outside the layers). Then each layer first writes its new
+    tokens' K and V into the pool at the slots `out_cache_loc` names (the model does it, fused with rotary:
+    `kernels.qk_norm_rope_store_kv`), and only then calls `forward`, which reads the pool: a backend never
+    stores K/V itself. q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], the values just stored
+    (views of the qkv projection's output); returns a new contiguous [T, num_heads, head_dim].
     """
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None: ...
+
+    @property
+    @abstractmethod
+    def out_cache_loc(self) -> torch.Tensor:
+        """[T] int64: the pool slot of each new token of the current forward pass (under CUDA graphs, the
+        static buffer the captured graph reads)."""
 
     @abstractmethod
     def forward(

@@ -1,7 +1,7 @@
-"""Prefill without a cached prefix through torch SDPA (FlashAttention / cuDNN inside PyTorch) on the contiguous
-new q, k, v. Measured on H200 (2026-11-21): one 8k-token prompt 2x faster than the Triton extend kernel, but
-16 prompts of 512 tokens 4x slower (one SDPA call per request), so requests shorter than SDPA_MIN_LEN, decode
-and prefix-extend batches all go to the Triton backend."""
+"""Prefill without a cached prefix through torch SDPA (FlashAttention / cuDNN inside PyTorch) on the new q, k, v
+as the layer left them in its qkv output. Measured on H200 (2026-11-21): one 8k-token prompt 2x faster than the
+Triton extend kernel, but 16 prompts of 512 tokens 4x slower (one SDPA call per request), so requests shorter
+than SDPA_MIN_LEN, decode and prefix-extend batches all go to the Triton backend."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pdserve.attention.base import AttentionBackend
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.attention.triton_backend import TritonAttnBackend
-from pdserve.kernels.attention import extend_attention, store_kv
+from pdserve.kernels.attention import extend_attention
 from pdserve.mem_cache.kv_pool import KVPool
 
 SDPA_MIN_LEN = 1024
@@ -47,13 +47,16 @@ class SdpaAttnBackend(AttentionBackend):
         short_lens = torch.tensor(short, dtype=torch.int32).to(batch.extend_lens.device, non_blocking=True)
         self.split = SplitPrefill(long_rows, short_lens, max(short))
 
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.triton.out_cache_loc
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
                 scaling: float) -> torch.Tensor:
         if self.split is None:
             return self.triton.forward(q, k, v, layer_id, pool, scaling)
         meta, split = self.triton.metadata, self.split
         k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
-        store_kv(k, v, k_cache, v_cache, meta.out_cache_loc)
         out = torch.empty_like(q)
         extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.prefix_lens, split.short_extend_lens, meta.extend_start_loc,

@@ -24,9 +24,12 @@ class TorchNativeBackend(AttentionBackend):
             for b, n in enumerate(batch.seq_lens_cpu)
         ]
 
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.batch.out_cache_loc
+
     def forward(self, q, k, v, layer_id: int, pool: KVPool, scaling: float) -> torch.Tensor:
         batch = self.batch
-        pool.store(layer_id, batch.out_cache_loc, k, v)
         k_all, v_all = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
         out = torch.empty_like(q)
         start = 0

@@ -14,7 +14,6 @@ from pdserve.kernels.attention import (
     decode_num_splits,
     decode_workspace,
     extend_attention,
-    store_kv,
 )
 from pdserve.mem_cache.kv_pool import KVPool
 
@@ -82,11 +81,14 @@ class TritonAttnBackend(AttentionBackend):
                 max(batch.extend_lens_cpu, default=0), batch.out_cache_loc,
             )
 
+    @property
+    def out_cache_loc(self) -> torch.Tensor:
+        return self.metadata.out_cache_loc
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
                 scaling: float) -> torch.Tensor:
         meta = self.metadata
         k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
-        store_kv(k, v, k_cache, v_cache, meta.out_cache_loc)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(meta, DecodeMetadata):
             return decode_attention(

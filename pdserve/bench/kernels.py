@@ -1,4 +1,5 @@
-"""Kernel micro-benchmarks on one CUDA GPU: paged decode / extend attention, KV store, fused ops, sampling.
+"""Kernel micro-benchmarks on one CUDA GPU: paged decode / extend attention, KV store, fused ops (and the
+layer's fused q/k norm + rotary + KV store against the separate kernels), sampling.
 
 python -m pdserve.bench.kernels --out DIR [--quick]
 Writes DIR/kernels.json (every measurement) and DIR/kernels.png; prints a table. Times are medians of
@@ -198,6 +199,37 @@ def bench_fused(ceil: dict) -> list[dict]:
     return rows
 
 
+def bench_qk_norm_rope_store_kv() -> list[dict]:
+    """A layer's one kernel between the qkv GEMM and attention against the separate launches it replaced
+    (per-head q and k RMSNorm for qwen3, rotary, store_kv), on views of a qkv output as the layer has them."""
+    rows = []
+    for model, (hq, hkv, dim, _, _) in MODELS.items():
+        inv_freq = 1.0 / (1e6 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        cache = ops.build_cos_sin_cache(inv_freq, 32768).cuda()
+        k_cache, v_cache = (torch.zeros(1 << 16, hkv, dim, device="cuda", dtype=BF16) for _ in range(2))
+        norm = {}
+        if model.startswith("qwen3"):
+            norm = dict(q_norm_weight=torch.randn(dim, device="cuda", dtype=BF16),
+                        k_norm_weight=torch.randn(dim, device="cuda", dtype=BF16), eps=1e-6)
+        for tokens in (1, 64, 8192):
+            qkv = torch.randn(tokens, (hq + 2 * hkv) * dim, device="cuda", dtype=BF16)
+            q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([hq * dim, hkv * dim, hkv * dim], dim=-1))
+            pos = torch.randint(0, 32768, (tokens,), device="cuda")
+            loc = torch.randperm(1 << 16, device="cuda")[:tokens]
+
+            def separate():
+                qn, kn = q, k
+                if norm:
+                    qn, kn = fused.rmsnorm(q, norm["q_norm_weight"], 1e-6), fused.rmsnorm(k, norm["k_norm_weight"], 1e-6)
+                fused.apply_rotary(pos, qn, kn, cache)
+                store_kv(kn, v, k_cache, v_cache, loc)
+
+            ms = ms_graph(lambda: fused.qk_norm_rope_store_kv(pos, q, k, v, cache, k_cache, v_cache, loc, **norm))
+            rows.append(dict(kind="qk_norm_rope_store_kv", model=model, tokens=tokens, us=ms * 1e3,
+                             separate_us=ms_graph(separate) * 1e3))
+    return rows
+
+
 def bench_sampling() -> list[dict]:
     rows = []
     vocab = 151936
@@ -269,7 +301,7 @@ def main() -> None:
     rows = []
     for name, fn in (("decode", lambda: bench_decode(ceil, args.quick)), ("extend", lambda: bench_extend(ceil)),
                      ("store", lambda: bench_store(ceil)), ("fused", lambda: bench_fused(ceil)),
-                     ("sampling", bench_sampling)):
+                     ("qk_norm_rope_store_kv", bench_qk_norm_rope_store_kv), ("sampling", bench_sampling)):
         part = fn()
         rows += part
         for r in part:
@@ -288,6 +320,10 @@ def main() -> None:
     for r in rows:
         if r["kind"] == "extend" and "us" in r:
             print(f"extend {r['model']:10s} {r['case']:18s} {r['impl']:22s} {r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s")
+    for r in rows:
+        if r["kind"] == "qk_norm_rope_store_kv":
+            print(f"qk_norm_rope_store_kv {r['model']:10s} {r['tokens']:5d} tokens {r['us']:7.1f} us "
+                  f"(separate kernels {r['separate_us']:7.1f} us)")
 
 
 if __name__ == "__main__":

@@ -93,6 +93,87 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 
 
 @triton.jit
+def _norm_rope_heads(X, NormW, t, cos, sin, partner, first_half, rotates, stride_t, stride_h, eps,
+                     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+    """Heads [HEADS, D] of token t: RMSNorm (HAS_NORM) then neox rotary, written back in place; returns them.
+
+    Each element reads its rotation partner with a second, cached load instead of splitting the tile in halves,
+    so the norm reduces whole rows the way _rmsnorm_kernel does (same rounding, same summation shape)."""
+    heads = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (heads < HEADS)[:, None] & (offs_d < D)[None, :]
+    row = X + t * stride_t + heads[:, None] * stride_h
+    x = tl.load(row + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        w = tl.load(NormW + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        wp = tl.load(NormW + partner, mask=offs_d < D, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(X.dtype.element_ty).to(tl.float32) * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        xp = ((xp * rstd).to(X.dtype.element_ty).to(tl.float32) * wp[None, :]).to(X.dtype.element_ty).to(tl.float32)
+    rotated = tl.where(first_half[None, :], x * cos[None, :] - xp * sin[None, :], x * cos[None, :] + xp * sin[None, :])
+    out = tl.where(rotates[None, :], rotated, x).to(X.dtype.element_ty)
+    tl.store(row + offs_d[None, :], out, mask=mask)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_store_kv_kernel(
+    Pos, Loc, Q, K, V, Cache, QNormW, KNormW, KCache, VCache,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_ct, eps,
+    HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Program (t, part): part 0 normalizes and rotates token t's q heads, part 1 its k heads and stores them
+    into KCache, part 2 copies its v heads into VCache."""
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_heads = tl.arange(0, BLOCK_HK)
+    kv_mask = (kv_heads < HK)[:, None] & (offs_d < D)[None, :]
+    cache_offs = tl.load(Loc + t).to(tl.int64) * stride_ct + kv_heads[:, None] * D + offs_d[None, :]
+    if part == 2:
+        v = tl.load(V + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
+        tl.store(VCache + cache_offs, v.to(VCache.dtype.element_ty), mask=kv_mask)
+    else:
+        first_half = offs_d < HALF
+        rotates = offs_d < 2 * HALF
+        partner = tl.where(first_half, offs_d + HALF, tl.where(rotates, offs_d - HALF, offs_d))
+        pair = tl.where(first_half, offs_d, offs_d - HALF)
+        cos_sin = Cache + tl.load(Pos + t).to(tl.int64) * stride_c + pair
+        cos = tl.load(cos_sin, mask=rotates, other=1.0).to(tl.float32)
+        sin = tl.load(cos_sin + HALF, mask=rotates, other=0.0).to(tl.float32)
+        if part == 0:
+            _norm_rope_heads(Q, QNormW, t, cos, sin, partner, first_half, rotates, stride_qt, stride_qh, eps,
+                             HQ, BLOCK_HQ, D, BLOCK_D, HAS_NORM)
+        else:
+            k = _norm_rope_heads(K, KNormW, t, cos, sin, partner, first_half, rotates, stride_kt, stride_kh, eps,
+                                 HK, BLOCK_HK, D, BLOCK_D, HAS_NORM)
+            tl.store(KCache + cache_offs, k.to(KCache.dtype.element_ty), mask=kv_mask)
+
+
+def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight=None,
+                          k_norm_weight=None, eps=0.0) -> None:
+    num_tokens, num_kv_heads, dim = k.shape
+    assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin_cache.stride(1) == 1
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride(0) == num_kv_heads * dim
+    assert cos_sin_cache.shape[1] <= dim
+    if num_tokens == 0:
+        return
+    has_norm = q_norm_weight is not None
+    block_hq, block_d = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(dim)
+    _qk_norm_rope_store_kv_kernel[(num_tokens, 3)](
+        positions, loc, q, k, v, cos_sin_cache, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
+        k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0), k_cache.stride(0), eps,
+        HQ=q.shape[1], HK=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        D=dim, BLOCK_D=block_d, HALF=cos_sin_cache.shape[1] // 2, HAS_NORM=has_norm,
+        num_warps=4 if block_hq * block_d <= 4096 else 8,
+    )
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

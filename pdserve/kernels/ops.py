@@ -71,6 +71,45 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     return apply_rotary_ref(positions, q, k, cos_sin_cache)
 
 
+def qk_norm_rope_store_kv_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> None:
+    if q_norm_weight is not None:
+        q.copy_(rmsnorm_ref(q, q_norm_weight, eps))
+        k.copy_(rmsnorm_ref(k, k_norm_weight, eps))
+    apply_rotary_ref(positions, q, k, cos_sin_cache)
+    k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+
+
+def qk_norm_rope_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+) -> None:
+    """A layer's new q, k, v in one pass: per-head RMSNorm of q and k (when the norm weights are given), neox
+    rotary of q and k IN PLACE, then k_cache[loc[t]] = k[t] (normed and rotated) and v_cache[loc[t]] = v[t].
+
+    q: [T, H_q, D], k, v: [T, H_kv, D] (views of the fused qkv output: last dim contiguous, any token and head
+    strides); positions, loc: [T] int64; cos_sin_cache: [max_pos, R] fp32 with R <= D (see apply_rotary);
+    k_cache, v_cache: [num_slots, H_kv, D] contiguous (one layer of the KVPool); q_norm_weight, k_norm_weight:
+    [D], both or neither. The same numbers as rmsnorm per head, then apply_rotary, then the store: fp32 math,
+    rounded to q's dtype after the norm and after the rotation. Returns None.
+    """
+    assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norm weights come together"
+    if _use_triton(q):
+        from pdserve.kernels import fused
+
+        return fused.qk_norm_rope_store_kv(
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps
+        )
+    return qk_norm_rope_store_kv_ref(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps
+    )
+
+
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     inter = x.shape[-1] // 2
     return (torch.nn.functional.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)

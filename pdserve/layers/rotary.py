@@ -7,8 +7,6 @@ import math
 import torch
 from torch import nn
 
-from pdserve.kernels import apply_rotary
-
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -79,7 +77,8 @@ def compute_inv_freq(base: float, dim: int, scaling: dict | None, max_position: 
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding; the cos/sin cache is computed in float32 as HF does."""
+    """Neox-style rotary embedding's cos/sin cache, computed in float32 as HF does; a layer applies it with
+    `kernels.qk_norm_rope_store_kv` (or `kernels.apply_rotary`)."""
 
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None):
         super().__init__()
@@ -87,8 +86,3 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1) * attention_factor
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]; rotated in place and returned."""
-        apply_rotary(positions, q, k, self.cos_sin_cache)
-        return q, k

@@ -7,7 +7,7 @@ from torch import nn
 
 from pdserve.attention.base import ForwardContext
 from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
-from pdserve.kernels import silu_and_mul
+from pdserve.kernels import qk_norm_rope_store_kv, silu_and_mul
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
@@ -34,15 +34,22 @@ class Attention(nn.Module):
         self.scaling = cfg.head_dim**-0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q, k and v stay views of the qkv output: normed and rotated there in place, K/V stored from there."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qk_norm_rope_store_kv(
+            positions, q, k, v, self.rotary.cos_sin_cache, ctx.pool.k_buffer(self.layer_id),
+            ctx.pool.v_buffer(self.layer_id), ctx.backend.out_cache_loc, **self._qk_norm_args(),
+        )
         out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.o_proj(out.view(-1, self.q_size))
+
+    def _qk_norm_args(self) -> dict:
+        if self.q_norm is None:
+            return {}
+        return dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps)
 
 
 class MLP(nn.Module):

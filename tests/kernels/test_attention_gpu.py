@@ -24,6 +24,7 @@ def run_backend(backend_cls, specs, page_size, group, head_dim, mode, seed, num_
     ref = reference_attention(q, k, v, pool, batch, scaling)
     backend = backend_cls(num_heads, num_kv_heads, head_dim, page_size, "cuda", torch.bfloat16, 32768, **kw)
     backend.init_forward_metadata(batch)
+    pool.store(0, backend.out_cache_loc, k, v)  # the layer's store (kernels.qk_norm_rope_store_kv)
     out = backend.forward(q, k, v, 0, pool, scaling)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -135,6 +136,7 @@ def test_decode_cuda_graph_replay(backend_name):
     """Capture at bs=8 with padding rows, replay batches of 5 and 8 with new lengths; no host sync inside."""
     from pdserve.attention.sdpa_backend import SdpaAttnBackend
     from pdserve.attention.triton_backend import TritonAttnBackend
+    from pdserve.kernels.attention import store_kv
 
     cls = TritonAttnBackend if backend_name == "triton" else SdpaAttnBackend
     page_size, num_heads, num_kv_heads, head_dim, bs = 16, 16, 4, 128, 8
@@ -147,14 +149,19 @@ def test_decode_cuda_graph_replay(backend_name):
     static_k = torch.randn(bs, num_kv_heads, head_dim, device="cuda").bfloat16()
     static_v = torch.randn_like(static_k)
     backend.init_forward_metadata_capture_cuda_graph(bs)
+
+    def layer_step():  # as a layer does: store the new K/V at the backend's (static) slots, then attend
+        store_kv(static_k, static_v, pool.k_buffer(0), pool.v_buffer(0), backend.out_cache_loc)
+        return backend.forward(static_q, static_k, static_v, 0, pool, 0.08)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        backend.forward(static_q, static_k, static_v, 0, pool, 0.08)  # warm-up (compiles)
+        layer_step()  # warm-up (compiles)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = backend.forward(static_q, static_k, static_v, 0, pool, 0.08)
+        static_out = layer_step()
     for n, seed in ((5, 1), (8, 2), (5, 3)):
         gen = torch.Generator().manual_seed(seed)
         lens = torch.randint(1, 8000, (n,), generator=gen).tolist()

@@ -25,9 +25,10 @@ def test_decode_and_extend_interpreted(interpreted, page_size, group):
         ref = reference_attention(q, k, v, pool, batch, 0.125)
         backend = TritonAttnBackend(2 * group, 2, 64, page_size, "cpu", torch.float32, 4096)
         backend.init_forward_metadata(batch)
+        assert torch.equal(backend.out_cache_loc, batch.out_cache_loc)
+        pool.store(0, backend.out_cache_loc, k, v)  # the layer's store (kernels.qk_norm_rope_store_kv)
         out = backend.forward(q, k, v, 0, pool, 0.125)
         assert rel_err(out, ref) < 1e-5
-        assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
 
 
 def test_sdpa_backend_hybrid_interpreted(interpreted):
@@ -41,5 +42,6 @@ def test_sdpa_backend_hybrid_interpreted(interpreted):
     backend = SdpaAttnBackend(4, 2, 64, 4, "cpu", torch.float32, 4096)
     backend.init_forward_metadata(batch)
     assert backend.split is not None and backend.split.long_rows == [(0, SDPA_MIN_LEN + 3)]
+    pool.store(0, backend.out_cache_loc, k, v)
     out = backend.forward(q, k, v, 0, pool, 0.125)
     assert rel_err(out, ref) < 1e-5
