@@ -1,0 +1,133 @@
+"""Choosing the flash_attn backend (no GPU needed): every reason it cannot serve a model falls back to torch_native
+with one log line naming it, `auto` takes it on a Hopper-or-newer GPU where FlashAttention-4 is installed and
+`sdpa` on CUDA otherwise, and finding the package does not need it to be importable."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+
+from pdserve.attention import selection
+from pdserve.attention.selection import flash_attn_installed, resolve_backend_name
+
+HOPPER, BLACKWELL, AMPERE = (9, 0), (10, 0), (8, 0)
+
+
+@pytest.fixture
+def kernels_present(monkeypatch):
+    monkeypatch.setattr(selection, "triton_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_installed", lambda: True)
+
+
+def only_warning(caplog) -> str:
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert message.startswith("attention backend flash_attn cannot serve this model (")
+    assert message.endswith("; using torch_native")
+    return message
+
+
+@pytest.mark.parametrize(
+    "device_type,capability,head_dim,page_size,reason",
+    [
+        ("cpu", None, 128, 16, "FlashAttention-4 runs on CUDA GPUs only, the device is cpu"),
+        ("cuda", None, 128, 16, "FlashAttention-4 needs the GPU's compute capability, which was not given"),
+        ("cuda", AMPERE, 128, 16, "FlashAttention-4 needs compute capability 9.0 or newer, the GPU has 8.0"),
+        ("cuda", (8, 9), 64, 16, "FlashAttention-4 needs compute capability 9.0 or newer, the GPU has 8.9"),
+        ("cuda", HOPPER, 36, 16, "FlashAttention-4 supports head_dim multiples of 8 from 8 to 256, the model has 36"),
+        ("cuda", HOPPER, 264, 16, "FlashAttention-4 supports head_dim multiples of 8 from 8 to 256, the model has 264"),
+        # FlashAttention-4 could, the Triton decode cannot
+        ("cuda", HOPPER, 96, 16, "its Triton kernels support head_dim 64 and 128, the model has 96"),
+        ("cuda", BLACKWELL, 256, 16, "its Triton kernels support head_dim 64 and 128, the model has 256"),
+        ("cuda", HOPPER, 128, 12, "its Triton kernels need a power-of-two page size, got 12"),
+    ],
+)
+def test_each_reason_falls_back_to_torch_native(device_type, capability, head_dim, page_size, reason,
+                                                kernels_present, caplog):
+    with caplog.at_level(logging.INFO, logger="pdserve.attention.selection"):
+        assert resolve_backend_name("flash_attn", device_type, head_dim, page_size, capability) == "torch_native"
+    assert f"({reason})" in only_warning(caplog)
+
+
+def test_missing_flash_attn_falls_back_naming_the_extra(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "triton_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_installed", lambda: False)
+    assert resolve_backend_name("flash_attn", "cuda", 128, 16, HOPPER) == "torch_native"
+    assert "flash_attn.cute (FlashAttention-4) is not installed (pip install 'pdserve[flash-attn]')" in only_warning(
+        caplog)
+
+
+def test_missing_triton_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "triton_installed", lambda: False)
+    monkeypatch.setattr(selection, "flash_attn_installed", lambda: True)
+    assert resolve_backend_name("flash_attn", "cuda", 128, 16, HOPPER) == "torch_native"
+    assert "(triton is not installed)" in only_warning(caplog)
+
+
+@pytest.mark.parametrize("capability", [HOPPER, BLACKWELL])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_supported_models_keep_flash_attn_silently(capability, head_dim, page_size, kernels_present, caplog):
+    assert resolve_backend_name("flash_attn", "cuda", head_dim, page_size, capability) == "flash_attn"
+    assert resolve_backend_name("auto", "cuda", head_dim, page_size, capability) == "flash_attn"
+    assert not caplog.records
+
+
+@pytest.mark.parametrize(
+    "device_type,capability,installed,chosen",
+    [
+        ("cuda", HOPPER, True, "flash_attn"),
+        ("cuda", HOPPER, False, "sdpa"),
+        ("cuda", AMPERE, True, "sdpa"),
+        ("cuda", None, True, "sdpa"),
+        ("cpu", None, True, "torch_native"),
+    ],
+)
+def test_auto_picks_flash_attn_only_where_it_runs(device_type, capability, installed, chosen, monkeypatch, caplog):
+    monkeypatch.setattr(selection, "triton_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_installed", lambda: installed)
+    assert resolve_backend_name("auto", device_type, 128, 16, capability) == chosen
+    assert not caplog.records
+
+
+def test_auto_on_hopper_with_a_head_size_triton_lacks_falls_back(kernels_present, caplog):
+    assert resolve_backend_name("auto", "cuda", 96, 16, HOPPER) == "torch_native"
+    assert "the model has 96" in only_warning(caplog)
+
+
+def test_unknown_backend_lists_flash_attn():
+    with pytest.raises(ValueError, match="choose from auto, torch_native, triton, sdpa, flash_attn"):
+        resolve_backend_name("flashinfer", "cuda", 128, 16, HOPPER)
+
+
+@pytest.fixture
+def import_path(tmp_path, monkeypatch):
+    """An empty directory first on sys.path, and a clean slate for the `flash_attn` package."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield tmp_path
+    for name in [n for n in sys.modules if n == "flash_attn" or n.startswith("flash_attn.")]:
+        del sys.modules[name]
+
+
+def test_flash_attn_cute_is_found_without_being_imported(import_path):
+    cute = import_path / "flash_attn" / "cute"
+    cute.mkdir(parents=True)
+    (cute / "__init__.py").write_text("raise RuntimeError('imported')\n")  # as FA4's wheel: a namespace package
+    assert flash_attn_installed()
+    assert "flash_attn.cute" not in sys.modules
+
+
+def test_flash_attn_without_cute_is_not_flash_attention_4(import_path):
+    (import_path / "flash_attn").mkdir()
+    (import_path / "flash_attn" / "__init__.py").write_text("")  # FlashAttention 2's package has no cute
+    assert not flash_attn_installed()
+
+
+def test_no_flash_attn_package(import_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", [str(import_path)])
+    assert not flash_attn_installed()
