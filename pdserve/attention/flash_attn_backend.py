@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.attention.base import AttentionBackend
-from pdserve.attention.triton_backend import TritonAttnBackend
+from pdserve.attention.triton_backend import DecodeMetadata, TritonAttnBackend
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kernels.attention import store_kv
 from pdserve.mem_cache.kv_pool import KVPool
@@ -91,13 +91,14 @@ class FlashAttnBackend(AttentionBackend):
         self.triton = TritonAttnBackend(num_heads, num_kv_heads, head_dim, page_size, device, dtype, max_context_len)
         self.page_size = page_size
         self.attention_fn = attention_fn or load_flash_attn()
-        self.plan: PrefillPlan | None = None  # None: decode, on the Triton kernels
+        self.plan: PrefillPlan | None = None  # the extend batch's; read only while the Triton metadata is extend's
         if self.triton.device.type == "cuda":
             warm_up(self.attention_fn, num_heads, num_kv_heads, head_dim, page_size, self.triton.device, dtype)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self.triton.init_forward_metadata(batch)
-        self.plan = plan_prefill(batch) if batch.mode == ForwardMode.EXTEND else None
+        if batch.mode == ForwardMode.EXTEND:
+            self.plan = plan_prefill(batch)
 
     @property
     def out_cache_loc(self) -> torch.Tensor:
@@ -106,9 +107,9 @@ class FlashAttnBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
                 scaling: float) -> torch.Tensor:
-        plan = self.plan
-        if plan is None:
+        if isinstance(self.triton.metadata, DecodeMetadata):  # eager or under a CUDA graph
             return self.triton.forward(q, k, v, layer_id, pool, scaling)
+        plan = self.plan
         k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
         store_kv(k, v, k_cache, v_cache, self.out_cache_loc)
         if plan.paged:
@@ -119,11 +120,9 @@ class FlashAttnBackend(AttentionBackend):
         self.triton.init_cuda_graph_state(max_bs, max_pages_per_req)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int) -> None:
-        self.plan = None
         self.triton.init_forward_metadata_capture_cuda_graph(bs)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch, bs: int) -> None:
-        self.plan = None
         self.triton.init_forward_metadata_replay_cuda_graph(batch, bs)
 
 

@@ -91,7 +91,7 @@ def test_decode_runs_on_triton(interpreted, page_size, group):
 
 
 def test_cuda_graph_decode_after_a_prefill_runs_on_triton(interpreted):
-    """The graph hooks drop the prefill plan: a replayed decode after an extend batch must not reach FA4."""
+    """A replayed decode right after an extend batch (whose plan the backend still holds) must not reach FA4."""
     from pdserve.attention.torch_native import TorchNativeBackend
 
     backend, _, _ = run_both([(0, 5), (9, 3)], 4, 2, VarlenReference())
@@ -104,7 +104,6 @@ def test_cuda_graph_decode_after_a_prefill_runs_on_triton(interpreted):
                       batch, copy_of(pool), q, k, v)
     backend.init_cuda_graph_state(len(specs), batch.page_table.shape[1])
     backend.init_forward_metadata_replay_cuda_graph(batch, len(specs))
-    assert backend.plan is None
     out = backend.forward(q, k, v, 0, pool, SCALING)
     assert rel_err(out, expected) < 1e-5
 
