@@ -4,11 +4,11 @@ Torch-free, so the choice is testable anywhere (the caller reads the GPU's compu
 `--attention-backend auto` (or a backend that cannot serve the model) ends with the first backend that can, with
 one log line naming why.
 
-`auto` on CUDA picks `flash_attn` where FlashAttention-4 is installed and the GPU is Hopper or newer: measured on
-H200 (2026-11-23, `benchmarks/results/2026-11-23/issue15/fa4_probe_h200.json`) it is the fastest prefill at every
-shape tried (one 8k prompt 690 TFLOP/s against SDPA/cuDNN's 526; 16 prompts of 512 tokens 230 against the Triton
-extend kernel's 169; 2048 tokens after a 6144-token cached prefix 458 against Triton's 333), and its decode is
-the Triton kernel's. Otherwise `sdpa` on CUDA, `torch_native` elsewhere.
+`auto` on CUDA picks `flash_attn` where FlashAttention-4 is installed, the GPU is Hopper or newer and the model runs
+in float16 or bfloat16: measured on H200 (2026-11-23, `benchmarks/results/2026-11-23/issue15/fa4_probe_h200.json`)
+it is the fastest prefill at every shape tried (one 8k prompt 690 TFLOP/s against SDPA/cuDNN's 526; 16 prompts of
+512 tokens 230 against the Triton extend kernel's 169; 2048 tokens after a 6144-token cached prefix 458 against
+Triton's 333), and its decode is the Triton kernel's. Otherwise `sdpa` on CUDA, `torch_native` elsewhere.
 """
 
 from __future__ import annotations
@@ -24,28 +24,31 @@ TRITON_BACKENDS = ("triton", "sdpa", "flash_attn")  # all three decode (and sdpa
 TRITON_HEAD_DIMS = (64, 128)  # the head sizes the Triton decode/extend kernels are built and tested for
 FLASH_ATTN_MIN_CAPABILITY = (9, 0)  # FlashAttention-4's kernels: Hopper (SM90) and Blackwell
 FLASH_ATTN_HEAD_DIMS = range(8, 257, 8)  # FlashAttention-4 on SM90: multiples of 8 from 8 to 256
+FLASH_ATTN_DTYPES = ("float16", "bfloat16")
 FLASH_ATTN_INSTALL = "pip install 'pdserve[flash-attn]'"
 
 
 def unsupported_reason(name: str, head_dim: int, page_size: int, device_type: str = "cuda",
-                       capability: tuple[int, int] | None = None) -> str | None:
+                       capability: tuple[int, int] | None = None, dtype: str | None = None) -> str | None:
     """Why backend `name` cannot serve a model with this head size and KV page size on this device (CUDA compute
-    capability as (major, minor), None when unknown), or None when it can."""
-    if name == "flash_attn" and (reason := flash_attn_reason(head_dim, device_type, capability)) is not None:
+    capability as (major, minor), None when unknown) in this dtype (torch's name: "bfloat16"), or None when it
+    can."""
+    if name == "flash_attn" and (reason := flash_attn_reason(head_dim, device_type, capability, dtype)) is not None:
         return reason
     return triton_reason(head_dim, page_size) if name in TRITON_BACKENDS else None
 
 
-def flash_attn_reason(head_dim: int, device_type: str, capability: tuple[int, int] | None) -> str | None:
+def flash_attn_reason(head_dim: int, device_type: str, capability: tuple[int, int] | None,
+                      dtype: str | None) -> str | None:
     """What FlashAttention-4 itself needs (the decode on the Triton kernels is checked apart)."""
-    reason = flash_attn_platform_reason(device_type, capability)
+    reason = flash_attn_platform_reason(device_type, capability, dtype)
     if reason is None and head_dim not in FLASH_ATTN_HEAD_DIMS:
         return f"FlashAttention-4 supports head_dim multiples of 8 from 8 to 256, the model has {head_dim}"
     return reason
 
 
-def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | None) -> str | None:
-    """Why FlashAttention-4 cannot run here at all, whatever the model, or None."""
+def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | None, dtype: str | None) -> str | None:
+    """Why FlashAttention-4 cannot run here in this dtype, whatever the model's shapes, or None."""
     if device_type != "cuda":
         return f"FlashAttention-4 runs on CUDA GPUs only, the device is {device_type}"
     if capability is None:
@@ -53,6 +56,8 @@ def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | N
     if tuple(capability) < FLASH_ATTN_MIN_CAPABILITY:
         need, have = (".".join(map(str, c)) for c in (FLASH_ATTN_MIN_CAPABILITY, capability))
         return f"FlashAttention-4 needs compute capability {need} or newer, the GPU has {have}"
+    if dtype not in FLASH_ATTN_DTYPES:
+        return f"FlashAttention-4 computes in {' or '.join(FLASH_ATTN_DTYPES)}, the model runs in {dtype}"
     if not flash_attn_installed():
         return f"flash_attn.cute (FlashAttention-4) is not installed ({FLASH_ATTN_INSTALL})"
     return None
@@ -80,21 +85,21 @@ def flash_attn_installed() -> bool:
         return False
 
 
-def auto_backend(device_type: str, capability: tuple[int, int] | None) -> str:
+def auto_backend(device_type: str, capability: tuple[int, int] | None, dtype: str | None) -> str:
     if device_type != "cuda":
         return FALLBACK
-    return "flash_attn" if flash_attn_platform_reason(device_type, capability) is None else "sdpa"
+    return "flash_attn" if flash_attn_platform_reason(device_type, capability, dtype) is None else "sdpa"
 
 
 def resolve_backend_name(name: str, device_type: str, head_dim: int, page_size: int,
-                         capability: tuple[int, int] | None = None) -> str:
+                         capability: tuple[int, int] | None = None, dtype: str | None = None) -> str:
     """The backend to build for `--attention-backend name` on a device of `device_type` (with its CUDA compute
-    capability): `auto` as the module says; a backend whose kernels cannot serve the model falls back to
-    torch_native (logged once)."""
+    capability) for a model running in `dtype`: `auto` as the module says; a backend whose kernels cannot serve
+    the model falls back to torch_native (logged once)."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    chosen = name if name != "auto" else auto_backend(device_type, capability)
-    reason = unsupported_reason(chosen, head_dim, page_size, device_type, capability)
+    chosen = name if name != "auto" else auto_backend(device_type, capability, dtype)
+    reason = unsupported_reason(chosen, head_dim, page_size, device_type, capability, dtype)
     if reason is None:
         return chosen
     logger.warning("attention backend %s cannot serve this model (%s); using %s", chosen, reason, FALLBACK)

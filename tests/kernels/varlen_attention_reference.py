@@ -24,7 +24,7 @@ class VarlenReference:
         else:
             assert cu_seqlens_k is None and max_seqlen_k is None and k.dim() == 4 and k.shape == v.shape
             assert page_table.dtype == torch.int32 and page_table.stride(-1) == 1 and page_table.shape[0] == batch
-            assert seqused_k.dtype == torch.int32 and seqused_k.shape == (batch,)
+            assert seqused_k.dtype == torch.int32 and seqused_k.shape == (batch,) and seqused_k.stride(0) == 1
             self.calls.append("paged")
         cu_q = cu_seqlens_q.tolist()
         assert cu_q[-1] == q.shape[0] and max(b - a for a, b in zip(cu_q, cu_q[1:])) <= max_seqlen_q
@@ -44,6 +44,7 @@ class VarlenReference:
 
 def check_lengths(cu_seqlens: torch.Tensor, batch: int | None) -> int:
     assert cu_seqlens is not None and cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1
+    assert cu_seqlens.stride(0) == 1
     assert int(cu_seqlens[0]) == 0 and bool((cu_seqlens[1:] >= cu_seqlens[:-1]).all())
     assert batch is None or cu_seqlens.shape == (batch + 1,)
     return cu_seqlens.shape[0] - 1
