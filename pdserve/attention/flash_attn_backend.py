@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +63,12 @@ def plan_prefill(batch: ForwardBatch) -> PrefillPlan:
                        batch.page_table)
 
 
-def fresh_attention(attend: VarlenAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cu_seqlens: torch.Tensor, max_seqlen: int, scaling: float) -> torch.Tensor:
+def fresh_attention(attend: VarlenAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PrefillPlan,
+                    scaling: float) -> torch.Tensor:
     """Causal attention of each request's new tokens over themselves: q [T, Hq, D], k, v [T, Hkv, D]."""
-    out = attend(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
-                 max_seqlen_k=max_seqlen, softmax_scale=scaling, causal=True)
-    return out[0] if isinstance(out, tuple) else out
+    cu_seqlens, max_seqlen = plan.cu_seqlens_q, plan.max_seqlen_q
+    return output(attend(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen,
+                         max_seqlen_k=max_seqlen, softmax_scale=scaling, causal=True))
 
 
 def paged_attention(attend: VarlenAttention, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,10 +76,14 @@ def paged_attention(attend: VarlenAttention, q: torch.Tensor, k_cache: torch.Ten
     """Causal attention of each request's new tokens over its whole KV in the pool's layer k_cache, v_cache
     [num_slots, Hkv, D] (the new tokens' K/V already stored)."""
     pages = (-1, page_size, *k_cache.shape[1:])
-    out = attend(q, k_cache.view(pages), v_cache.view(pages), cu_seqlens_q=plan.cu_seqlens_q,
-                 max_seqlen_q=plan.max_seqlen_q, seqused_k=plan.seq_lens, page_table=plan.page_table,
-                 softmax_scale=scaling, causal=True)
-    return out[0] if isinstance(out, tuple) else out
+    return output(attend(q, k_cache.view(pages), v_cache.view(pages), cu_seqlens_q=plan.cu_seqlens_q,
+                         max_seqlen_q=plan.max_seqlen_q, seqused_k=plan.seq_lens, page_table=plan.page_table,
+                         softmax_scale=scaling, causal=True))
+
+
+def output(result: torch.Tensor | tuple) -> torch.Tensor:
+    """The attention output of a FlashAttention-4 call, which returns it alone or as (out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -114,7 +119,7 @@ class FlashAttnBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, self.out_cache_loc)
         if plan.paged:
             return paged_attention(self.attention_fn, q, k_cache, v_cache, plan, self.page_size, scaling)
-        return fresh_attention(self.attention_fn, q, k, v, plan.cu_seqlens_q, plan.max_seqlen_q, scaling)
+        return fresh_attention(self.attention_fn, q, k, v, plan, scaling)
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         self.triton.init_cuda_graph_state(max_bs, max_pages_per_req)
@@ -132,18 +137,17 @@ def warm_up(attend: VarlenAttention, num_heads: int, num_kv_heads: int, head_dim
     shapes, so that FlashAttention-4 compiles those variants now rather than in the first requests; returns (and
     logs) the seconds it took."""
     started = time.perf_counter()
+    int32 = partial(torch.tensor, dtype=torch.int32, device=device)
     for q_len in WARMUP_QUERY_LENS:
-        q = torch.zeros(q_len, num_heads, head_dim, device=device, dtype=dtype)
-        k = torch.zeros(q_len, num_kv_heads, head_dim, device=device, dtype=dtype)
-        cu_seqlens = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-        fresh_attention(attend, q, k, k, cu_seqlens, q_len, head_dim**-0.5)
-        seq_len = page_size + q_len  # a one-page prefix
+        seq_len = page_size + q_len  # the paged call's: after a one-page prefix
         num_pages = -(-seq_len // page_size)
-        cache = torch.zeros(num_pages * page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
-        plan = PrefillPlan(cu_seqlens, q_len, True, torch.tensor([seq_len], dtype=torch.int32, device=device),
-                           torch.arange(num_pages, dtype=torch.int32, device=device)[None])
-        paged_attention(attend, q, cache, cache, plan, page_size, head_dim**-0.5)
-    torch.cuda.synchronize(device)
+        q = torch.zeros(q_len, num_heads, head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(num_pages * page_size, num_kv_heads, head_dim, device=device, dtype=dtype)
+        plan = PrefillPlan(int32([0, q_len]), q_len, True, int32([seq_len]), int32([list(range(num_pages))]))
+        fresh_attention(attend, q, kv[:q_len], kv[:q_len], plan, head_dim**-0.5)
+        paged_attention(attend, q, kv, kv, plan, page_size, head_dim**-0.5)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
     logger.info("FlashAttention-4 prefill kernels (fresh and paged, query lengths %s) ready in %.1f s",
                 " and ".join(map(str, WARMUP_QUERY_LENS)), seconds)

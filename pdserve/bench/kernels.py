@@ -166,7 +166,7 @@ def flash_attn_impls(fa4, q, k, v, pool: PagedPool, table, q_lens: list[int], kv
     plan = PrefillPlan(cu_seqlens, max(q_lens), True, as_i32(kv_lens), table)
     impls = {"fa4_paged": lambda: paged_attention(fa4, q, pool.k, pool.v, plan, pool.page_size, 0.088)}
     if q_lens == kv_lens:
-        impls["fa4"] = lambda: fresh_attention(fa4, q, k, v, cu_seqlens, max(q_lens), 0.088)
+        impls["fa4"] = lambda: fresh_attention(fa4, q, k, v, plan, 0.088)
     return impls
 
 

@@ -108,6 +108,18 @@ def test_cuda_graph_decode_after_a_prefill_runs_on_triton(interpreted):
     assert rel_err(out, expected) < 1e-5
 
 
+@pytest.mark.parametrize("page_size", [1, 16, 128])
+def test_warm_up_calls_fresh_and_paged_for_one_and_several_query_tiles(page_size, caplog):
+    pytest.importorskip("triton")
+    from pdserve.attention.flash_attn_backend import WARMUP_QUERY_LENS, warm_up
+
+    reference = VarlenReference()
+    with caplog.at_level("INFO", logger="pdserve.attention.flash_attn_backend"):
+        warm_up(reference, 8, 2, HEAD_DIM, page_size, torch.device("cpu"), torch.float32)
+    assert reference.calls == ["fresh", "paged"] * len(WARMUP_QUERY_LENS)
+    assert "FlashAttention-4 prefill kernels (fresh and paged, query lengths 1 and 256) ready in" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------ GPU: real FA4
 
 needs_fa4 = pytest.mark.skipif(not flash_attn_installed(), reason="flash_attn.cute (FlashAttention-4) not installed")
