@@ -65,7 +65,8 @@ def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | N
 
 def triton_reason(head_dim: int, page_size: int) -> str | None:
     if head_dim not in TRITON_HEAD_DIMS:
-        return f"its Triton kernels support head_dim {' and '.join(map(str, TRITON_HEAD_DIMS))}, the model has {head_dim}"
+        supported = " and ".join(map(str, TRITON_HEAD_DIMS))
+        return f"its Triton kernels support head_dim {supported}, the model has {head_dim}"
     if page_size < 1 or page_size & (page_size - 1):
         return f"its Triton kernels need a power-of-two page size, got {page_size}"
     if not triton_installed():
