@@ -58,9 +58,7 @@ def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | N
         return f"FlashAttention-4 needs compute capability {need} or newer, the GPU has {have}"
     if dtype not in FLASH_ATTN_DTYPES:
         return f"FlashAttention-4 computes in {' or '.join(FLASH_ATTN_DTYPES)}, the model runs in {dtype}"
-    if not flash_attn_installed():
-        return f"flash_attn.cute (FlashAttention-4) is not installed ({FLASH_ATTN_INSTALL})"
-    return None
+    return flash_attn_import_error()
 
 
 def triton_reason(head_dim: int, page_size: int) -> str | None:
@@ -84,6 +82,17 @@ def flash_attn_installed() -> bool:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except ModuleNotFoundError:  # no flash_attn package at all
         return False
+
+
+def flash_attn_import_error() -> str | None:
+    """Why `flash_attn.cute` cannot be imported, or None once it is (the backend imports it next anyway)."""
+    if not flash_attn_installed():
+        return f"flash_attn.cute (FlashAttention-4) is not installed ({FLASH_ATTN_INSTALL})"
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as e:  # a broken install (a missing CUDA library, a version clash) is a reason, not a crash
+        return f"flash_attn.cute (FlashAttention-4) does not import: {e!r}"
+    return None
 
 
 def auto_backend(device_type: str, capability: tuple[int, int] | None, dtype: str | None) -> str:

@@ -1,6 +1,7 @@
 """Choosing the flash_attn backend (no GPU needed): every reason it cannot serve a model falls back to torch_native
 with one log line naming it, `auto` takes it on a Hopper-or-newer GPU where FlashAttention-4 is installed and
-`sdpa` on CUDA otherwise, and finding the package does not need it to be importable."""
+`sdpa` on CUDA otherwise; the package is looked for without importing it, and one found that does not import is a
+reason too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 from pdserve.attention import selection
-from pdserve.attention.selection import flash_attn_installed, resolve_backend_name
+from pdserve.attention.selection import flash_attn_import_error, flash_attn_installed, resolve_backend_name
 
 HOPPER, BLACKWELL, AMPERE = (9, 0), (10, 0), (8, 0)
 BF16 = "bfloat16"
@@ -21,7 +22,7 @@ FA4_HEAD_DIMS = "FlashAttention-4 supports head_dim multiples of 8 from 8 to 256
 @pytest.fixture
 def kernels_present(monkeypatch):
     monkeypatch.setattr(selection, "triton_installed", lambda: True)
-    monkeypatch.setattr(selection, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_import_error", lambda: None)
 
 
 def only_warning(caplog) -> str:
@@ -65,9 +66,17 @@ def test_missing_flash_attn_falls_back_naming_the_extra(monkeypatch, caplog):
         caplog)
 
 
+def test_flash_attn_that_does_not_import_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "triton_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_import_error", lambda: "flash_attn.cute does not import: OSError()")
+    assert resolve_backend_name("flash_attn", "cuda", 128, 16, HOPPER, BF16) == "torch_native"
+    assert "(flash_attn.cute does not import: OSError())" in only_warning(caplog)
+    assert resolve_backend_name("auto", "cuda", 128, 16, HOPPER, BF16) == "sdpa"
+
+
 def test_missing_triton_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(selection, "triton_installed", lambda: False)
-    monkeypatch.setattr(selection, "flash_attn_installed", lambda: True)
+    monkeypatch.setattr(selection, "flash_attn_import_error", lambda: None)
     assert resolve_backend_name("flash_attn", "cuda", 128, 16, HOPPER, BF16) == "torch_native"
     assert "(triton is not installed)" in only_warning(caplog)
 
@@ -96,7 +105,7 @@ def test_supported_models_keep_flash_attn_silently(capability, dtype, head_dim, 
 def test_auto_picks_flash_attn_only_where_it_runs(device_type, capability, dtype, installed, chosen, monkeypatch,
                                                   caplog):
     monkeypatch.setattr(selection, "triton_installed", lambda: True)
-    monkeypatch.setattr(selection, "flash_attn_installed", lambda: installed)
+    monkeypatch.setattr(selection, "flash_attn_import_error", lambda: None if installed else "not installed")
     assert resolve_backend_name("auto", device_type, 128, 16, capability, dtype) == chosen
     assert not caplog.records
 
@@ -125,9 +134,18 @@ def import_path(tmp_path, monkeypatch):
 def test_flash_attn_cute_is_found_without_being_imported(import_path):
     cute = import_path / "flash_attn" / "cute"
     cute.mkdir(parents=True)
-    (cute / "__init__.py").write_text("raise RuntimeError('imported')\n")  # as FA4's wheel: a namespace package
-    assert flash_attn_installed()
+    (cute / "__init__.py").write_text("raise OSError('libcuda.so.13: cannot open shared object file')\n")
+    assert flash_attn_installed()  # flash_attn is a namespace package, as in FA4's wheel
     assert "flash_attn.cute" not in sys.modules
+    assert flash_attn_import_error() == (
+        "flash_attn.cute (FlashAttention-4) does not import: OSError('libcuda.so.13: cannot open shared object file')")
+
+
+def test_flash_attn_cute_that_imports(import_path):
+    cute = import_path / "flash_attn" / "cute"
+    cute.mkdir(parents=True)
+    (cute / "__init__.py").write_text("def flash_attn_varlen_func(*args, **kwargs): ...\n")
+    assert flash_attn_import_error() is None
 
 
 def test_flash_attn_without_cute_is_not_flash_attention_4(import_path):
@@ -139,3 +157,5 @@ def test_flash_attn_without_cute_is_not_flash_attention_4(import_path):
 def test_no_flash_attn_package(import_path, monkeypatch):
     monkeypatch.setattr(sys, "path", [str(import_path)])
     assert not flash_attn_installed()
+    assert flash_attn_import_error() == (
+        "flash_attn.cute (FlashAttention-4) is not installed (pip install 'pdserve[flash-attn]')")
