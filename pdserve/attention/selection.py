@@ -1,6 +1,7 @@
 """Which attention backend serves a model on a device: what each backend's kernels support, and the fallback.
 
-Torch-free, so the choice is testable anywhere (the caller reads the GPU's compute capability and passes it in);
+Torch-free, so the choice is testable anywhere (the caller reads the GPU's compute capability and passes it in;
+`flash_attn.cute`, which loads torch, is imported only once everything else lets flash_attn run);
 `--attention-backend auto` (or a backend that cannot serve the model) ends with the first backend that can, with
 one log line naming why.
 
