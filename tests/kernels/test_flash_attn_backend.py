@@ -25,13 +25,12 @@ NUM_KV_HEADS, HEAD_DIM, SCALING = 2, 64, 0.125
 CHUNK = 32  # the chunked-prefill chunk size of the random chunked batches
 
 
-def attend(backend, batch, pool, q, k, v):
-    """One layer's attention as the model runs it; the new K/V must be in the pool afterwards."""
+def attend(backend, batch, pool, q, k, v, scaling=SCALING):
+    """One layer's attention: the new tokens' K/V go into the pool at their slots first, as the model's
+    layer stores them (a backend that stores them too writes the same values), then the backend attends."""
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, pool, SCALING)
-    assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
-    assert torch.equal(pool.v_buffer(0)[batch.out_cache_loc], v)
-    return out
+    pool.store(0, batch.out_cache_loc, k, v)
+    return backend.forward(q, k, v, 0, pool, scaling)
 
 
 def copy_of(pool: KVPool) -> KVPool:
@@ -104,6 +103,7 @@ def test_cuda_graph_decode_after_a_prefill_runs_on_triton(interpreted):
                       batch, copy_of(pool), q, k, v)
     backend.init_cuda_graph_state(len(specs), batch.page_table.shape[1])
     backend.init_forward_metadata_replay_cuda_graph(batch, len(specs))
+    pool.store(0, batch.out_cache_loc, k, v)
     out = backend.forward(q, k, v, 0, pool, SCALING)
     assert rel_err(out, expected) < 1e-5
 
@@ -138,11 +138,9 @@ def run_fa4(specs, page_size, group, head_dim, num_kv_heads=2, seed=0):
     scaling = 1 / math.sqrt(head_dim)
     expected = reference_attention(q, k, v, pool, batch, scaling)
     backend = FlashAttnBackend(num_heads, num_kv_heads, head_dim, page_size, "cuda", torch.bfloat16, 32768)
-    backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, pool, scaling)
+    out = attend(backend, batch, pool, q, k, v, scaling)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
     return backend, out, expected
 
 
