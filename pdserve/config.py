@@ -245,7 +245,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "hicache_storage_dir": ("hicache", "Directory of the file backend (env SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR; default /tmp/hicache)."),
     "hicache_storage_size": ("hicache", "Bound of the file backend in GB, LRU-evicted past it (0: unbounded)."),
     "hicache_storage_prefetch_policy": ("hicache", "How long admission waits for a storage prefetch: best_effort, wait_complete or timeout."),
-    "attention_backend": ("kernels", "torch_native, sdpa, triton or auto (fastest present)."),
+    "attention_backend": ("kernels", "auto, flash_attn, sdpa, triton or torch_native. auto: flash_attn (FlashAttention-4 prefill, Triton decode) on a Hopper or newer GPU where flash-attn-4 is installed, else sdpa on CUDA, torch_native elsewhere; a backend that cannot serve the model falls back to torch_native with a log line naming why."),
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),

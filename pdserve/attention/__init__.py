@@ -11,6 +11,7 @@ _BACKENDS = {
     "torch_native": "pdserve.attention.torch_native:TorchNativeBackend",
     "triton": "pdserve.attention.triton_backend:TritonAttnBackend",
     "sdpa": "pdserve.attention.sdpa_backend:SdpaAttnBackend",
+    "flash_attn": "pdserve.attention.flash_attn_backend:FlashAttnBackend",
 }
 
 

@@ -1,6 +1,10 @@
 """Kernel micro-benchmarks on one CUDA GPU: paged decode / extend attention, KV store, fused ops (and the
 layer's fused q/k norm + rotary + KV store against the separate kernels), sampling.
 
+Extend attention side by side: the Triton extend kernel (each block configuration), SDPA (fresh prompts) and,
+where flash_attn.cute is installed, FlashAttention-4 as the flash_attn backend calls it (`fa4` on the new tokens'
+q/k/v for fresh prompts, `fa4_paged` through the page table for every case).
+
 python -m pdserve.bench.kernels --out DIR [--quick]
 Writes DIR/kernels.json (every measurement) and DIR/kernels.png; prints a table. Times are medians of
 triton.testing.do_bench (extend, long kernels) or do_bench_cudagraph (everything else: the graphs the
@@ -19,6 +23,8 @@ import torch
 import triton
 import triton.testing
 
+from pdserve.attention.flash_attn_backend import PrefillPlan, fresh_attention, load_flash_attn, paged_attention
+from pdserve.attention.selection import flash_attn_installed
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels import fused, ops, sampling
 from pdserve.kernels.attention import (
@@ -111,6 +117,7 @@ def bench_decode(ceil: dict, quick: bool) -> list[dict]:
 
 def bench_extend(ceil: dict) -> list[dict]:
     rows = []
+    fa4 = load_flash_attn() if flash_attn_installed() else None
     cases = [("8k", [(0, 8192)]), ("8k+8k prefix", [(8192, 8192)]), ("2k chunk after 6k", [(6144, 2048)]),
              ("16x512", [(0, 512)] * 16), ("4x1024", [(0, 1024)] * 4), ("2x2048", [(0, 2048)] * 2)]
     for model, (hq, hkv, dim, _, _) in MODELS.items():
@@ -139,8 +146,11 @@ def bench_extend(ceil: dict) -> list[dict]:
                         q[s:s + n].transpose(0, 1)[None], k[s:s + n].transpose(0, 1)[None],
                         v[s:s + n].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
                     for s, n in zip(range(0, total, q_lens[0]), q_lens)]
+            if fa4 is not None:
+                impls.update(flash_attn_impls(fa4, q, k, v, pool, table, q_lens, kv_lens))
             for impl, fn in impls.items():
                 try:
+                    fn()  # FlashAttention-4 compiles a variant on its first call
                     ms = ms_eager(fn)
                 except Exception as e:  # an unsupported torch path is a result, not a crash
                     rows.append(dict(kind="extend", model=model, case=name, impl=impl, error=repr(e)[:300]))
@@ -149,6 +159,16 @@ def bench_extend(ceil: dict) -> list[dict]:
                 rows.append(dict(kind="extend", model=model, case=name, impl=impl, us=ms * 1e3, tflops=tflops,
                                  frac_matmul=tflops / ceil["matmul_tflops"], frac_790=tflops / 790))
     return rows
+
+
+def flash_attn_impls(fa4, q, k, v, pool: PagedPool, table, q_lens: list[int], kv_lens: list[int]) -> dict:
+    as_i32 = lambda xs: torch.tensor(xs, device="cuda", dtype=torch.int32)  # noqa: E731
+    cu_seqlens = as_i32([sum(q_lens[:i]) for i in range(len(q_lens) + 1)])
+    plan = PrefillPlan(cu_seqlens, max(q_lens), True, as_i32(kv_lens), table)
+    impls = {"fa4_paged": lambda: paged_attention(fa4, q, pool.k, pool.v, plan, pool.page_size, 0.088)}
+    if q_lens == kv_lens:
+        impls["fa4"] = lambda: fresh_attention(fa4, q, k, v, plan, 0.088)
+    return impls
 
 
 def bench_store(ceil: dict) -> list[dict]:

@@ -52,8 +52,9 @@ class ModelRunner:
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy",
                                 self.tp)
         self.pool = KVPool(self._kv_layout(), self.device)
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.backend_name = resolve_backend_name(args.attention_backend, self.device.type, model_config.head_dim,
-                                                 args.page_size)
+                                                 args.page_size, capability, str(self.dtype).removeprefix("torch."))
         self.backend = create_backend(
             self.backend_name,
             num_heads=model_config.num_heads // args.tp_size, num_kv_heads=self.num_kv_heads,

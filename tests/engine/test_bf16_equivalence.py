@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from pdserve.attention.selection import flash_attn_installed
+
 pytestmark = pytest.mark.gpu
 
 MARGIN = 0.5
@@ -22,7 +24,8 @@ def qwen3_06b(tiny_models):
     return tiny_models["qwen3-0.6b"]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch_native"])
+@pytest.mark.parametrize("backend", ["triton", "torch_native", pytest.param("flash_attn", marks=pytest.mark.skipif(
+    not flash_attn_installed(), reason="flash_attn.cute (FlashAttention-4) not installed"))])
 def test_bf16_greedy_agrees_with_hf(qwen3_06b, backend):
     from transformers import AutoModelForCausalLM
 
@@ -31,6 +34,7 @@ def test_bf16_greedy_agrees_with_hf(qwen3_06b, backend):
     hf = AutoModelForCausalLM.from_pretrained(qwen3_06b, dtype=torch.bfloat16).cuda().eval()
     llm = LLM(qwen3_06b, device="cuda", dtype="bfloat16", attention_backend=backend, max_total_tokens=65536,
               chunked_prefill_size=256)
+    assert llm.scheduler.runner.backend_name == backend
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 100000) for _ in range(n)] for n in (7, 120, 600)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
