@@ -5,9 +5,12 @@
 #
 # Suites, named for what they measure (`all` runs them in this order):
 #   tests        the GPU tests (`-m gpu`), then the CUDA graph tests again with CUDA_LAUNCH_BLOCKING=1
-#   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step
+#   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step;
+#                where a decode step's and an 8k prefill's time goes (step_profile)
 #   offline      the offline throughput workload, overlapped and synchronous (qwen3-0.6b)
-#   kernels      Triton attention and fused-op kernels against the measured ceilings
+#   kernels      Triton attention and fused-op kernels against the measured ceilings; decode block-shape sweep;
+#                skinny GEMM vs cuBLAS (FlashAttention-4 joins the extend sweep where installed: its cu13 libs wheel
+#                is 92 MB, over one call's carry, see scripts/fa4_probe.py)
 #   kv_transfer  raw KV writes GPU0 -> GPU1 (mooncake, nccl)
 #   pd           PD through the router on two GPUs: greedy identity with colocated and added TTFT
 #   router       the router overhead bench on the lent host's idle cores
@@ -39,6 +42,8 @@ suite_engine() {
     --output-lens 64 --out "$OUT/one_batch_06b"
   step 80 one_batch_8b python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 1 --input-lens 1024 8192 \
     --output-lens 32 --out "$OUT/one_batch_8b"
+  TAILN=40 step 200 step_profile_8b python3 -m pdserve.bench.step_profile --model-path "$big" --batch-sizes 1 64 \
+    --context-len 1024 --prefill-len 8192 --out "$OUT/step_profile_8b"
   for temperature in 0.6 0; do
     step 60 "decode_host_t$temperature" python3 -m pdserve.bench.decode_host --model-path "$small" --batch-size 64 \
       --input-len 1024 --steps 64 --temperature "$temperature" --repeats 3 --out "$OUT/decode_host_t$temperature.json"
@@ -55,6 +60,8 @@ suite_offline() {
 
 suite_kernels() {
   step 170 kernels python3 -m pdserve.bench.kernels --out "$OUT/kernels"
+  TAILN=8 step 120 decode_sweep python3 -m pdserve.bench.decode_sweep --out "$OUT/decode_sweep.json"
+  TAILN=22 step 150 skinny_sweep python3 -m pdserve.bench.skinny_sweep --rows 1 4 16 --out "$OUT/skinny_sweep.json"
 }
 
 suite_kv_transfer() {
