@@ -30,7 +30,7 @@ from pdserve.scheduler.request import Req
 CATEGORIES = (
     ("attention", r"decode_split|decode_reduce|_extend_kernel|flash|fmha|attention|sdpa"),
     ("kv_store", r"store_kv|rope_store|kv_store"),
-    ("gemm", r"gemm|gemv|xmma|cutlass|nvjet|matmul|splitk|dot_kernel"),
+    ("gemm", r"gemm|gemv|xmma|cutlass|nvjet|matmul|splitk|dot_kernel|skinny"),
     ("norm", r"rmsnorm|layer_norm|norm_kernel"),
     ("rotary", r"rotary|rope"),
     ("activation", r"silu"),

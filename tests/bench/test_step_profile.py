@@ -17,6 +17,7 @@ def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
     ("_decode_split_kernel", "attention"),
     ("nvjet_sm90_tst_128x8_64x12_2x1_v_bz_TNT", "gemm"),
     ("cublasLt::splitKreduce_kernel<32, 16>", "gemm"),
+    ("skinny_kernel", "gemm"),
     ("_rmsnorm_kernel", "norm"),
     ("_store_kv_kernel", "kv_store"),
     ("_rotary_kernel", "rotary"),
