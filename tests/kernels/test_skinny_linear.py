@@ -35,9 +35,7 @@ def test_linear_routes_only_tuned_shapes(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_skinny_linear_on_gpu_and_tuner_choice():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def test_skinny_linear_on_gpu_and_tuner_choice():  # skipped without CUDA by the `gpu` mark (tests/conftest.py)
     w = torch.randn(4096 + 48, 1024, device="cuda", dtype=torch.bfloat16)
     report = skinny.SkinnyTuner([1, 4, 16, 17]).tune([w])
     assert set(report) == {(m, w.shape[0], 1024) for m in (1, 4, 16)}  # 17 rows is above MAX_ROWS
