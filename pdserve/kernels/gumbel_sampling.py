@@ -52,7 +52,7 @@ def _scan_tiles(row_start, first_tile, last_tile, V, inv_t, seed, row_ctr, step_
 
 @triton.jit
 def _gumbel_sample_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol, V, tiles_per_split,
-                          QUARTER: tl.constexpr):
+                                QUARTER: tl.constexpr):
     row = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
@@ -113,5 +113,5 @@ def gumbel_max_sample(logits: torch.Tensor, temperatures: torch.Tensor, rng: tor
         QUARTER=quarter, num_warps=4, enable_fp_fusion=False,
     )
     _gumbel_sample_row_kernel[(rows,)](best_val, best_col, out, rng, splits, vocab,
-                                 SPLITS=triton.next_power_of_2(splits), num_warps=1)
+                                       SPLITS=triton.next_power_of_2(splits), num_warps=1)
     return out
