@@ -22,14 +22,20 @@ from pdserve.bench.roofline import Ceilings, ModelCost
 from pdserve.scheduler.request import Req
 
 
+def add_static_batch(sched, bs: int, input_len: int, max_tokens: int, tag: str) -> None:
+    """bs greedy requests of input_len random token ids (seeded by the shape), each generating max_tokens."""
+    rng = Random(bs * 7919 + input_len)
+    vocab = min(10000, sched.model_config.vocab_size - 1)
+    for i in range(bs):
+        ids = [rng.randint(0, vocab) for _ in range(input_len)]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        sched.add_request(Req(rid=f"{tag}{i}", input_ids=ids, sampling_params=params))
+
+
 def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceilings | None) -> dict:
     sched = llm.scheduler
-    rng = Random(bs * 7919 + input_len)
     sched.flush_cache()
-    for i in range(bs):
-        ids = [rng.randint(0, min(10000, sched.model_config.vocab_size - 1)) for _ in range(input_len)]
-        sched.add_request(Req(rid=f"b{i}", input_ids=ids,
-                              sampling_params=SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)))
+    add_static_batch(sched, bs, input_len, output_len, "b")
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
     start = time.perf_counter()

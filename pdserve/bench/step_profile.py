@@ -18,13 +18,12 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from random import Random
 
 import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.offline import parse_engine_flags
-from pdserve.scheduler.request import Req
+from pdserve.bench.one_batch import add_static_batch
 
 # first matching pattern names a kernel's category (names as the CUDA runtime reports them)
 CATEGORIES = (
@@ -114,20 +113,10 @@ def _profiled(fn, trace_path: Path) -> float:
     return wall
 
 
-def _add_requests(llm: LLM, bs: int, input_len: int, max_tokens: int, tag: str) -> None:
-    sched = llm.scheduler
-    rng = Random(bs * 7919 + input_len)
-    vocab = min(10000, sched.model_config.vocab_size - 1)
-    for i in range(bs):
-        ids = [rng.randint(0, vocab) for _ in range(input_len)]
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        sched.add_request(Req(rid=f"{tag}{i}", input_ids=ids, sampling_params=params))
-
-
 def profile_decode(llm: LLM, bs: int, context_len: int, steps: int, out: Path) -> StepProfile:
     sched = llm.scheduler
     sched.flush_cache()
-    _add_requests(llm, bs, context_len, steps + 8, "d")
+    add_static_batch(sched, bs, context_len, steps + 8, "d")
     while sched.waiting or sched.chunked:
         sched.step()
     for _ in range(4):
@@ -153,7 +142,7 @@ def profile_prefill(llm: LLM, prompt_len: int, out: Path) -> StepProfile:
 
     for tag in ("pw", "p"):  # the first run compiles the kernels for this shape
         sched.flush_cache()
-        _add_requests(llm, 1, prompt_len, 1, tag)
+        add_static_batch(sched, 1, prompt_len, 1, tag)
         trace = out / f"prefill_{prompt_len}.json"
         wall = _profiled(run, trace) if tag == "p" else run()
         while sched.has_work():
