@@ -1,0 +1,34 @@
+"""The test environment is reproducible: one install script that CI and the README both run, every test tool pinned."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_test_tool_is_pinned_to_one_version():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    unpinned = [req for req in extras["test"] if not re.match(r"^[A-Za-z0-9_.-]+==[0-9][^;\s]*(\s*;.*)?$", req)]
+    assert not unpinned, f"test tools without an exact pin: {unpinned}"
+    names = {re.split(r"[=;]", req)[0].strip().lower() for req in extras["test"]}
+    assert {"hypothesis", "hypothesis-jsonschema", "pytest", "triton"} <= names
+
+
+def test_ci_and_readme_install_through_the_same_script():
+    script = "scripts/install_test_env.sh"
+    assert (ROOT / script).stat().st_mode & 0o111, f"{script} is not executable"
+    assert script in (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    setup = readme[readme.index("Run the whole test suite"):]
+    assert re.search(r"git clone .*\n\s*cd |git clone .*&& cd ", setup)
+    assert script in setup and "python -m pytest -q" in setup
+
+
+def test_install_script_needs_no_sudo_as_root():
+    text = (ROOT / "scripts" / "install_test_env.sh").read_text()
+    lines = [line for line in text.splitlines() if line.strip().startswith("sudo")]
+    assert not lines, f"unconditional sudo: {lines}"
+    assert 'id -u' in text
