@@ -127,6 +127,6 @@ def _stream_reply(base_url: str, args: ServerArgs, history: list[dict]) -> str |
 
 
 if __name__ == "__main__":
-    from pdserve.server.ipc import exit_now
+    from pdserve.process_setup import exit_now
 
     exit_now(main())

@@ -13,6 +13,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pdserve.server.ipc import exit_now
+    from pdserve.process_setup import exit_now
 
     exit_now(main())

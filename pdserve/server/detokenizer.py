@@ -137,7 +137,8 @@ def run_detokenizer_process(args: Any) -> None:
     import zmq
 
     from pdserve.messages import MessageError, decode, encode
-    from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
+    from pdserve.ipc import ipc_addr, pull_socket, push_socket
+    from pdserve.process_setup import child_setup
     from pdserve.tokenizer import load_tokenizer
 
     child_setup("detokenizer", args.log_level)

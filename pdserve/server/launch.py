@@ -25,7 +25,8 @@ from aiohttp import web
 from pdserve.launcher import free_port
 from pdserve.server.detokenizer import run_detokenizer_process
 from pdserve.server.http_server import create_app
-from pdserve.server.ipc import no_process_shared_locks, setup_logging
+from pdserve.process_setup import setup_logging
+from pdserve.tqdm_lock import no_process_shared_locks
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.scheduler_process import run_scheduler_process, scheduler_process_name
 from pdserve.server.tokenizer_manager import TokenizerManager

@@ -22,7 +22,8 @@ import zmq
 from pdserve.config import ConfigError
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.scheduler.request import Req
-from pdserve.server.ipc import child_setup, ipc_addr, pull_socket, push_socket
+from pdserve.ipc import ipc_addr, pull_socket, push_socket
+from pdserve.process_setup import child_setup
 from pdserve.messages import (
     AbortReq,
     BatchTokenOut,

@@ -1,4 +1,5 @@
-"""Plumbing shared by the server's processes: ZeroMQ sockets, logging, tokenizer loading, child setup."""
+"""How every process of a server starts and ends: its logging, a child's set-up (its name, signals, dying with its
+parent) and an exit without interpreter teardown."""
 
 from __future__ import annotations
 
@@ -9,55 +10,18 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, NoReturn
+from typing import NoReturn
 
-import zmq
+from pdserve.tqdm_lock import no_process_shared_locks
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 PARENT_POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def ipc_addr(args: Any, name: str) -> str:
-    """Address of the socket that process `name` receives on: tokenizer, scheduler or detokenizer."""
-    if not args.ipc_dir:
-        raise ValueError("ServerArgs.ipc_dir is not set; the launcher sets it")
-    return f"ipc://{os.path.join(args.ipc_dir, name)}"
-
-
-def pull_socket(ctx: zmq.Context, addr: str, bind: bool) -> zmq.Socket:
-    sock = ctx.socket(zmq.PULL)
-    _configure(sock)
-    sock.bind(addr) if bind else sock.connect(addr)
-    return sock
-
-
-def push_socket(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PUSH)
-    _configure(sock)
-    sock.connect(addr)
-    return sock
-
-
-def _configure(sock: zmq.Socket) -> None:
-    # Unbounded queues: a full queue would block the scheduler loop; memory is bounded by requests in flight.
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, 0)
-
-
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     logging.getLogger("torch").setLevel(max(logging.WARNING, logging.getLogger().level))
-
-
-def no_process_shared_locks() -> None:
-    """The server's processes end with `os._exit` (`exit_now`), so a multiprocessing semaphore made in one is never
-    unlinked and Python's resource tracker warns "leaked semaphore objects" at shutdown. tqdm makes one for its
-    first progress bar (the weight loader's) unless it was given a lock: give it a thread lock."""
-    from tqdm import tqdm
-
-    tqdm.set_lock(threading.RLock())
 
 
 def child_setup(role: str, log_level: str) -> None:
