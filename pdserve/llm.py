@@ -19,7 +19,7 @@ from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.warmup import warm_up
 from pdserve.server.launch import stop_children
-from pdserve.server.scheduler_process import run_scheduler_process, scheduler_process_name
+from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
 from pdserve.tokenizer import load_tokenizer
 
 

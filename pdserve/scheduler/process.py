@@ -20,10 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 
 from pdserve.config import ConfigError
-from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.scheduler.request import Req
 from pdserve.ipc import ipc_addr, pull_socket, push_socket
-from pdserve.process_setup import child_setup
 from pdserve.messages import (
     AbortReq,
     BatchTokenOut,
@@ -40,6 +37,9 @@ from pdserve.messages import (
     decode,
     encode,
 )
+from pdserve.process_setup import child_setup
+from pdserve.sampling_params import SamplingParams, SamplingParamsError
+from pdserve.scheduler.request import Req
 
 if TYPE_CHECKING:
     from pdserve.config import ServerArgs
