@@ -14,12 +14,12 @@ from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.launcher import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
+from pdserve.process_setup import stop_children
 from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.warmup import warm_up
-from pdserve.server.launch import stop_children
 from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
+from pdserve.scheduler.warmup import warm_up
 from pdserve.tokenizer import load_tokenizer
 
 
@@ -47,7 +47,7 @@ class LLM:
         followers = _spawn_followers(self.args)
         try:
             self.scheduler = Scheduler(self.args, tokenizer=self.tokenizer)
-            # every rank warms up the same way (scheduler_process.run_scheduler_process), then meets here
+            # every rank warms up the same way (scheduler/process.py's run_scheduler_process), then meets here
             self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
             self.scheduler.runner.tp.barrier()
         except BaseException:

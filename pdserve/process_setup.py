@@ -1,5 +1,5 @@
 """How every process of a server starts and ends: its logging, a child's set-up (its name, signals, dying with its
-parent) and an exit without interpreter teardown."""
+parent), an exit without interpreter teardown, and how a parent stops its children."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing.process import BaseProcess
 from typing import NoReturn
 
 from pdserve.tqdm_lock import no_process_shared_locks
@@ -17,6 +18,10 @@ from pdserve.tqdm_lock import no_process_shared_locks
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 PARENT_POLL_SECONDS = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+TERMINATE_TIMEOUT_SECONDS = 10.0
+KILL_TIMEOUT_SECONDS = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def setup_logging(level: str) -> None:
@@ -45,13 +50,13 @@ def _die_with_parent() -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        logging.getLogger(__name__).warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
 
 
 def _exit_when_orphaned(parent_pid: int, role: str) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_SECONDS)
-    logging.getLogger(__name__).error("%s: the server process died; exiting", role)
+    logger.error("%s: the server process died; exiting", role)
     os._exit(1)
 
 
@@ -64,3 +69,18 @@ def exit_now(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def stop_children(children: list[BaseProcess]) -> None:
+    """SIGTERM to every child still alive, then join each and kill the ones that did not stop in time."""
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+    for child in children:
+        if child.pid is None:
+            continue
+        child.join(TERMINATE_TIMEOUT_SECONDS)
+        if child.is_alive():
+            logger.warning("the %s process did not stop in time; killing it", child.name)
+            child.kill()
+            child.join(KILL_TIMEOUT_SECONDS)

@@ -96,3 +96,19 @@ def test_pd_protocol_imports_without_torch():
     probe = "import sys, pdserve.disagg.protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` loads, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for succ in graph[todo.pop()] - seen:
+            seen.add(succ)
+            todo.append(succ)
+    return seen
+
+
+def test_offline_engine_never_imports_the_http_server():
+    graph = import_graph()
+    assert sorted(m for m in reachable(graph, "pdserve.llm") if m.startswith("pdserve.server")) == []
+    assert "pdserve.scheduler.scheduler" in reachable(graph, "pdserve.llm")  # the walk follows the imports

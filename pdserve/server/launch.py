@@ -22,15 +22,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
+from pdserve.detokenizer.process import run_detokenizer_process
 from pdserve.launcher import free_port
-from pdserve.server.detokenizer import run_detokenizer_process
-from pdserve.server.http_server import create_app
-from pdserve.process_setup import setup_logging
-from pdserve.tqdm_lock import no_process_shared_locks
-from pdserve.server.metrics import ServerMetrics
+from pdserve.process_setup import setup_logging, stop_children
 from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
+from pdserve.server.http_server import create_app
+from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import TokenizerManager
 from pdserve.tokenizer import load_tokenizer
+from pdserve.tqdm_lock import no_process_shared_locks
 
 if TYPE_CHECKING:
     from pdserve.config import ServerArgs
@@ -39,8 +39,6 @@ logger = logging.getLogger("pdserve.server")
 T = TypeVar("T")
 
 STARTUP_TIMEOUT_SECONDS = 1800.0  # loading a large checkpoint can take many minutes
-TERMINATE_TIMEOUT_SECONDS = 10.0
-KILL_TIMEOUT_SECONDS = 5.0
 EXIT_CHILD_DIED = 1
 EXIT_START_FAILED = 1
 READY_ROLES = {"scheduler", "detokenizer"}  # the leader rank announces once every rank has loaded
@@ -181,17 +179,3 @@ def _check_port_free(host: str, port: int) -> None:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-
-
-def stop_children(children: list[BaseProcess]) -> None:
-    for child in children:
-        if child.is_alive():
-            child.terminate()
-    for child in children:
-        if child.pid is None:
-            continue
-        child.join(TERMINATE_TIMEOUT_SECONDS)
-        if child.is_alive():
-            logger.warning("the %s process did not stop in time; killing it", child.name)
-            child.kill()
-            child.join(KILL_TIMEOUT_SECONDS)

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.server.detokenizer import IncrementalDetokenizer
+from pdserve.detokenizer.process import IncrementalDetokenizer
 from pdserve.server.generation import check_bootstrap
 from pdserve.server.http_common import ApiError
 from pdserve.messages import (

@@ -133,11 +133,11 @@ def _partial_suffix_len(text: str, stop: str) -> int:
 
 
 def run_detokenizer_process(args: Any) -> None:
-    """Entry point of the detokenizer child (spawned by `launch.py`)."""
+    """Entry point of the detokenizer child (spawned by the server's launch)."""
     import zmq
 
-    from pdserve.messages import MessageError, decode, encode
     from pdserve.ipc import ipc_addr, pull_socket, push_socket
+    from pdserve.messages import MessageError, decode, encode
     from pdserve.process_setup import child_setup
     from pdserve.tokenizer import load_tokenizer
 
