@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from aiohttp import web
 
 from pdserve.disagg.addressing import is_wildcard, join_endpoint, reachable_endpoint
-from pdserve.disagg.auth import HEADER, AuthError, ClusterAuth
+from pdserve.cluster_auth import HEADER, AuthError, ClusterAuth
 from pdserve.distributed.tensor_parallel import kv_heads_per_rank
 
 _LAYOUT_KEYS = ("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size")  # equal on both sides

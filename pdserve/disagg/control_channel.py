@@ -14,7 +14,7 @@ import threading
 
 import zmq
 
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.control_messages import Message, from_wire, to_wire
 from pdserve.disagg.transfer.base import TransferError
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients

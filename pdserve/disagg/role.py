@@ -18,7 +18,7 @@ import msgpack
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_host
-from pdserve.disagg.auth import make_auth
+from pdserve.cluster_auth import make_auth
 from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.control_messages import Message, WriteDone, WriteFailed, from_wire, to_wire
 from pdserve.disagg.kv_checksum import combined_checksum, head_checksums

@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the native and the OpenAI routes: app keys, JSON errors, the error and API-key
-middlewares, body parsing and SSE writing."""
+"""HTTP plumbing shared by the native and the OpenAI routes: app keys, JSON errors, the error, API-key and router
+token middlewares, body parsing and SSE writing."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from pdserve.cluster_auth import HEADER, AuthError, ClusterAuth
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import RequestRejected, TokenizerManager
 
@@ -24,6 +25,7 @@ TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
 ARGS_KEY = web.AppKey("args", object)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 PUBLIC_PATHS = frozenset({"/health"})
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -97,6 +99,23 @@ def auth_middleware(api_key: str) -> Any:
         return await handler(request)
 
     return check_api_key
+
+
+def router_auth_middleware(auth: ClusterAuth) -> Any:
+    """A PD server with a cluster secret takes generation requests (and so bootstrap fields) only from the router:
+    each needs the router's `X-PD-Auth` token over its method, path and body."""
+
+    @web.middleware
+    async def check_router_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "POST" and request.path in GENERATION_PATHS:
+            try:
+                auth.verify_token(request.headers.get(HEADER), "POST", request.path_qs, await request.read())
+            except AuthError as exc:
+                raise ApiError(401, f"PD requests are accepted only from the router ({exc})",
+                               "invalid_cluster_auth") from None
+        return await handler(request)
+
+    return check_router_token
 
 
 async def parse_body(request: web.Request, model: type[ModelT]) -> ModelT:

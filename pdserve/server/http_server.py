@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.disagg.auth import make_auth
+from pdserve.cluster_auth import make_auth
 from pdserve.server import native_api, openai_api
-from pdserve.server.cluster_auth import router_auth_middleware
-from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, auth_middleware, error_middleware
+from pdserve.server.http_common import (ARGS_KEY, METRICS_KEY, TM_KEY, auth_middleware, error_middleware,
+                                        router_auth_middleware)
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import TokenizerManager
 

@@ -3,7 +3,7 @@
 With a cluster secret (`--disaggregation-secret` or PDSERVE_DISAGGREGATION_SECRET, the one the PD servers have),
 each request to a prefill or decode carries `X-PD-Auth: timestamp.nonce.mac`, an HMAC-SHA256 over the timestamp,
 a nonce, the method, the path and the body; the servers refuse generation requests without a valid one
-(pdserve.disagg.auth verifies it).
+(pdserve.cluster_auth verifies it).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_pd_schedulers import check_pd_equals_colocated, make_pair, pd_req, run
 
-from pdserve.disagg.auth import AuthError, ClusterAuth
+from pdserve.cluster_auth import AuthError, ClusterAuth
 from pdserve.disagg.bootstrap import PrefillRankInfo, _request
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.early_requests import MAX_EARLY_REQUESTS

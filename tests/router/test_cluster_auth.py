@@ -3,7 +3,7 @@ signs what it sends to PD servers."""
 
 from __future__ import annotations
 
-from pdserve.disagg.auth import HEADER
+from pdserve.cluster_auth import HEADER
 
 CLIENT_FIELDS = {"bootstrap_host": "10.255.255.1", "bootstrap_port": 1, "bootstrap_room": 7}
 

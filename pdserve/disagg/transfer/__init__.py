@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
     HeadSlice,
     KVRegion,

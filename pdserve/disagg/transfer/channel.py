@@ -18,7 +18,7 @@ from typing import Callable
 import msgpack
 import zmq
 
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.transfer.base import TransferError
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from typing import Mapping
 import torch
 
 from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.transfer.channel import ControlServer, PeerClients, parse_spans
 
 logger = logging.getLogger(__name__)

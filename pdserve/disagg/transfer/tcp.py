@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.disagg.auth import ClusterAuth
+from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
     MemoryRegion,
     TransferEngine,

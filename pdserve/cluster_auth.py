@@ -4,7 +4,8 @@ A signed control message carries `auth: [timestamp, nonce, mac]`, the MAC taken 
 the msgpack bytes of the message without `auth`. A token for an HTTP request (bootstrap routes, the router's
 bootstrap fields) is "timestamp.nonce.mac" over the same parts and the request's method, path and body.
 A receiver refuses a MAC that does not verify, a timestamp more than `max_age_s` away from its clock, and a
-nonce it saw within that window (replay). Torch-free: the HTTP server and the bootstrap server use it too.
+nonce it saw within that window (replay). Torch-free, one module for the whole package: the PD roles, their
+transfer engines, the bootstrap server and the HTTP server's router-token middleware use it.
 """
 
 from __future__ import annotations
