@@ -19,7 +19,7 @@ from pdserve.server.generation import new_rid, sampling_error, with_logprobs
 from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, json_response, parse_body
 from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.metrics import CONTENT_TYPE
-from pdserve.server.protocol import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
+from pdserve.server.schemas import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0

@@ -24,7 +24,7 @@ from pdserve.server.generation import (
 )
 from pdserve.server.http_common import ARGS_KEY, TM_KEY, ApiError, json_response, parse_body, stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the fuzz suite: request bodies drawn from the protocol models' JSON schemas
+"""Hypothesis strategies for the fuzz suite: request bodies drawn from the schema models' JSON schemas
 (hypothesis-jsonschema), kept cheap to serve, and hostile variants of them spliced at the byte level."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from pydantic import BaseModel
 
-from pdserve.server.protocol import AbortRequestInput
+from pdserve.server.schemas import AbortRequestInput
 
 # Generated lengths above this are cut down (modulo), so that an accepted request costs a few decode steps;
 # values from this bound up stay as drawn and are refused.

@@ -1,5 +1,5 @@
 """Hypothesis fuzzing of every route of a colocated server, a PD pair (each half directly) and the router: bodies
-from the protocol models' JSON schemas plus hostile variants. No answer is a 500 (other than a deliberate
+from the schema models' JSON schemas plus hostile variants. No answer is a 500 (other than a deliberate
 502/503/504) or a non-JSON error, every request ends within its client timeout, no process dies, and afterwards
 every server answers a normal request correctly with its KV pool fully free.
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from strategies import admin_requests, plausible_bodies, request_bodies  # noqa: E402
 
-from pdserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateReqInput
+from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, GenerateReqInput
 
 # the PD halves refuse every request that did not come through the router, so the others are drawn twice as often
 TARGETS = ("colocated", "router", "prefill", "decode", "colocated", "router")

@@ -25,7 +25,7 @@ from pdserve.messages import (
 )
 from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
-from pdserve.server.protocol import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
+from pdserve.server.schemas import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest
 
 
