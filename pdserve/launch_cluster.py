@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser
-from pdserve.launcher import (ClusterError, Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags,
-                              router_argv, server_argv, stop_all, wait_healthy)
+from pdserve.server_processes import (ClusterError, Proc, decode_flags, free_port, http_url, pd_router_flags,
+                                      prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
 WATCH_POLL_SECONDS = 0.5
 EXIT_OK = 0

@@ -7,9 +7,9 @@ from pdserve.config import ServerArgs
 
 def main(argv: list[str] | None = None) -> int:
     args = ServerArgs.from_cli(argv)
-    from pdserve.server.launch import launch_server
+    from pdserve.server.serve import serve
 
-    return launch_server(args)
+    return serve(args)
 
 
 if __name__ == "__main__":

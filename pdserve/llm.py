@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import TPGroup
-from pdserve.launcher import free_port
+from pdserve.server_processes import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.process_setup import stop_children
 from pdserve.sampling_params import SamplingParams, check_prompt

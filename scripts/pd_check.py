@@ -19,8 +19,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.launcher import (Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags, router_argv,
-                              server_argv, start_all, stop_all)
+from pdserve.server_processes import (Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags,
+                                      router_argv, server_argv, start_all, stop_all)
 
 STARTUP_TIMEOUT_S = 480.0
 SIZE_FLAGS = {"cuda": ["--max-total-tokens", "131072", "--context-length", "20000", "--cuda-graph-max-bs", "16"],

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from pdserve import launcher
-from pdserve.launcher import free_port, stop_all
+from pdserve import server_processes
+from pdserve.server_processes import free_port, stop_all
 
 STARTUP_TIMEOUT = 480.0  # generous: CI boxes shared with other jobs start servers slowly
 CONTEXT_LENGTH = 512
@@ -67,7 +67,7 @@ def http(method: str, url: str, body: dict | bytes | None = None, headers: dict 
         return Reply(exc.code, exc.read(), dict(exc.headers))
 
 
-class Proc(launcher.Proc):
+class Proc(server_processes.Proc):
     """A launched server or router with the test's HTTP shortcuts."""
 
     def get(self, path: str, **kwargs) -> Reply:
@@ -79,31 +79,33 @@ class Proc(launcher.Proc):
 
 def start_all(procs: list[Proc]) -> list[Proc]:
     """Launch every process, then wait until all answer /health; on failure stop them all."""
-    return launcher.start_all(procs, STARTUP_TIMEOUT)
+    return server_processes.start_all(procs, STARTUP_TIMEOUT)
 
 
 def server(name: str, model: str, *extra: str, port: int | None = None, kind: type[Proc] = Proc, **fields) -> Proc:
     """A server on the CPU with a small KV pool; `extra` flags come last and win. `kind` and `fields`: a subclass
     of Proc with its own fields."""
     port = port or free_port()
-    argv = launcher.server_argv(model, port, "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-                                "--context-length", str(CONTEXT_LENGTH), *extra)
+    argv = server_processes.server_argv(model, port, "--max-total-tokens", str(MAX_TOTAL_TOKENS),
+                                        "--context-length", str(CONTEXT_LENGTH), *extra)
     return kind(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV, **fields)
 
 
 def prefill_server(model: str, backend: str, bootstrap_port: int, *extra: str) -> Proc:
-    return server(f"prefill-{backend}", model, *launcher.prefill_flags(backend, bootstrap_port), *PD_TIMEOUTS, *extra)
+    role = server_processes.prefill_flags(backend, bootstrap_port)
+    return server(f"prefill-{backend}", model, *role, *PD_TIMEOUTS, *extra)
 
 
 def decode_server(model: str, backend: str, *extra: str, name: str = "") -> Proc:
-    return server(name or f"decode-{backend}", model, *launcher.decode_flags(backend),
+    return server(name or f"decode-{backend}", model, *server_processes.decode_flags(backend),
                   "--num-reserved-decode-tokens", "64", *PD_TIMEOUTS, *extra)
 
 
 def router(prefills: list[tuple[Proc, int]], decodes: list[Proc], *extra: str, name: str = "router") -> Proc:
     port = free_port()
-    pd_flags = launcher.pd_router_flags([(p.url, b) for p, b in prefills], [d.url for d in decodes])
-    argv = launcher.router_argv(port, "--log-level", "warning", *pd_flags, "--health-check-interval-s", "0.5", *extra)
+    pd_flags = server_processes.pd_router_flags([(p.url, b) for p, b in prefills], [d.url for d in decodes])
+    argv = server_processes.router_argv(port, "--log-level", "warning", *pd_flags, "--health-check-interval-s", "0.5",
+                                        *extra)
     return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
 
 

@@ -133,7 +133,7 @@ def _partial_suffix_len(text: str, stop: str) -> int:
 
 
 def run_detokenizer_process(args: Any) -> None:
-    """Entry point of the detokenizer child (spawned by the server's launch)."""
+    """Entry point of the detokenizer child (spawned by `server/serve.py`)."""
     import zmq
 
     from pdserve.ipc import ipc_addr, pull_socket, push_socket

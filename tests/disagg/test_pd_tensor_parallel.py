@@ -19,7 +19,7 @@ from cluster_util import (NO_MOONCAKE, PD_TIMEOUTS, Proc, free_port, http, moonc
                           scheduler_stats, server, start_all, stop_all, wait_kv_free)
 
 from pdserve import LLM, SamplingParams
-from pdserve import launcher
+from pdserve import server_processes
 
 pytestmark = pytest.mark.timeout(900)  # a module's first test also pays for starting its servers
 
@@ -44,9 +44,9 @@ def start_servers(model: str, backend: str, log_dir) -> PDServers:
     for name in ("p1", "p2", "d1", "d2"):
         tp = ["--tp-size", "2"] if name.endswith("2") else []
         if name.startswith("p"):
-            role = [*launcher.prefill_flags(backend, bootstraps[name]), *layerwise]
+            role = [*server_processes.prefill_flags(backend, bootstraps[name]), *layerwise]
         else:
-            role = [*launcher.decode_flags(backend), "--num-reserved-decode-tokens", "64",
+            role = [*server_processes.decode_flags(backend), "--num-reserved-decode-tokens", "64",
                     "--disaggregation-enable-kv-checksum"]  # a checksum over every rank's heads on both sides
         procs[name] = server(f"{name}-{backend}", model, *COMMON, *role, *PD_TIMEOUTS, *tp,
                              log_path=str(log_dir / f"{name}-{backend}.log"))

@@ -8,7 +8,7 @@ import time
 from hicache_util import MAX_NEW, PAGE_SIZE, greedy, prompts
 
 from pdserve.config import ServerArgs
-from pdserve.launcher import free_port
+from pdserve.server_processes import free_port
 from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.prefill import PrefillScheduler
 from pdserve.scheduler.request import Req

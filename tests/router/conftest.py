@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from cluster_util import Proc, Reply, free_port, http
 
-from pdserve.launcher import router_argv, start_all
+from pdserve.server_processes import router_argv, start_all
 
 from tools.stub import StubHost
 

@@ -1,4 +1,4 @@
-"""Start the server: scheduler and detokenizer children, the tokenizer manager and HTTP server here.
+"""One server: the scheduler and detokenizer children, and the tokenizer manager and HTTP server in this process.
 
 Children are spawned (never forked), talk over ipc:// sockets in a private temp dir, and are watched:
 if one exits, the server logs which one and shuts everything down (no half-alive server). SIGTERM and
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from aiohttp import web
 
 from pdserve.detokenizer.process import run_detokenizer_process
-from pdserve.launcher import free_port
 from pdserve.process_setup import setup_logging, stop_children
 from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
 from pdserve.server.http_server import create_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.server_processes import free_port
 from pdserve.tokenizer import load_tokenizer
 from pdserve.tqdm_lock import no_process_shared_locks
 
@@ -44,7 +44,7 @@ EXIT_START_FAILED = 1
 READY_ROLES = {"scheduler", "detokenizer"}  # the leader rank announces once every rank has loaded
 
 
-def launch_server(args: ServerArgs) -> int:
+def serve(args: ServerArgs) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or a child's death (exit code 1)."""
     setup_logging(args.log_level)
     no_process_shared_locks()
