@@ -11,7 +11,7 @@ from typing import Any
 
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.http_common import ApiError
-from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
+from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 
 def sampling_error(exc: SamplingParamsError | TypeError) -> ApiError:
@@ -64,9 +64,7 @@ def check_unique_rids(tm: TokenizerManager, requests: list[GenerateRequest]) -> 
     rids = [r.rid for r in requests]
     if len(set(rids)) != len(rids):
         raise ApiError(400, "request ids in one batch must differ")
-    for rid in rids:
-        if tm.is_in_flight(rid):
-            raise ApiError(400, f"request id {rid!r} is already in flight")
+    tm.check_not_in_flight(rids)
 
 
 # --- accumulating one request's output ------------------------------------------------------------
@@ -82,18 +80,18 @@ class Generation:
     output_top_logprobs: list[list] = field(default_factory=list)
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
-    last: Chunk | None = None
+    last: OutputDelta | None = None
 
-    def add(self, chunk: Chunk) -> None:
-        out = chunk.out
+    def add(self, delta: OutputDelta) -> None:
+        out = delta.out
         self.text += out.text
         self.output_ids.extend(out.new_token_ids)
         self.output_logprobs.extend(out.output_logprobs)
         self.output_top_logprobs.extend(out.output_top_logprobs)
-        if chunk.input_logprobs is not None:
-            self.input_logprobs = chunk.input_logprobs
+        if delta.input_logprobs is not None:
+            self.input_logprobs = delta.input_logprobs
             self.input_top_logprobs = out.input_top_logprobs
-        self.last = chunk
+        self.last = delta
 
     @property
     def finish_reason(self) -> dict | None:
@@ -108,9 +106,9 @@ class Generation:
         return self.last.out.completion_tokens if self.last else 0
 
 
-async def collect(streams: list[AsyncIterator[Chunk]]) -> list[Generation]:
+async def collect(streams: list[AsyncIterator[OutputDelta]]) -> list[Generation]:
     generations = [Generation() for _ in streams]
     async with aclosing(merge_streams(streams)) as merged:
-        async for index, chunk in merged:
-            generations[index].add(chunk)
+        async for index, delta in merged:
+            generations[index].add(delta)
     return generations

@@ -20,7 +20,7 @@ from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, 
 from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.schemas import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
-from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
+from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
 LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "num_waiting", "num_running")
@@ -41,12 +41,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _generate_events(
-    streams: list[AsyncIterator[Chunk]], requests: list[GenerateRequest], is_batch: bool, with_text: bool
+    streams: list[AsyncIterator[OutputDelta]], requests: list[GenerateRequest], is_batch: bool, with_text: bool
 ) -> AsyncIterator[dict]:
     generations = [Generation() for _ in streams]
     async with aclosing(merge_streams(streams)) as merged:
-        async for index, chunk in merged:
-            generations[index].add(chunk)
+        async for index, delta in merged:
+            generations[index].add(delta)
             event = generate_result(generations[index], requests[index], with_text)
             if is_batch:
                 event["index"] = index

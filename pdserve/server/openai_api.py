@@ -25,7 +25,7 @@ from pdserve.server.generation import (
 from pdserve.server.http_common import ARGS_KEY, TM_KEY, ApiError, json_response, parse_body, stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
-from pdserve.server.tokenizer_manager import Chunk, GenerateRequest, TokenizerManager, merge_streams
+from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -164,13 +164,15 @@ class ResponseFormat(ABC):
         choices = [self.choice(i, g) for i, g in enumerate(generations)]
         return {**self.envelope(self.object_name, choices), "usage": _usage(generations, n)}
 
-    async def events(self, streams: list[AsyncIterator[Chunk]], n: int, include_usage: bool) -> AsyncIterator[dict]:
+    async def events(
+        self, streams: list[AsyncIterator[OutputDelta]], n: int, include_usage: bool
+    ) -> AsyncIterator[dict]:
         generations = [Generation() for _ in streams]
         async with aclosing(merge_streams(streams)) as merged:
-            async for index, chunk in merged:
+            async for index, delta in merged:
                 is_first = generations[index].last is None
-                generations[index].add(chunk)
-                for choice in self.delta_choices(index, chunk, is_first):
+                generations[index].add(delta)
+                for choice in self.delta_choices(index, delta, is_first):
                     yield self.envelope(self.chunk_object_name, [choice])
         if include_usage:
             yield {**self.envelope(self.chunk_object_name, []), "usage": _usage(generations, n)}
@@ -179,7 +181,7 @@ class ResponseFormat(ABC):
     def choice(self, index: int, generation: Generation) -> dict: ...
 
     @abstractmethod
-    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]: ...
+    def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]: ...
 
 
 class CompletionFormat(ResponseFormat):
@@ -193,9 +195,9 @@ class CompletionFormat(ResponseFormat):
         return {"index": index, "text": generation.text, "logprobs": logprobs,
                 "finish_reason": _finish_reason(generation.finish_reason)}
 
-    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]:
-        out = chunk.out
-        if not out.text and not chunk.finished and not out.output_logprobs:
+    def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
+        out = delta.out
+        if not out.text and not delta.finished and not out.output_logprobs:
             return []
         logprobs = None
         if out.output_logprobs:
@@ -215,13 +217,13 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "message": {"role": "assistant", "content": generation.text},
                 "logprobs": logprobs, "finish_reason": _finish_reason(generation.finish_reason)}
 
-    def delta_choices(self, index: int, chunk: Chunk, is_first: bool) -> list[dict]:
-        out = chunk.out
+    def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
+        out = delta.out
         choices = []
         if is_first:
             choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None})
-        if out.text or chunk.finished or out.output_logprobs:
+        if out.text or delta.finished or out.output_logprobs:
             logprobs = None
             if out.output_logprobs:
                 logprobs = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs)}

@@ -12,7 +12,7 @@ import itertools
 from concurrent.futures import ThreadPoolExecutor
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +77,11 @@ class GenerateRequest:
 
 
 @dataclass(slots=True)
-class Chunk:
+class OutputDelta:
     """New output of one request, as the detokenizer sent it, plus timing."""
 
     out: StrOut
-    input_logprobs: list | None  # [[logprob, token_id, text], ...], first chunk only, when asked
+    input_logprobs: list | None  # [[logprob, token_id, text], ...], first delta only, when asked
     ttft: float | None
     e2e_latency: float
 
@@ -223,13 +223,16 @@ class TokenizerManager:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def is_in_flight(self, rid: str) -> bool:
-        return rid in self.states
+    def check_not_in_flight(self, rids: Iterable[str]) -> None:
+        """The server's one check that request ids are free: a batch is refused whole before any item is sent,
+        and `generate` checks again as it registers the request."""
+        for rid in rids:
+            if rid in self.states:
+                raise RequestRejected(f"request id {rid!r} is already in flight")
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it."""
-        if request.rid in self.states:
-            raise RequestRejected(f"request id {request.rid!r} is already in flight")
+        self.check_not_in_flight([request.rid])
         message = encode(_tokenized(request))
         state = ReqState(request)
         self.states[request.rid] = state
@@ -248,7 +251,7 @@ class TokenizerManager:
                     raise RequestRejected(failure.get("message") or "the request failed", failure["status_code"])
                 if finished and item.finish_reason.get("type") != "abort" and self._computed_kv(request):
                     self.prefix_digest.record(request.routing_key, len(request.input_ids))
-                yield self._chunk(state, item)
+                yield self._delta(state, item)
         finally:
             if not finished:
                 self.abort(request.rid)
@@ -258,13 +261,13 @@ class TokenizerManager:
         has neither, and never enters its prefix cache)."""
         return self.args.disaggregation_mode != "decode" or request.bootstrap_host != FAKE_BOOTSTRAP_HOST
 
-    def _chunk(self, state: ReqState, out: StrOut) -> Chunk:
+    def _delta(self, state: ReqState, out: StrOut) -> OutputDelta:
         now = time.perf_counter()
         ttft = None if state.first_token_time is None else state.first_token_time - state.created
         input_logprobs = None
         if out.input_logprobs is not None:
             input_logprobs = self._input_logprob_entries(state.request, out.input_logprobs)
-        return Chunk(out, input_logprobs, ttft, now - state.created)
+        return OutputDelta(out, input_logprobs, ttft, now - state.created)
 
     def _input_logprob_entries(self, request: GenerateRequest, logprobs: list) -> list:
         start = max(request.logprob_start_len, 0)
@@ -368,15 +371,15 @@ def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
     )
 
 
-async def merge_streams(streams: list[AsyncIterator[Chunk]]) -> AsyncIterator[tuple[int, Chunk]]:
+async def merge_streams(streams: list[AsyncIterator[OutputDelta]]) -> AsyncIterator[tuple[int, OutputDelta]]:
     """Interleave several requests' outputs as they arrive, tagged with the stream's index."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def pump(index: int, stream: AsyncIterator[Chunk]) -> None:
+    async def pump(index: int, stream: AsyncIterator[OutputDelta]) -> None:
         try:
-            async for chunk in stream:
-                await queue.put((index, chunk))
+            async for delta in stream:
+                await queue.put((index, delta))
             await queue.put((index, done))
         except Exception as exc:  # handed to the consumer, which re-raises it
             await queue.put((index, exc))
