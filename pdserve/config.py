@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -221,7 +220,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "model_path": ("model", "Folder of an HF-format model (config.json, safetensors, tokenizer)."),
     "tokenizer_path": ("model", "Tokenizer folder; defaults to --model-path."),
     "dtype": ("model", "Weight and activation dtype: auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16."),
-    "trust_remote_code": ("model", "Accepted for SGLang compatibility; pdserve runs only its own model code."),
+    "trust_remote_code": ("model", "Let transformers run the tokenizer code of the model's repository; the model "
+                                   "itself always runs on pdserve's own code."),
     "context_length": ("model", "Longest prompt + output in tokens; defaults to the model's max_position_embeddings."),
     "served_model_name": ("model", "Model name reported by /v1/models and expected in OpenAI requests."),
     "device": ("model", "cuda, cpu or auto (cuda when present)."),
@@ -306,7 +306,3 @@ def _field_type(f: dataclasses.Field) -> type:
     if text.startswith("float"):
         return float
     return str
-
-
-def default_ipc_dir() -> str:
-    return os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pdserve-{os.getpid()}")

@@ -10,4 +10,5 @@ from pdserve.config import ServerArgs
 def load_tokenizer(args: ServerArgs) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path, trust_remote_code=False)
+    path = args.tokenizer_path or args.model_path
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=args.trust_remote_code)

@@ -99,11 +99,6 @@ def bootstrap_fields(path: str, prefill: Worker, batch: int | None) -> dict:
             "bootstrap_room": [new_room() for _ in range(batch)]}
 
 
-def inject_bootstrap(body: dict, path: str, prefill: Worker, batch: int | None) -> dict:
-    """A copy of `body` carrying the rendezvous fields."""
-    return {**body, **bootstrap_fields(path, prefill, batch)}
-
-
 def spliceable(raw: bytes) -> bool:
     """Whether `raw` (a body that parsed as a JSON object) is UTF-8 text `{...}` that fields can be appended to
     without decoding and re-encoding it (a BOM, UTF-16/32 or leading/trailing junk would not be)."""

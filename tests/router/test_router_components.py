@@ -11,7 +11,7 @@ import pytest
 
 from pdserve_router.cli import parse_config
 from pdserve_router.config import RouterConfig
-from pdserve_router.payload import FirstEventMerger, inject_bootstrap
+from pdserve_router.payload import FirstEventMerger, bootstrap_fields
 from pdserve_router.policies import CacheAwarePolicy
 from pdserve_router.workers import CircuitBreaker, Worker
 
@@ -44,7 +44,7 @@ def test_bootstrap_host_is_ipv6_safe():
     breaker = CircuitBreaker(1, 1, 1.0)
     prefill = Worker("http://[::1]:30000/", "prefill", breaker, bootstrap_port=8998)
     assert prefill.url == "http://[::1]:30000" and prefill.bootstrap_host == "[::1]"
-    body = inject_bootstrap({"text": "x"}, "/generate", prefill, None)
+    body = {"text": "x", **bootstrap_fields("/generate", prefill, None)}
     assert body["bootstrap_host"] == "[::1]" and body["bootstrap_port"] == 8998 and body["bootstrap_room"] < 2**63
 
 
