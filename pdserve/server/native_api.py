@@ -111,7 +111,7 @@ def generate_result(generation: Generation, request: GenerateRequest, with_text:
         "e2e_latency": last.e2e_latency if last else 0.0,
         "ttft": last.ttft if last else None,
     }
-    if request.return_logprob:
+    if request.sampling_params.wants_logprobs:
         strip = (lambda entries: entries) if with_text else _without_text
         meta["output_token_logprobs"] = strip(generation.output_logprobs)
         meta["output_top_logprobs"] = [strip(e) for e in generation.output_top_logprobs]

@@ -155,7 +155,7 @@ class ResponseFormat(ABC):
         self.model = model
         self.id = requests[0].rid
         self.created = int(time.time())
-        self.logprobs = requests[0].return_logprob
+        self.logprobs = requests[0].sampling_params.wants_logprobs
 
     def envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model, "choices": choices}

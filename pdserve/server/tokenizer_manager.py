@@ -67,14 +67,6 @@ class GenerateRequest:
     bootstrap_room: int | None = None
     routing_key: str | list[int] | None = None  # what the router hashes for cache-aware routing (prefix_digest)
 
-    @property
-    def return_logprob(self) -> bool:
-        return self.sampling_params.wants_logprobs
-
-    @property
-    def logprob_start_len(self) -> int:
-        return self.sampling_params.first_prompt_logprob
-
 
 @dataclass(slots=True)
 class OutputDelta:
@@ -270,7 +262,7 @@ class TokenizerManager:
         return OutputDelta(out, input_logprobs, ttft, now - state.created)
 
     def _input_logprob_entries(self, request: GenerateRequest, logprobs: list) -> list:
-        start = max(request.logprob_start_len, 0)
+        start = max(request.sampling_params.first_prompt_logprob, 0)
         ids = request.input_ids[start : start + len(logprobs)]
         return [[lp, token_id, self.decode_token(token_id)] for lp, token_id in zip(logprobs, ids)]
 
