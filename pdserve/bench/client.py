@@ -128,8 +128,8 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
         async with session.post(config.base_url + route, json=body, headers=headers,
                                 timeout=aiohttp.ClientTimeout(total=config.timeout_s)) as response:
             if response.status != 200:
-                text = (await response.text(errors="replace"))[:ERROR_TEXT_LIMIT]
-                result.error = f"HTTP {response.status}: {text}"
+                text = await response.text(errors="replace")
+                result.error = f"HTTP {response.status}: {error_message(text)}"[:ERROR_TEXT_LIMIT]
                 return result
             await _consume(response, config.backend, clock, abort_after_tokens)
     except asyncio.TimeoutError:
@@ -138,6 +138,15 @@ async def send(session: aiohttp.ClientSession, config: ClientConfig, request: Be
         result.error = f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_LIMIT]
     result.latency = clock.last - clock.sent_at
     return result
+
+
+def error_message(body: str) -> str:
+    """The message of a JSON error body (`{"error": {"message": ...}}` or `{"error": "..."}`), else the body."""
+    try:
+        error = json.loads(body).get("error", body)
+    except (ValueError, AttributeError):
+        return body.strip()
+    return str(error.get("message", error) if isinstance(error, dict) else error)
 
 
 async def _consume(response: aiohttp.ClientResponse, backend: str, clock: TokenClock,
@@ -167,13 +176,6 @@ def _read_usage(backend: str, event: dict, result: RequestResult) -> None:
         result.prompt_tokens = usage.get("prompt_tokens", result.prompt_tokens)
         # the true count where chunks were counted one token each
         result.output_len = usage.get("completion_tokens", result.output_len)
-
-
-async def served_model(session: aiohttp.ClientSession, base_url: str, timeout_s: float = 30.0) -> str:
-    """The first model id `/v1/models` lists (for the OpenAI backends when --model is not given)."""
-    async with session.get(base_url + "/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-        response.raise_for_status()
-        return (await response.json())["data"][0]["id"]
 
 
 def as_record(result: RequestResult) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from random import Random
 from typing import Any
@@ -32,6 +32,7 @@ class BenchRequest:
     turn: int = 0
 
 
+FIT_POLICIES = ("drop", "clip", "refuse")
 WORD = re.compile(r" [A-Za-z]+")  # a space-led word: byte-level BPE never merges across the space
 MIN_WORDS = 16
 
@@ -207,3 +208,32 @@ def trace_dataset(builder: PromptBuilder, entries: list[TraceEntry], default_pre
         requests.append(BenchRequest(builder.prompt(entry.input_len, prefix), entry.input_len, entry.output_len,
                                      arrival_s=(entry.timestamp - start) / speedup))
     return requests
+
+
+def tokens_needed(request: BenchRequest) -> int:
+    return request.input_len + request.output_len
+
+
+def clipped(request: BenchRequest, context_len: int) -> BenchRequest:
+    """`request` with its prompt shortened from the end (a prompt is single-token words, so one word is one
+    token) until prompt and output fit `context_len`; an output longer than half the context is halved first."""
+    output_len = min(request.output_len, context_len // 2)
+    input_len = min(request.input_len, context_len - output_len)
+    cut = request.input_len - input_len
+    prompt = request.prompt.rsplit(" ", cut)[0] if cut else request.prompt
+    return replace(request, prompt=prompt, input_len=input_len, output_len=output_len)
+
+
+def fit_to_context(requests: list[BenchRequest], context_len: int, policy: str) -> tuple[list[BenchRequest], int]:
+    """The requests that fit `context_len` (prompt + output tokens), and how many did not: `drop` leaves those
+    out (SGLang bench_serving's --sharegpt-context-len), `clip` shortens them (`clipped`), `refuse` raises
+    ValueError naming them."""
+    too_long = [r for r in requests if tokens_needed(r) > context_len]
+    if too_long and policy == "refuse":
+        longest = max(too_long, key=tokens_needed)
+        raise ValueError(f"{len(too_long)} of {len(requests)} requests need more than the server's "
+                         f"{context_len}-token context (the longest: {longest.input_len} prompt + "
+                         f"{longest.output_len} output tokens)")
+    if policy == "drop":
+        return [r for r in requests if tokens_needed(r) <= context_len], len(too_long)
+    return [clipped(r, context_len) if tokens_needed(r) > context_len else r for r in requests], len(too_long)

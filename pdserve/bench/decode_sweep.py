@@ -15,6 +15,7 @@ import time
 import torch
 import triton.testing
 
+from pdserve.bench.cli import bench_parser
 from pdserve.bench.kernels import PagedPool
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_num_splits, decode_workspace
@@ -65,10 +66,14 @@ def run_case(name, hq, hkv, batch, lens, ceiling_gbps) -> list[dict]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--out", required=True, help="the JSON file of every configuration's timing")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     ceiling = Ceilings.measure().hbm_gbps
     rows = []
     for case in CASES:

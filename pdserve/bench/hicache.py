@@ -17,6 +17,7 @@ from random import Random
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.cli import engine_bench_parser
 from pdserve.bench.hicache_copy import copy_ceilings
 from pdserve.bench.offline import parse_engine_flags
 
@@ -61,13 +62,17 @@ def _load_counters(radix) -> tuple[float, float]:
             sum(counters["pdserve_hicache_load_copy_seconds_total"].values()))
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--input-len", type=int, default=16384)
-    parser.add_argument("--repeats", type=int, default=5)
+def build_parser() -> argparse.ArgumentParser:
+    parser = engine_bench_parser(__doc__)
+    parser.add_argument("--input-len", type=int, default=16384, help="tokens of the prompt whose KV is reloaded")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per tier")
     parser.add_argument("--warmup", type=int, default=1, help="runs per tier before the timed ones (kernels compile)")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
     args, engine_flags = parser.parse_known_args(argv)
     flags = {"enable_hierarchical_cache": True, **parse_engine_flags(engine_flags)}
     llm = LLM(args.model_path, **flags)

@@ -23,6 +23,7 @@ from random import Random
 
 import torch
 
+from pdserve.bench.cli import bench_parser
 from pdserve.mem_cache.host_pool import MEM_LAYOUTS, HostKVPool
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.models.model_config import ModelConfig, resolve_dtype
@@ -137,19 +138,25 @@ def plot(result: dict, out: Path) -> Path:
     return out
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
     parser.add_argument("--model-path", required=True, help="a model directory (only config.json is read)")
     parser.add_argument("--tokens", type=int, default=16384, help="tokens of KV moved per transfer")
-    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--dtype", default="auto", help="KV dtype: auto (bfloat16 on CUDA, float32 on CPU), ...")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layouts", default=",".join(MEM_LAYOUTS))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="the device pool's device")
+    parser.add_argument("--layouts", default=",".join(MEM_LAYOUTS), help="host pool layouts measured, comma-separated")
     parser.add_argument("--host-pages", default=",".join(HOST_ORDERS), help="contiguous, scattered or both")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=5, help="timed transfers per case")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the KV contents and the scattered pages")
     parser.add_argument("--out", type=Path, help="write the result as JSON here")
     parser.add_argument("--plot", type=Path, help="draw a PNG here")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name, allowed in (("layouts", MEM_LAYOUTS), ("host_pages", HOST_ORDERS)):
         values = getattr(args, name).split(",")

@@ -25,6 +25,7 @@ import triton.testing
 
 from pdserve.attention.flash_attn_backend import PrefillPlan, fresh_attention, load_flash_attn, paged_attention
 from pdserve.attention.selection import flash_attn_installed
+from pdserve.bench.cli import bench_parser
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels import fused, ops, sampling
 from pdserve.kernels.attention import (
@@ -307,11 +308,15 @@ def plot(rows: list[dict], ceil: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--out", required=True, help="folder for kernels.json and kernels.png")
+    parser.add_argument("--quick", action="store_true", help="fewer decode cases")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.bench.cli import bench_parser
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, kv_write_requests, make_transfer_engine
 from pdserve.mem_cache.kv_pool import KVLayout
 
@@ -153,19 +154,29 @@ def run_backend(ctx, backend: str, args, cases: list[Case], nbytes: int) -> dict
                     proc.kill()
 
 
+def comma_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--backends", default="mooncake,nccl,tcp", help="transfer backends measured, comma-separated")
+    parser.add_argument("--sizes-mib", type=comma_ints, default=[64, 256, 1024],
+                        help="contiguous transfer sizes, MiB, comma-separated")
+    parser.add_argument("--tokens", type=comma_ints, default=[1024, 4096, 16384],
+                        help="KV handoff sizes in tokens, comma-separated")
+    parser.add_argument("--page-sizes", type=comma_ints, default=[16, 64], help="KV page sizes, comma-separated")
+    parser.add_argument("--patterns", type=lambda s: s.split(","), default=["contiguous", "scattered"],
+                        help="page placements: contiguous, scattered")
+    parser.add_argument("--iters", type=int, default=5, help="timed transfers per case")
+    parser.add_argument("--src-gpu", type=int, default=0, help="the sending GPU")
+    parser.add_argument("--dst-gpu", type=int, default=1, help="the receiving GPU")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per backend, seconds")
+    return parser
+
+
 def main() -> None:
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backends", default="mooncake,nccl,tcp")
-    p.add_argument("--sizes-mib", type=ints, default=[64, 256, 1024])
-    p.add_argument("--tokens", type=ints, default=[1024, 4096, 16384])
-    p.add_argument("--page-sizes", type=ints, default=[16, 64])
-    p.add_argument("--patterns", type=lambda s: s.split(","), default=["contiguous", "scattered"])
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--src-gpu", type=int, default=0)
-    p.add_argument("--dst-gpu", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900.0, help="per backend, seconds")
-    args = p.parse_args()
+    args = build_parser().parse_args()
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -16,6 +16,7 @@ from random import Random
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.cli import engine_bench_parser
 from pdserve.bench.roofline import Ceilings, ModelCost, WorkCounters
 
 
@@ -37,13 +38,17 @@ def roofline(llm: LLM, work: WorkCounters, wall_s: float, ceilings: Ceilings) ->
             "roofline_fraction": ideal_s / wall_s, "work": asdict(work)}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = engine_bench_parser(__doc__)
+    parser.add_argument("--num-seqs", type=int, default=256, help="sequences generated in one batch")
+    parser.add_argument("--min-len", type=int, default=100, help="shortest prompt and output, tokens")
+    parser.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, tokens")
+    parser.add_argument("--out", type=Path, help="write the result as JSON here (default: printed only)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--out", type=Path)
+    parser = build_parser()
     args, engine_flags = parser.parse_known_args(argv)
     engine_args = parse_engine_flags(engine_flags)
     llm = LLM(args.model_path, **engine_args)

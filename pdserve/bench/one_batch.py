@@ -17,6 +17,7 @@ from random import Random
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.cli import engine_bench_parser
 from pdserve.bench.offline import parse_engine_flags
 from pdserve.bench.roofline import Ceilings, ModelCost
 from pdserve.scheduler.request import Req
@@ -84,13 +85,17 @@ def decode_gpu_busy(sched, steps: int) -> float | None:
     return kernel_us / wall_us
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = engine_bench_parser(__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], help="batch sizes measured")
+    parser.add_argument("--input-lens", type=int, nargs="+", default=[1024], help="prompt lengths measured")
+    parser.add_argument("--output-lens", type=int, nargs="+", default=[64], help="output lengths measured")
+    parser.add_argument("--out", type=Path, help="write the rows as JSON here (default: printed only)")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--input-lens", type=int, nargs="+", default=[1024])
-    parser.add_argument("--output-lens", type=int, nargs="+", default=[64])
-    parser.add_argument("--out", type=Path)
+    parser = build_parser()
     args, engine_flags = parser.parse_known_args(argv)
     llm = LLM(args.model_path, **parse_engine_flags(engine_flags))
     run_case(llm, 1, 64, 4, None)  # warm-up

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
+from pdserve.bench.cli import bench_parser
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
 
@@ -31,11 +32,15 @@ def graph_us(fn) -> float:
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--out", required=True, help="the JSON file of every configuration's timing")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="activation rows (batch) measured")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     ceiling = Ceilings.measure().hbm_gbps
     rows = []
     for (name, (n, k)), m in itertools.product(SHAPES.items(), args.rows):

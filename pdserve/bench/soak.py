@@ -27,29 +27,37 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from pdserve.bench import procfs
+from pdserve.bench.cli import bench_parser
 from pdserve.bench.client import RequestResult
 from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.loadgen import LoadRun, schedule
-from pdserve.bench.serving import add_workload_args, build_dataset, client_config, prompt_builder
-from pdserve.bench.stats import Slo, summarize
+from pdserve.bench.serving import Workload, add_workload_args, client_config, context_length, model_info, prompt_builder
+from pdserve.bench.stats import Slo, error_lines, summarize
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "0.0.0.0"}
 WINDOW_KEYS = ("requests", "completed", "errors", "aborted", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 ADMIN_TIMEOUT_S = 30.0
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    parser = bench_parser(__doc__)
     add_workload_args(parser)
     parser.set_defaults(dataset="mix")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of traffic")
-    parser.add_argument("--request-rate", type=float, default=1.5)
+    parser.add_argument("--request-rate", type=float, default=1.5, help="requests per second")
     parser.add_argument("--abort-fraction", type=float, default=0.1, help="share of requests that disconnect")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of the first and last windows")
     parser.add_argument("--pids", type=int, nargs="+", help="processes to watch (default: found from the router)")
-    parser.add_argument("--process-match", help="watch the processes whose command line contains this")
-    parser.add_argument("--kv-free-timeout", type=float, default=60.0)
-    parser.add_argument("--output", type=Path)
+    parser.add_argument("--process-match", help="watch the processes whose command line contains this "
+                                                "(default: found from the router)")
+    parser.add_argument("--kv-free-timeout", type=float, default=60.0,
+                        help="seconds each server's KV pool has to be fully free after the run")
+    parser.add_argument("--output", type=Path, help="JSON report")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not 0.0 <= args.abort_fraction <= 1.0:
         parser.error("--abort-fraction must be in [0, 1]")
@@ -58,10 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def soak_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[float]]:
-    """The workload of the whole run: requests whose send time falls inside --duration."""
+def soak_requests(args: argparse.Namespace, info: dict) -> tuple[list[BenchRequest], list[float]]:
+    """The workload of the whole run, fitted to the server's context: requests whose send time falls inside
+    --duration."""
     count = math.ceil(args.request_rate * args.duration * 1.5) + 10
-    requests = build_dataset(args, prompt_builder(args), count, words_seed=args.seed)
+    requests = Workload(args, prompt_builder(args, info), context_length(info)).first(count, words_seed=args.seed)
     offsets = schedule(requests, args.request_rate, args.arrival, args.seed)
     kept = [i for i, offset in enumerate(offsets) if offset < args.duration]
     return [requests[i] for i in kept], [offsets[i] for i in kept]
@@ -168,8 +177,9 @@ async def _pool_free(session: aiohttp.ClientSession, url: str, timeout_s: float)
 
 
 def soak(args: argparse.Namespace) -> dict:
-    config = client_config(args)
-    requests, offsets = soak_requests(args)
+    info = model_info(args)
+    config = client_config(args, info)
+    requests, offsets = soak_requests(args, info)
     urls = asyncio.run(server_urls(config.base_url))
     labels = watched_processes(args, urls)
     before = sample_all(labels)
@@ -195,8 +205,9 @@ def soak(args: argparse.Namespace) -> dict:
 def print_report(report: dict) -> None:
     total = report["total"]
     print(f"\nsoak {report['duration_s']:g} s at {report['request_rate']:g} req/s: {total['requests']} requests, "
-          f"{total['completed']} completed, {total['aborted']} aborted, {total['errors']} errors "
-          f"{total['error_kinds'] or ''}")
+          f"{total['completed']} completed, {total['aborted']} aborted, {total['errors']} errors")
+    for line in error_lines(total):
+        print(f"  error: {line}")
     for name in ("first_window", "last_window"):
         w = report[name]
         print(f"  {name.replace('_', ' ')} [{w['from_s']:.0f}, {w['to_s']:.0f}) s: {w['completed']} completed, "

@@ -5,13 +5,14 @@
   k tokens counts k gaps of gap / k).
 - SLO attainment: the fraction of requests (errors included, client aborts excluded) that succeeded with
   TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms. Goodput: the highest request rate whose attainment is at
-  least the target (90%), found by a sweep and bisection (`find_goodput`).
+  least the target (90%), found by a sweep upwards from the given rates (doubling past them up to a cap) and a
+  bisection (`find_goodput`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from pdserve.bench.client import RequestResult
 PERCENTILES = (50, 90, 99)
 ATTAINMENT_TARGET = 0.9
 ERROR_EXAMPLES = 10
+DEFAULT_MAX_RATE = 64.0
 
 
 def distribution(values_s: Sequence[float]) -> dict[str, float | None]:
@@ -36,13 +38,30 @@ class Slo:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
 
-    def met(self, result: RequestResult) -> bool:
+    def misses(self, result: RequestResult) -> list[str]:
+        """What `result` misses: "failed" for a failed request, else "ttft" and/or "tpot" (a request of one
+        token has no TPOT)."""
         if not result.success:
-            return False
+            return ["failed"]
+        missed = []
         if self.ttft_ms is not None and result.ttft * 1000.0 > self.ttft_ms:
-            return False
+            missed.append("ttft")
         tpot = result.tpot
-        return self.tpot_ms is None or tpot is None or tpot * 1000.0 <= self.tpot_ms
+        if self.tpot_ms is not None and tpot is not None and tpot * 1000.0 > self.tpot_ms:
+            missed.append("tpot")
+        return missed
+
+    def met(self, result: RequestResult) -> bool:
+        return not self.misses(result)
+
+    def limits(self) -> dict[str, str]:
+        """The SLO's terms in words, by the names `misses` gives them."""
+        return {name: f"{name.upper()} <= {limit:g} ms" for name, limit in (("ttft", self.ttft_ms),
+                                                                           ("tpot", self.tpot_ms))
+                if limit is not None}
+
+    def describe(self) -> str:
+        return " and ".join(self.limits().values()) or "no SLO"
 
 
 def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> dict:
@@ -57,6 +76,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
         "requests": len(results), "completed": len(done), "errors": len(failed),
         "aborted": sum(r.aborted for r in results),
         "error_kinds": dict(Counter(error_kind(r.error) for r in failed)),
+        "first_errors": first_error_of_each_kind(failed),
         "error_examples": [r.error for r in failed[:ERROR_EXAMPLES]],
         "duration_s": duration_s,
         "input_tokens": sum(r.input_len for r in done),
@@ -70,6 +90,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: Slo) -> 
         "e2e_ms": distribution([r.latency for r in done]),
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
         "slo_attainment": good / judged if judged else None,
+        "slo_misses": dict(Counter(term for r in [*done, *failed] for term in slo.misses(r))),
         "good_request_throughput": good / duration_s,
     }
 
@@ -79,20 +100,32 @@ def error_kind(error: str) -> str:
     return error.split(":", 1)[0].strip() or "unknown"
 
 
+def first_error_of_each_kind(failed: Sequence[RequestResult]) -> dict[str, str]:
+    firsts: dict[str, str] = {}
+    for result in failed:
+        firsts.setdefault(error_kind(result.error), result.error)
+    return firsts
+
+
+def error_lines(summary: dict) -> list[str]:
+    """One line per kind of error: its count and its first message."""
+    return [f"{count} x {summary['first_errors'][kind]}" for kind, count in summary["error_kinds"].items()]
+
+
 @dataclass(slots=True)
 class GoodputSearch:
     """The rates measured (rate, attainment), in order, and the bracket the search ended with."""
 
     target: float = ATTAINMENT_TARGET
     probes: list[tuple[float, float]] = field(default_factory=list)
-    passing: float = 0.0  # highest rate measured at or above the target (0: none)
+    passing: float | None = None  # highest rate measured at or above the target (None: none)
     failing: float | None = None  # lowest rate measured below it (None: none failed)
 
     def record(self, rate: float, attainment: float) -> bool:
         self.probes.append((rate, attainment))
         ok = attainment >= self.target
         if ok:
-            self.passing = max(self.passing, rate)
+            self.passing = rate if self.passing is None else max(self.passing, rate)
         else:
             self.failing = rate if self.failing is None else min(self.failing, rate)
         return ok
@@ -102,14 +135,25 @@ class GoodputSearch:
                 "lower_bound_only": self.failing is None, "probes": self.probes}
 
 
+def upward_rates(rates: Sequence[float], max_rate: float) -> Iterator[float]:
+    """The given rates in ascending order, then doublings of the highest while they stay within `max_rate`."""
+    ordered = sorted(rates)
+    yield from ordered
+    rate = ordered[-1] * 2
+    while rate <= max_rate:
+        yield rate
+        rate *= 2
+
+
 def find_goodput(measure: Callable[[float], float], rates: Sequence[float], bisect_steps: int,
-                 target: float = ATTAINMENT_TARGET) -> GoodputSearch:
-    """Measure `rates` in ascending order up to the first that misses `target`, then bisect `bisect_steps` times
-    between the last passing rate (0 if none) and the first failing one. `measure(rate)` returns the attainment."""
+                 target: float = ATTAINMENT_TARGET, max_rate: float = DEFAULT_MAX_RATE) -> GoodputSearch:
+    """Measure `upward_rates` up to the first that misses `target`, then bisect `bisect_steps` times between the
+    last passing rate and the first failing one. When the lowest rate already fails, the search stops there: the
+    goodput lies below it. `measure(rate)` returns the attainment."""
     search = GoodputSearch(target)
-    for rate in sorted(rates):
+    for rate in upward_rates(rates, max_rate):
         if not search.record(rate, measure(rate)):
             break
-    for _ in range(bisect_steps if search.failing is not None else 0):
+    for _ in range(bisect_steps if search.passing is not None and search.failing is not None else 0):
         search.record(mid := (search.passing + search.failing) / 2, measure(mid))
     return search

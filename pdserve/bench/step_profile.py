@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.cli import engine_bench_parser
 from pdserve.bench.offline import parse_engine_flags
 from pdserve.bench.one_batch import add_static_batch
 
@@ -160,15 +161,19 @@ def print_profile(p: StepProfile, top: int) -> None:
         print(f"{r.us_per_step:9.1f} {100 * r.share:5.1f}% {r.launches_per_step:7.1f}  [{r.category}] {r.name}")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = engine_bench_parser(__doc__)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64], help="decode batch sizes profiled")
+    parser.add_argument("--context-len", type=int, default=1024, help="tokens in each request's context")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
+    parser.add_argument("--prefill-len", type=int, nargs="*", default=[], help="prefill lengths profiled too")
+    parser.add_argument("--top", type=int, default=18, help="kernels listed per profile")
+    parser.add_argument("--out", type=Path, default=Path("step_profile"), help="folder for the traces and tables")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> list[StepProfile]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-path", required=True)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--context-len", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prefill-len", type=int, nargs="*", default=[])
-    parser.add_argument("--top", type=int, default=18)
-    parser.add_argument("--out", type=Path, default=Path("step_profile"))
+    parser = build_parser()
     args, engine_flags = parser.parse_known_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA device")

@@ -86,7 +86,7 @@ def synthetic_attainment(threshold: float):
     return measure, measured
 
 
-@pytest.mark.parametrize("threshold", [3.7, 5.2, 0.4])
+@pytest.mark.parametrize("threshold", [3.7, 5.2])
 def test_goodput_search_finds_the_known_threshold(threshold):
     measure, measured = synthetic_attainment(threshold)
     search = find_goodput(measure, rates=[4, 1, 2, 8, 16], bisect_steps=8)
@@ -96,8 +96,33 @@ def test_goodput_search_finds_the_known_threshold(threshold):
     assert search.as_dict()["goodput_req_s"] == search.passing
 
 
-def test_goodput_search_without_a_failing_rate_reports_a_lower_bound():
+def test_goodput_search_doubles_upwards_to_its_cap_and_reports_a_lower_bound():
     measure, measured = synthetic_attainment(math.inf)
-    search = find_goodput(measure, rates=[1, 2], bisect_steps=5)
-    assert measured == [1, 2]
-    assert search.as_dict()["lower_bound_only"] and search.passing == 2
+    search = find_goodput(measure, rates=[2, 1], bisect_steps=5, max_rate=10)
+    assert measured == [1, 2, 4, 8]
+    assert search.as_dict()["lower_bound_only"] and search.passing == 8
+
+
+def test_goodput_search_goes_upwards_past_the_given_rates_until_one_fails():
+    measure, measured = synthetic_attainment(5.2)
+    search = find_goodput(measure, rates=[1, 2], bisect_steps=1, max_rate=64)
+    assert measured == [1, 2, 4, 8, 6]
+    assert (search.passing, search.failing) == (4, 6)
+
+
+def test_goodput_search_never_goes_below_the_lowest_rate():
+    measure, measured = synthetic_attainment(0.4)
+    search = find_goodput(measure, rates=[2, 4], bisect_steps=3)
+    assert measured == [2]
+    assert search.as_dict()["goodput_req_s"] is None and search.failing == 2
+
+
+def test_slo_misses_name_the_term_each_request_missed():
+    results = [result(0.5, 0.7, 3),  # TTFT 500 ms
+               result(0.1, 3.1, 11),  # TPOT 300 ms
+               result(0.5, 3.5, 11),  # both
+               result(0, 0, 0, success=False, error="HTTP 400: the prompt has 600 tokens")]
+    summary = summarize(results, duration_s=1.0, slo=Slo(ttft_ms=200, tpot_ms=150))
+    assert summary["slo_misses"] == {"ttft": 2, "tpot": 2, "failed": 1}
+    assert summary["slo_attainment"] == 0
+    assert summary["first_errors"] == {"HTTP 400": "HTTP 400: the prompt has 600 tokens"}
