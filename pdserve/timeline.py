@@ -21,10 +21,13 @@ from typing import TextIO
 
 from prometheus_client import CollectorRegistry, Histogram
 
+# roles: a server's disaggregation mode, "regular" for a colocated one (the router's name for it too)
+PREFILL_ROLE, DECODE_ROLE, COLOCATED_ROLE = "prefill", "decode", "regular"
+
 # every role
 RECEIVED = "received"
 DETOKENIZED = "detokenized"
-SENT = "sent"
+SENT = "sent"  # first mark: the answer's first bytes written to the client (a stream's first chunk)
 FINISHED = "finished"
 # a server (prefill, decode or colocated)
 TOKENIZED = "tokenized"
