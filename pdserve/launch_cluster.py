@@ -6,7 +6,9 @@
 
 Each server takes as many GPUs as its TP size, prefills first: with `--prefill-tp-size 2 --decode-tp-size 1`,
 prefill 0 runs on GPUs 0-1, prefill 1 on GPUs 2-3, decode 0 on GPU 4 (each server's `--base-gpu-id`, and its own
-`--nccl-port` for its ranks to meet on); with no GPU everything runs on the CPU, one process per rank.
+`--nccl-port` for its ranks to meet on); with no GPU everything runs on the CPU, one process per rank. On a machine
+with one GPU, servers of one rank each share it: they start one after another, each with a `--mem-fraction-static`
+that counts the memory of the ones before it (`place_servers`).
 Every server and the router is a child process in its own session, logging to a file under `--log-dir`.
 The launcher waits until each server's and then the router's /health answers, prints the router URL and a
 curl line, and stops everything on Ctrl-C/SIGTERM. If a child dies, it says which and stops the rest (exit 1).
@@ -22,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -36,6 +39,9 @@ EXIT_CONFIG_ERROR = 2  # argparse's own code for a bad command line
 PROG = "pdserve-cluster"
 EXAMPLE_PROMPT = "The capital of France is"
 BACKENDS = ("auto", "mooncake", "nccl", "tcp", "fake")
+# Servers sharing one GPU: the part of --mem-fraction-static given up for each server after the first, for its own
+# CUDA context, activations and graphs (one server alone keeps the whole 1 - fraction for those).
+SHARED_GPU_RUNTIME_FRACTION = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +122,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                      "use the launcher's own flags (--model-path, --host, --device, --transfer-backend)")
     if ns.model_path is not None:
         check_model_path(ns.model_path)
-    engine_tp = check_engine_args(ns.model_path or "unchecked", engine_args).tp_size
+    ns.engine = check_engine_args(ns.model_path or "unchecked", engine_args)
+    engine_tp = ns.engine.tp_size
     ns.prefill_tp_size, ns.decode_tp_size = ns.prefill_tp_size or engine_tp, ns.decode_tp_size or engine_tp
     ns.worker_tp_size = engine_tp
     return ns, engine_args
@@ -166,35 +173,80 @@ def reachable_host(bind_host: str) -> str:
     return bind_host
 
 
-def resolve_device(device: str, num_gpus: int) -> str:
-    """cuda or cpu; cuda needs one visible GPU per rank of every server."""
-    if device == "cpu":
-        return "cpu"
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the servers run, in plan order (prefills, then decodes; or the workers)."""
+    device: str  # cuda or cpu
+    first_gpus: tuple[int | None, ...]  # each server's first GPU (None on the CPU)
+    memory_flags: tuple[tuple[str, ...], ...]  # each server's own memory flags (they follow the flags after `--`)
+    one_by_one: bool = False  # start each server once the one before it is healthy (its memory is then in use)
+    note: str | None = None  # the line that says how the GPU is shared
+
+
+def visible_gpus() -> int:
     import torch
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def place_servers(device: str, gpus: int, tp_sizes: Sequence[int], engine: ServerArgs) -> Placement:
+    """The placement of servers with `tp_sizes` ranks each on `gpus` visible GPUs, for `--device` `device` and the
+    flags after `--` (`engine`): one GPU per rank in order when there are enough; every server on the one GPU when
+    there is one and each server has one rank; else a ClusterError."""
+    cpu = Placement("cpu", (None,) * len(tp_sizes), ((),) * len(tp_sizes))
+    if device == "cpu":
+        return cpu
     if gpus == 0:
         if device == "cuda":
             raise ClusterError("--device cuda was given but no CUDA device is visible")
-        return "cpu"
-    if gpus < num_gpus:
-        raise ClusterError(f"the servers need {num_gpus} GPUs (one per tensor-parallel rank) but {gpus} are visible; "
-                           "start fewer servers or ranks, or use --device cpu")
-    return "cuda"
+        return cpu
+    needed = sum(tp_sizes)
+    if gpus >= needed:
+        firsts = tuple(sum(tp_sizes[:i]) for i in range(len(tp_sizes)))
+        return Placement("cuda", firsts, ((),) * len(tp_sizes))
+    if gpus == 1 and max(tp_sizes) == 1:
+        return share_one_gpu(len(tp_sizes), engine)
+    raise ClusterError(f"the servers need {needed} GPUs (one per tensor-parallel rank) but {gpus} are visible; "
+                       "start fewer servers or ranks, or use --device cpu")
 
 
-def plan_cluster(ns: argparse.Namespace, model_path: str, device: str, engine_args: list[str],
+def share_one_gpu(servers: int, engine: ServerArgs) -> Placement:
+    """`servers` one-rank servers on GPU 0. With --max-total-tokens after `--` each takes that many KV tokens;
+    otherwise --mem-fraction-static (given or default) less the other servers' runtime room is split evenly, and
+    server k gets the cumulative fraction (k + 1) / servers of it: its own share plus what the k servers started
+    before it already use (a server's KV budget is the fraction of the GPU minus the memory in use when it starts)."""
+    if engine.max_total_tokens is not None:
+        return Placement("cuda", (0,) * servers, ((),) * servers, note=f"one GPU: {servers} servers share GPU 0, "
+                         f"each with the --max-total-tokens {engine.max_total_tokens} given after `--`")
+    usable = engine.mem_fraction_static - SHARED_GPU_RUNTIME_FRACTION * (servers - 1)
+    if usable <= 0:
+        raise ClusterError(f"{servers} servers cannot share one GPU at --mem-fraction-static "
+                           f"{engine.mem_fraction_static}; start fewer servers or give --max-total-tokens")
+    fractions = [f"{usable * (k + 1) / servers:.3f}" for k in range(servers)]
+    return Placement("cuda", (0,) * servers, tuple(("--mem-fraction-static", f) for f in fractions), one_by_one=True,
+                     note=f"one GPU: {servers} servers share GPU 0, started one after another with "
+                          f"--mem-fraction-static {', '.join(fractions)} (each counts the memory of those before it)")
+
+
+def server_tp_sizes(ns: argparse.Namespace) -> list[int]:
+    """Each server's TP size, in plan order."""
+    if ns.colocated:
+        return [ns.worker_tp_size] * ns.num_workers
+    return [ns.prefill_tp_size] * ns.num_prefill + [ns.decode_tp_size] * ns.num_decode
+
+
+def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, engine_args: list[str],
                  ports: PortPicker) -> tuple[list[ChildSpec], ChildSpec]:
     """The servers to start, then the router that goes in front of them."""
     host, reach = ns.host, reachable_host(ns.host)
-    next_gpu = [0]
+    places = iter(zip(placement.first_gpus, placement.memory_flags))
 
     def spec(name: str, tp_size: int, *role_flags: str, bootstrap: int | None = None) -> ChildSpec:
         port = ports.pick()
-        gpu = next_gpu[0] if device == "cuda" else None
-        next_gpu[0] += tp_size
+        gpu, memory_flags = next(places)
         tp_flags = ["--tp-size", str(tp_size), *(["--nccl-port", str(ports.pick())] if tp_size > 1 else [])]
-        argv = server_argv(model_path, port, *engine_args, *role_flags, *tp_flags, host=host, device=device, gpu=gpu)
+        argv = server_argv(model_path, port, *engine_args, *role_flags, *tp_flags, *memory_flags, host=host,
+                           device=placement.device, gpu=gpu)
         return ChildSpec(name, tuple(argv), http_url(reach, port), gpu, bootstrap, tp_size)
 
     if ns.colocated:
@@ -222,18 +274,20 @@ class Cluster:
         self.children: list[Proc] = []
         self.stop_requested = threading.Event()
 
-    def start(self, specs: list[ChildSpec], deadline: float) -> list[Proc]:
-        """Launch the children, then wait until each answers /health, with a line for each one that does."""
+    def start(self, specs: list[ChildSpec], deadline: float, one_by_one: bool = False) -> list[Proc]:
+        """Launch the children (with `one_by_one`, each once the one before it is healthy), and wait until each
+        answers /health, with a line for each one that does."""
         procs = [Proc(s.name, list(s.argv), s.url, log_path=self.log_path(s.name)) for s in specs]
-        for proc in procs:
-            self.children.append(proc.launch())
         started, ready = time.monotonic(), iter(range(1, len(procs) + 1))
 
         def report(proc: Proc) -> None:
             print(f"{PROG}: {proc.name} ready after {time.monotonic() - started:.0f} s "
                   f"({next(ready)}/{len(procs)})", flush=True)
 
-        wait_healthy(procs, deadline, self.stop_requested.is_set, report)
+        for batch in ([p] for p in procs) if one_by_one else [procs]:
+            for proc in batch:
+                self.children.append(proc.launch())
+            wait_healthy(batch, deadline, self.stop_requested.is_set, report)
         return procs
 
     def log_path(self, name: str) -> str:
@@ -282,8 +336,6 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
 
 
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
-    num_gpus = (ns.num_workers * ns.worker_tp_size if ns.colocated
-                else ns.num_prefill * ns.prefill_tp_size + ns.num_decode * ns.decode_tp_size)
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     os.makedirs(log_dir, exist_ok=True)
     cluster = Cluster(log_dir)
@@ -294,12 +346,16 @@ def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        device = resolve_device(ns.device, num_gpus)
+        gpus = 0 if ns.device == "cpu" else visible_gpus()
+        placement = place_servers(ns.device, gpus, server_tp_sizes(ns), ns.engine)
+        device = placement.device
+        if placement.note:
+            print(f"{PROG}: {placement.note}", flush=True)
         model_path = ns.model_path or default_model_path()
-        server_specs, router_spec = plan_cluster(ns, model_path, device, engine_args, PortPicker(ns.host))
+        server_specs, router_spec = plan_cluster(ns, model_path, placement, engine_args, PortPicker(ns.host))
         deadline = time.monotonic() + ns.startup_timeout
         print(f"{PROG}: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
-        servers = cluster.start(server_specs, deadline)
+        servers = cluster.start(server_specs, deadline, placement.one_by_one)
         router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
         print(describe(ns, device, [*server_specs, router_spec], [*servers, *router]), flush=True)
         cluster.watch()

@@ -50,6 +50,9 @@ _HELP: dict[str, str] = {
     "retry_max_backoff_s": "Longest retry backoff in seconds.",
     "abort_timeout_s": "Seconds an abort_request to the other half of a failed pair may take.",
     "admin_timeout_s": "Seconds for fan-out admin calls (/health_generate, /flush_cache, /get_server_info).",
+    "request_timeline_log": "Append one JSON line per finished request to this file: its rid and the seconds from "
+                            "arrival to each stage (dispatched to and first byte from each side, finished), the "
+                            "servers' --request-timeline-log format; `python -m pdserve.bench.timeline` merges them.",
     "health_check_interval_s": "Seconds between health checks of every instance.",
     "health_check_timeout_s": "Seconds one health check may take.",
     "health_check_endpoint": "Path polled for health.",

@@ -32,6 +32,7 @@ from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid,
                       prefill_items_by_index, routing_key)
 from .policies import make_policy
 from .sse import WholeEvents
+from .timeline import DISPATCHED, FIRST_BYTE, StageClock, TimelineRecorder
 from .upstream import Exchange, UpstreamPool, timeout
 from .workers import NoHealthyWorker, Worker, WorkerRegistry
 
@@ -128,6 +129,7 @@ class RequestContext:
     raw: bytes | None  # the client's body bytes when they can be forwarded with fields appended (payload.spliceable)
     request_id: str
     started: float
+    clock: StageClock
     stream: bool
     batch: int | None
     return_logprob: bool
@@ -166,6 +168,7 @@ class Dispatcher:
         self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
         self.signer = RequestSigner(config.disaggregation_secret) if config.disaggregation_secret else None
         self.background: set[asyncio.Task] = set()
+        self.timeline = TimelineRecorder(metrics.stages, config.request_timeline_log)
 
     def decision_counter(self, role: Role) -> Callable[[str], None]:
         counters = {source: self.metrics.cache_decisions.labels(role=role, source=source)
@@ -179,7 +182,8 @@ class Dispatcher:
             raise BadRequest("X-Request-Id must be one line")
         if any(key in body for key in BOOTSTRAP_KEYS):  # the rendezvous is the router's to choose, never a client's
             body, raw = {k: v for k, v in body.items() if k not in BOOTSTRAP_KEYS}, None
-        ctx = RequestContext(request, path, body, raw, request_id, started, bool(body.get("stream")),
+        ctx = RequestContext(request, path, body, raw, request_id, started, StageClock(request_id, started),
+                             bool(body.get("stream")),
                              batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
         try:
             async with timeout(self.config.request_timeout_s):
@@ -198,6 +202,7 @@ class Dispatcher:
             raise
         finally:
             self.metrics.duration.observe(time.perf_counter() - ctx.started)
+            self.timeline.finish(ctx.clock)
 
     async def with_retries(self, ctx: RequestContext) -> web.StreamResponse:
         last_error: UpstreamError | None = None
@@ -256,11 +261,14 @@ class Dispatcher:
         signature = self.signer.header_line(ctx.path, data) if self.signer and attempt.side else b""
         fields = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ",
                            attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line, signature))
-        main = attempt.main
+        main, clock = attempt.main, ctx.clock
+        clock.rid = attempt.body_rid if isinstance(attempt.body_rid, str) else attempt.rid  # what the servers log
         main.in_flight += 1
         attempt.main_ex = exchange = self.upstream.send(main.url, ctx.path, fields, data, whole=not ctx.stream)
+        clock.mark(DISPATCHED[main.role])
         if attempt.side:  # decode goes out first
             self.start_side(attempt, data, fields)
+            clock.mark(DISPATCHED[attempt.side.role])
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rid=%s attempt %d -> %s%s", attempt.rid, attempt.number, main.url,
                       f" + {attempt.side.url}" if attempt.side else "")
@@ -268,6 +276,7 @@ class Dispatcher:
         try:
             await self.open_main(attempt, exchange)
             attempt.first_received = True
+            clock.mark(FIRST_BYTE[main.role])
             return await self.respond(attempt, exchange, dispatched - ctx.started)
         except BaseException as exc:
             self.abort_pair(attempt, exc)
@@ -288,6 +297,7 @@ class Dispatcher:
             error = self.side_error(attempt)
             self.registry.record(side, error is None or not error.retryable or error.reports_peer_failure)
             if error is None:
+                attempt.ctx.clock.mark(FIRST_BYTE[side.role])
                 return
             if not attempt.first_received:
                 attempt.main_ex.interrupt(error)  # fail fast: the main half's head raises the side's error
@@ -445,3 +455,4 @@ class Dispatcher:
 
     async def close(self) -> None:
         await asyncio.gather(*self.background, return_exceptions=True)
+        self.timeline.close()

@@ -14,6 +14,8 @@ PREFIX = "pdserve_router_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 1.0)
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                 10.0, 30.0, 60.0, 120.0)  # pdserve.timeline's, so router and server stages read alike
 
 disable_created_metrics()  # no `_created` series next to the counters and histograms
 
@@ -57,6 +59,9 @@ class RouterMetrics:
                                        buckets=LATENCY_BUCKETS, registry=registry)
         self.duration = Histogram(PREFIX + "request_duration_seconds", "Whole request time as seen by the router.",
                                   buckets=DURATION_BUCKETS, registry=registry)
+        self.stages = Histogram(PREFIX + "request_stage_seconds", "Seconds from a request's arrival at the router "
+                                "to each stage: dispatched to and first byte from each side, finished.", ("stage",),
+                                buckets=STAGE_BUCKETS, registry=registry)
         self._workers = _WorkerGauges()
         registry.register(self._workers)
 

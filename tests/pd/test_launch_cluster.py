@@ -20,7 +20,9 @@ from cluster_util import CHILD_ENV, http, live_session_members
 from cluster_util import mooncake_available
 
 from pdserve import SamplingParams
-from pdserve.launch_cluster import LaunchConfigError, PortPicker, parse_args, plan_cluster
+from pdserve.launch_cluster import (LaunchConfigError, Placement, PortPicker, parse_args, place_servers, plan_cluster,
+                                    server_tp_sizes)
+from pdserve.launcher import ClusterError
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
 
@@ -119,7 +121,7 @@ def test_two_prefills_two_decodes_share_the_work(tiny_model, tmp_path, offline_l
 def test_servers_are_placed_on_gpus_in_order():
     """--prefill N --decode M on GPUs: prefill i on GPU i, decode j on GPU N+j, one router in front of all."""
     ns, engine_args = parse_args(["--prefill", "3", "--decode", "2", "--", "--page-size", "16"])
-    servers, router = plan_cluster(ns, "/models/m", "cuda", engine_args, PortPicker("127.0.0.1"))
+    servers, router = plan_cluster(ns, "/models/m", on_gpus(ns, 8), engine_args, PortPicker("127.0.0.1"))
     assert [(s.name, s.gpu) for s in servers] == [("prefill 0", 0), ("prefill 1", 1), ("prefill 2", 2),
                                                   ("decode 0", 3), ("decode 1", 4)]
     for spec in servers:
@@ -196,12 +198,7 @@ def test_tensor_parallel_servers_take_a_block_of_gpus_and_a_rendezvous_port_each
     """--prefill-tp-size / --decode-tp-size (default: --tp-size after `--`): each server gets its TP size, as many
     GPUs as ranks from the next free one on, and its own --nccl-port."""
     ns, engine_args = parse_args(["--prefill", "2", "--decode", "2", "--prefill-tp-size", "2", "--", "--tp-size", "1"])
-    servers, _ = plan_cluster(ns, "/models/m", "cuda", engine_args, PortPicker("127.0.0.1"))
-
-    def flag(spec, name):  # the value a server parses: the last one given
-        values = [spec.argv[i + 1] for i, arg in enumerate(spec.argv) if arg == name]
-        return values[-1] if values else None
-
+    servers, _ = plan_cluster(ns, "/models/m", on_gpus(ns, 6), engine_args, PortPicker("127.0.0.1"))
     assert [(s.name, s.gpu, flag(s, "--tp-size")) for s in servers] == [
         ("prefill 0", 0, "2"), ("prefill 1", 2, "2"), ("decode 0", 4, "1"), ("decode 1", 5, "1")]
     rendezvous = [flag(s, "--nccl-port") for s in servers]
@@ -212,3 +209,60 @@ def test_tensor_parallel_servers_take_a_block_of_gpus_and_a_rendezvous_port_each
         parse_args(["--", "--nccl-port", "1234"])
     with pytest.raises(LaunchConfigError, match="--decode-tp-size must be at least 1"):
         parse_args(["--decode-tp-size", "0"])
+
+
+def on_gpus(ns, gpus: int) -> Placement:
+    return place_servers("auto", gpus, server_tp_sizes(ns), ns.engine)
+
+
+def flag(spec, name):  # the value a server parses: the last one given
+    values = [spec.argv[i + 1] for i, arg in enumerate(spec.argv) if arg == name]
+    return values[-1] if values else None
+
+
+@pytest.mark.parametrize("gpus, device, first_gpus", [
+    (0, "cpu", (None, None)), (2, "cuda", (0, 1)), (4, "cuda", (0, 1)),
+])
+def test_placement_without_sharing_is_one_gpu_per_server_in_order_or_the_cpu(gpus, device, first_gpus):
+    ns, _ = parse_args([])
+    placement = on_gpus(ns, gpus)
+    assert placement == Placement(device, first_gpus, ((), ()))
+
+
+def test_one_gpu_is_shared_by_the_prefill_and_the_decode_with_cumulative_memory_fractions():
+    ns, engine_args = parse_args(["--", "--page-size", "16"])
+    placement = on_gpus(ns, 1)
+    assert placement.device == "cuda" and placement.first_gpus == (0, 0) and placement.one_by_one
+    assert placement.memory_flags == (("--mem-fraction-static", "0.400"), ("--mem-fraction-static", "0.800"))
+    assert placement.note == ("one GPU: 2 servers share GPU 0, started one after another with --mem-fraction-static "
+                              "0.400, 0.800 (each counts the memory of those before it)")
+    servers, _ = plan_cluster(ns, "/models/m", placement, engine_args, PortPicker("127.0.0.1"))
+    assert [(s.name, s.gpu, flag(s, "--base-gpu-id"), flag(s, "--mem-fraction-static")) for s in servers] == [
+        ("prefill 0", 0, "0", "0.400"), ("decode 0", 0, "0", "0.800")]
+
+
+def test_one_gpu_split_follows_the_given_fraction_or_max_total_tokens():
+    ns, engine_args = parse_args(["--prefill", "2", "--decode", "2", "--", "--mem-fraction-static", "0.95"])
+    fractions = [flags[1] for flags in on_gpus(ns, 1).memory_flags]
+    assert fractions == ["0.200", "0.400", "0.600", "0.800"]
+    servers, _ = plan_cluster(ns, "/models/m", on_gpus(ns, 1), engine_args, PortPicker("127.0.0.1"))
+    assert [flag(s, "--mem-fraction-static") for s in servers] == fractions  # the split wins over the given one
+    ns, _ = parse_args(["--", "--max-total-tokens", "120000"])
+    placement = on_gpus(ns, 1)
+    assert placement.memory_flags == ((), ()) and not placement.one_by_one and placement.first_gpus == (0, 0)
+    assert "each with the --max-total-tokens 120000 given after `--`" in placement.note
+
+
+def test_placements_that_cannot_work_are_refused():
+    ns, _ = parse_args(["--prefill-tp-size", "2"])
+    with pytest.raises(ClusterError, match="the servers need 3 GPUs .* but 1 are visible"):
+        on_gpus(ns, 1)
+    ns, _ = parse_args(["--prefill", "2"])
+    with pytest.raises(ClusterError, match="the servers need 3 GPUs .* but 2 are visible"):
+        on_gpus(ns, 2)
+    with pytest.raises(ClusterError, match="no CUDA device is visible"):
+        place_servers("cuda", 0, server_tp_sizes(ns), ns.engine)
+    assert place_servers("cpu", 4, server_tp_sizes(ns), ns.engine).device == "cpu"
+    ns, _ = parse_args(["--prefill", "9", "--decode", "9"])
+    with pytest.raises(ClusterError, match="18 servers cannot share one GPU"):
+        on_gpus(ns, 1)
