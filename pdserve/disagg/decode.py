@@ -36,7 +36,7 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
                                              RouteResolved, TransferRequest)
 from pdserve.disagg.peer_link import PeerLink
-from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
+from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
                                      validate_pd_request)
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem

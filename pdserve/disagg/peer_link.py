@@ -22,7 +22,7 @@ from pdserve.disagg.auth import make_auth
 from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.control_messages import Message, WriteDone, WriteFailed, from_wire, to_wire
 from pdserve.disagg.kv_checksum import combined_checksum, head_checksums
-from pdserve.disagg.protocol import Handoff, KVPoll, now
+from pdserve.disagg.handoff import Handoff, KVPoll, now
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.distributed.tensor_parallel import kv_head_start

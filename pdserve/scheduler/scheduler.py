@@ -23,7 +23,7 @@ from pdserve.mem_cache.factory import create_prefix_cache
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.messages import TokenOut
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
-from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.decode_input_batch import DecodeInputBatch
 from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
@@ -52,7 +52,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
         self.running: list[Req] = []
-        self.input_batch: InputBatch | None = None  # device state of the last decode batch
+        self.input_batch: DecodeInputBatch | None = None  # device state of the last decode batch
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
@@ -395,14 +395,14 @@ class Scheduler:
         self.running = [r for r in self.running if r.finish_reason is None]
         self.allocator.free(batch.deferred_pages)
 
-    def _input_batch_of(self, reqs: list[Req]) -> InputBatch:
+    def _input_batch_of(self, reqs: list[Req]) -> DecodeInputBatch:
         """The persistent decode batch for these requests, rebuilt when its composition changed."""
         if self.input_batch is None or not self.input_batch.matches(reqs):
             max_pages = math.ceil(self.context_len / self.page_size)
-            self.input_batch = InputBatch(reqs, self.page_size, max_pages, self.device)
+            self.input_batch = DecodeInputBatch(reqs, self.page_size, max_pages, self.device)
         return self.input_batch
 
-    def _decode_batch(self, state: InputBatch, positions: list[int], input_ids: list[int], fix_ids=None
+    def _decode_batch(self, state: DecodeInputBatch, positions: list[int], input_ids: list[int], fix_ids=None
                       ) -> ForwardBatch:
         """The decode pass over state.reqs where request i feeds input_ids[i] at positions[i] (its
         num_cached_tokens, the position after its computed KV, which this pass computes)."""
@@ -413,7 +413,7 @@ class Scheduler:
             r.num_cached_tokens += 1
         return batch
 
-    def _device_tokens(self, state: InputBatch, batch: ForwardBatch) -> torch.Tensor:
+    def _device_tokens(self, state: DecodeInputBatch, batch: ForwardBatch) -> torch.Tensor:
         """Run the pass and sample it on the device, for a batch that needs no host-side sampling state
         (`state.device_sampling_only()`): inside the decode graph when every row is greedy or temperature-only."""
         tokens = self.runner.decode_tokens(batch, state.sampling)

@@ -20,9 +20,9 @@ from pdserve.disagg.bootstrap import PrefillRankInfo, _request
 from pdserve.disagg.early_requests import MAX_EARLY_REQUESTS
 from pdserve.disagg.factory import create_scheduler
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.disagg.protocol import PEER_FAILED
+from pdserve.disagg.handoff import PEER_FAILED
 from pdserve.disagg.transfer.base import TransferError
-from pdserve.disagg.transfer.channel import ControlClient
+from pdserve.disagg.control_transport import ControlClient
 
 SECRET = "test-cluster-secret"
 

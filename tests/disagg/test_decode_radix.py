@@ -14,7 +14,7 @@ from test_pd_schedulers import engine_args, greedy, make_pair, pd_req, run
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.control_messages import TransferRequest
-from pdserve.disagg.protocol import KVPoll, checked_cached_pages
+from pdserve.disagg.handoff import KVPoll, checked_cached_pages
 from pdserve.scheduler.request import Req
 from pdserve.disagg.factory import create_scheduler
 
