@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.engine.model_runner import load_runner
 from pdserve.server_processes import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.process_setup import stop_children
@@ -46,7 +47,7 @@ class LLM:
         self.tokenizer = load_tokenizer(self.args)
         followers = _spawn_followers(self.args)
         try:
-            self.scheduler = Scheduler(self.args, tokenizer=self.tokenizer)
+            self.scheduler = Scheduler(self.args, load_runner(self.args), tokenizer=self.tokenizer)
             # every rank warms up the same way (scheduler/process.py's run_scheduler_process), then meets here
             self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
             self.scheduler.runner.tp.barrier()

@@ -8,14 +8,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MAP = ROOT / "docs" / "architecture.md"
 MAX_WORDS = 1500
-# Paths the map names ahead of issue 20's first step (roles as parts the scheduler holds), each with the file it
-# replaces until that step lands: the map is right the day it does. Drop an entry once its target exists.
-LANDING_WITH_ROLES = {
-    "pdserve/scheduler/role.py": "pdserve/scheduler/scheduler.py",
-    "pdserve/disagg/handoff.py": "pdserve/disagg/protocol.py",
-    "pdserve/disagg/peer_link.py": "pdserve/disagg/role.py",
-    "pdserve/disagg/channel.py": "pdserve/disagg/transfer/channel.py",
-}
 
 
 def named_paths(text: str) -> set[str]:
@@ -27,7 +19,7 @@ def named_paths(text: str) -> set[str]:
 
 def test_every_path_the_map_names_exists():
     paths = named_paths(MAP.read_text())
-    missing = sorted(p for p in paths if not (ROOT / p).exists() and not (ROOT / LANDING_WITH_ROLES.get(p, p)).exists())
+    missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert missing == []
     assert "pdserve/scheduler/scheduler.py" in paths  # the walk sees the paths it checks
 

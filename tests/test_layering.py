@@ -1,5 +1,6 @@
 """The package layout holds: imports run one way (no circles, `scheduler/` never imports `disagg/` but to pick the
-role) and the PD protocol loads without torch."""
+role), the PD handoff protocol loads without torch, the PD roles are parts of the scheduler (no subclass of it), only
+`pdserve/scheduler` touches the scheduler's private methods, and the offline engine never loads the HTTP server."""
 
 from __future__ import annotations
 
@@ -89,11 +90,11 @@ def test_scheduler_never_imports_disagg():
     upward = sorted((src, dst) for src, targets in graph.items() for dst in targets
                     if src.startswith("pdserve.scheduler") and src != ROLE_PICKER and dst.startswith("pdserve.disagg"))
     assert upward == []
-    assert "pdserve.disagg.protocol" in graph["pdserve.disagg.decode"]  # the walk sees the imports it checks
+    assert "pdserve.disagg.handoff" in graph["pdserve.disagg.decode"]  # the walk sees the imports it checks
 
 
 def test_pd_protocol_imports_without_torch():
-    probe = "import sys, pdserve.disagg.protocol; print('torch' in sys.modules)"
+    probe = "import sys, pdserve.disagg.handoff; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 
@@ -113,3 +114,33 @@ def test_offline_engine_never_imports_the_http_server():
     http_server = sorted(m for m in reachable(graph, "pdserve.llm") if m.split(".")[:2] == ["pdserve", "server"])
     assert http_server == []
     assert "pdserve.scheduler.scheduler" in reachable(graph, "pdserve.llm")  # the walk follows the imports
+
+
+def parsed(package: Path) -> dict[str, ast.Module]:
+    return {module_name(f, package): ast.parse(f.read_text()) for f in package.rglob("*.py")}
+
+
+def test_no_pd_role_subclasses_the_scheduler():
+    """A PD role is a part the scheduler holds (`scheduler/role.py`), never a subclass of it."""
+    subclasses = sorted(f"{module}.{node.name}" for module, tree in parsed(ROOT / "pdserve" / "disagg").items()
+                        for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                        and any(ast.unparse(base).split(".")[-1].endswith("Scheduler") for base in node.bases))
+    assert subclasses == []
+
+
+def private_scheduler_calls(tree: ast.Module) -> list[str]:
+    """`scheduler._x` / `sched._x` / `self.scheduler._x` in the file, as written."""
+    return [ast.unparse(node) for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and ast.unparse(node.value).split(".")[-1] in ("scheduler", "sched")]
+
+
+def test_no_module_outside_the_scheduler_calls_a_private_scheduler_method():
+    outside = {m: t for package in PACKAGES for m, t in parsed(package).items()
+               if not m.startswith("pdserve.scheduler")}
+    assert {m: calls for m, tree in outside.items() if (calls := private_scheduler_calls(tree))} == {}
+
+
+def test_private_scheduler_calls_are_found():
+    found = private_scheduler_calls(ast.parse("self.scheduler._finish(r)\nsched._x\nself.scheduler.finish(r)"))
+    assert sorted(found) == ["sched._x", "self.scheduler._finish"]

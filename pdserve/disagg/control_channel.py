@@ -17,7 +17,7 @@ import zmq
 from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.control_messages import Message, from_wire, to_wire
 from pdserve.disagg.transfer.base import TransferError
-from pdserve.disagg.transfer.channel import ControlServer, PeerClients
+from pdserve.disagg.control_transport import ControlServer, PeerClients
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-MAX_ROOM = 2**63
+from pdserve.disagg.handoff import room_in_range
+
 MAX_TOP_LOGPROBS = 1024
 MAX_STRING = 4096
 
@@ -180,7 +181,7 @@ def _build(cls: type, data: dict) -> Any:
     except TypeError as exc:  # a required field is missing
         raise ControlMessageError(f"{cls.__name__}: {exc}") from exc
     room = getattr(msg, "room", 0)
-    if not 0 <= room < MAX_ROOM:
+    if not room_in_range(room):
         raise ControlMessageError(f"{cls.__name__}.room {room} is outside [0, 2^63)")
     return msg
 

@@ -11,7 +11,12 @@ followed by a decode step, so a running request waits at most one chunk's forwar
 
 With tensor parallelism every rank pre-allocates the same pages in its own pool (its own heads); the leader
 looks the route up, sends one `transfer_request` listing every rank's transfer session and KV buffer, and
-receives `kv_done`, which reaches every rank as a step event (see role.py).
+receives `kv_done`, which reaches every rank as a step event (see peer_link.py).
+
+`DecodeRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
+queues, in SGLang's words: the bootstrap queue (handoffs whose route is being looked up), the pre-alloc queue
+(routes known, waiting for pages: `_preallocate`), the transfer queue (pages sent, waiting for `kv_done`), then
+the scheduler's running batch (`_commit`).
 """
 
 from __future__ import annotations
@@ -30,21 +35,30 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
                                       fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
                                              RouteResolved, TransferRequest)
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill
-from pdserve.disagg.role import DisaggScheduler
+from pdserve.disagg.peer_link import PeerLink
+from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
+                                     validate_pd_request)
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
-from pdserve.scheduler.request import FinishReason, Req, ReqStatus
+from pdserve.scheduler.request import FinishReason, Req
+from pdserve.scheduler.role import Role
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeScheduler(DisaggScheduler):
-    allows_local_prefill = True
+def decode_scheduler_args(args: ServerArgs) -> ServerArgs:
+    """The decode server's scheduler flags: its own prefix cache only with `keeps_prefix_cache`, never tiered, and
+    local prefills in chunks of `--decode-local-prefill-chunk-size`."""
+    chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
+    return args.replace(disable_radix_cache=not args.keeps_prefix_cache, enable_hierarchical_cache=False,
+                        hicache_storage_backend=None, chunked_prefill_size=chunk)
 
-    def __init__(self, args: ServerArgs, tokenizer=None):
-        chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
-        super().__init__(args.replace(disable_radix_cache=not args.keeps_prefix_cache, enable_hierarchical_cache=False,
-                                      hicache_storage_backend=None, chunked_prefill_size=chunk), tokenizer)
+
+class DecodeRole(Role):
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
+        self.args = args
+        self.page_size = args.page_size
+        self.link = PeerLink(args, runner)
         self.num_local_prefills = 0
         self._extended_last_step = False
         self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
@@ -53,19 +67,22 @@ class DecodeScheduler(DisaggScheduler):
         self.rank_targets = self._rank_targets()
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None
-        if self.tp.is_leader:
+        if self.link.tp.is_leader:
             self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
-            self.heartbeat = Heartbeat(args, self.channel.post)
+            self.heartbeat = Heartbeat(args, self.link.channel.post)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
         self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
                          RouteResolved: self._on_route_resolved}
 
     def _rank_targets(self) -> list[tuple[str, int]]:
         """Every rank's (transfer session, KV buffer address), in rank order (one collective over the ranks)."""
-        mine = msgpack.packb([self.engine.session_id(), self.region.base])
-        return [tuple(msgpack.unpackb(raw)) for raw in self.tp.all_gather_bytes(mine)]
+        mine = msgpack.packb([self.link.engine.session_id(), self.link.region.base])
+        return [tuple(msgpack.unpackb(raw)) for raw in self.link.tp.all_gather_bytes(mine)]
 
     # ---- requests -----------------------------------------------------------------------------------------
+
+    def validate(self, req: Req) -> None:
+        validate_pd_request(req, self.link.handoffs, allow_local=True)
 
     def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
@@ -73,11 +90,11 @@ class DecodeScheduler(DisaggScheduler):
             return
         if is_local_prefill(req):
             self.num_local_prefills += 1
-            super().accept(req)
+            self.scheduler.enqueue(req)
             return
         addr = bootstrap_addr(req)
-        h = Handoff(req, req.bootstrap_room, deadline=self.clock() + self.args.disaggregation_bootstrap_timeout)
-        self.handoffs[h.room] = h
+        h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
+        self.link.handoffs[h.room] = h
         if addr in self.dead_peers or (addr in self.routes and self.routes[addr].error is not None):
             self.routes.pop(addr, None)
             self.dead_peers.discard(addr)
@@ -86,64 +103,65 @@ class DecodeScheduler(DisaggScheduler):
 
     def _look_up(self, addr: str) -> None:
         """The leader looks the route up off the scheduler thread; its end reaches every rank as RouteResolved."""
-        if not self.tp.is_leader or addr in self.lookups:
+        if not self.link.tp.is_leader or addr in self.lookups:
             return
         lookup = self.route_pool.submit(fetch_prefill_route, addr, self.args.disaggregation_bootstrap_timeout,
-                                        auth=self.auth)
+                                        auth=self.link.auth)
         self.lookups[addr] = lookup
-        lookup.add_done_callback(lambda done: self.channel.post(route_resolved(addr, done)))
+        lookup.add_done_callback(lambda done: self.link.channel.post(route_resolved(addr, done)))
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
         """No prefill peer: the prompt's pages hold whatever they held (decode-only benchmarks, health checks)."""
-        if not self._ensure_pages(req, len(req.input_ids)):
-            self._finish(req, FinishReason("abort", message="KV cache full"))
+        if not self.scheduler.ensure_pages(req, len(req.input_ids)):
+            self.scheduler.finish(req, FinishReason("abort", message="KV cache full"))
             return
-        self._commit(Handoff(req, req.bootstrap_room, deadline=self.clock()), FirstToken(0, req.input_ids[-1]))
+        self._commit(Handoff(req, req.bootstrap_room, deadline=self.link.clock()), FirstToken(0, req.input_ids[-1]))
 
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.quarantine)
+        return bool(self.link.handoffs or self.quarantine)
 
     def can_step(self) -> bool:
-        """Handoffs waiting for a message or a route need no steps: the channel's wake-up fd ends the wait."""
-        return super().can_step() or self._can_preallocate()
-
-    def _can_preallocate(self) -> bool:
-        if self._free_when_blocked == self._available_pages():
+        """Handoffs waiting for a message or a route need no steps (the channel's wake-up fd ends the wait); those
+        whose route is known need one when pages may have been freed since pre-allocation last had to wait."""
+        if self._free_when_blocked == self.scheduler.available_pages():
             return False
-        return any(self._route_ready(h) for h in self.bootstrap_queue())
+        return any(self._route_ready(h) for h in self.link.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
         return bootstrap_addr(h.req) in self.routes
 
     def prepare_step(self) -> bool:
-        super().prepare_step()
+        self.link.handle_events(self.handlers)
+        self._expire()
         self._preallocate()
-        return not self._changed  # first tokens just committed: report them before the next decode step
+        return not self.scheduler.has_new_outputs()  # first tokens just committed: report them before decoding
 
-    def _schedule_extend(self) -> list[ExtendItem]:
+    def plan_extend(self) -> list[ExtendItem]:
         """Local prefill chunks (and recomputes of retracted requests) alternate with decode steps."""
-        if self._extended_last_step and self.running:
+        if self._extended_last_step and self.scheduler.running:
             self._extended_last_step = False
             return []
-        items = super()._schedule_extend()
+        items = self.scheduler.schedule_extend()
         self._extended_last_step = bool(items)
         return items
 
-    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
-        req = self.reqs.get(rid)
-        h = self.handoff_of(req) if req is not None else None
+    def caches_finished(self, req: Req) -> bool:
+        """A fake-transfer request's pages hold no computed KV: they never enter the prefix cache."""
+        return req.bootstrap_host != FAKE_BOOTSTRAP_HOST
+
+    def abort(self, req: Req, message: str) -> bool:
+        h = self.link.handoff_of(req)
         if h is not None:
             self._fail(h, message, reason="aborted", tell_prefill=True, status=None)
-        else:
-            super().abort_request(rid, message)
+        return h is not None
 
     # ---- handshake and pre-allocation ---------------------------------------------------------------------
 
     def _preallocate(self) -> None:
         self._free_when_blocked = None
-        reserved = sum(self._decode_reserve(r) for r in self.running)
-        for h in self.bootstrap_queue():
+        reserved = sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running)
+        for h in self.link.bootstrap_queue():
             if not self._route_ready(h):
                 continue
             route = self.routes[bootstrap_addr(h.req)]
@@ -156,22 +174,22 @@ class DecodeScheduler(DisaggScheduler):
                            tell_prefill=h.peer_control is not None)
                 continue
             if not self._allocate_destination(h, reserved):
-                self._free_when_blocked = self._available_pages()
+                self._free_when_blocked = self.scheduler.available_pages()
                 break  # FIFO: later requests wait behind this one
             h.peer_control = info.control_endpoint
-            if self.tp.is_leader:  # the leader's message speaks for every rank
-                self.send_control(h.peer_control, self._transfer_request(h))
+            if self.link.tp.is_leader:  # the leader's message speaks for every rank
+                self.link.send_control(h.peer_control, self._transfer_request(h))
             h.advance(KVPoll.WAITING_FOR_INPUT)
-            h.pages_sent_at = self.clock()
+            h.pages_sent_at = self.link.clock()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
-            reserved += self._decode_reserve(h.req)
+            reserved += self.scheduler.decode_reserve(h.req)
 
     def _transfer_request(self, h: Handoff) -> TransferRequest:
         advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
         targets = [(announced_endpoint(session, advertise, peer_host), base) for session, base in self.rank_targets]
         return TransferRequest(
-            h.room, h.req.rid, announced_endpoint(self.channel.endpoint, advertise, peer_host), targets[0][0],
-            self.description, targets[0][1], h.dst_pages, self.args.disaggregation_enable_kv_checksum,
+            h.room, h.req.rid, announced_endpoint(self.link.channel.endpoint, advertise, peer_host), targets[0][0],
+            self.link.description, targets[0][1], h.dst_pages, self.args.disaggregation_enable_kv_checksum,
             h.cached_pages, rank_targets=targets,
         )
 
@@ -179,18 +197,18 @@ class DecodeScheduler(DisaggScheduler):
         """The prompt's pages: the prefix this server's radix cache holds (referenced, never written by the
         prefill) plus fresh pages for the rest, if they fit next to every running request's reserve."""
         req = h.req
-        if self.radix is not None:
-            req.pages = self.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
+        if self.scheduler.radix is not None:
+            req.pages = self.scheduler.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
         cached = len(req.pages)
         missing = math.ceil(len(req.input_ids) / self.page_size) - cached
         reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
-        if missing + reserve + reserved > self._available_pages() or not self._ensure_pages(req, len(req.input_ids)):
-            self._release_pages(req)
+        if missing + reserve + reserved > self.scheduler.available_pages() or not self.scheduler.ensure_pages(req, len(req.input_ids)):
+            self.scheduler.release_pages(req)
             return False
         h.cached_pages, h.dst_pages = cached, req.pages
         req.num_prefix_hit = h.cached_pages * self.page_size
-        if self.radix is not None:
-            self.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
+        if self.scheduler.radix is not None:
+            self.scheduler.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
         return True
 
     def _check_route(self, route: RouteResolved) -> PrefillRankInfo:
@@ -201,7 +219,7 @@ class DecodeScheduler(DisaggScheduler):
             raise BootstrapError(route.error)
         if not isinstance(topology.get("ranks"), dict):
             raise ValueError("the bootstrap server's route is not a map with 'ranks'")
-        check_compatible(topology, self.description)
+        check_compatible(topology, self.link.description)
         expected = [str(r) for r in range(topology["tp_size"])]
         if sorted(topology["ranks"]) != sorted(expected):
             raise ValueError(f"the route lists ranks {sorted(topology['ranks'])[:8]} for TP {topology['tp_size']}")
@@ -218,7 +236,7 @@ class DecodeScheduler(DisaggScheduler):
         if room in self.quarantine:
             self._release_quarantine(room)
             return
-        h = self.handoffs.get(room)
+        h = self.link.handoffs.get(room)
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
         try:
@@ -229,7 +247,7 @@ class DecodeScheduler(DisaggScheduler):
         self._commit(h, msg.aux)
 
     def _check_first_token(self, aux: FirstToken, h: Handoff) -> None:
-        vocab = self.model_config.vocab_size
+        vocab = self.link.model_config.vocab_size
         if aux.room != h.room:
             raise ValueError(f"room echo {aux.room} != {h.room}")
         if not 0 <= aux.first_token < vocab:
@@ -237,41 +255,29 @@ class DecodeScheduler(DisaggScheduler):
         if not all(0 <= t < vocab for t, _ in aux.top_logprobs or ()):
             raise ValueError("a top-logprob token is outside the vocabulary")
         received = h.dst_pages[h.cached_pages :]
-        if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != self.pages_checksum(received):
+        if self.args.disaggregation_enable_kv_checksum and aux.kv_checksum != self.link.pages_checksum(received):
             raise ValueError("KV checksum mismatch: the pages did not arrive intact")
 
     def _commit(self, h: Handoff, aux: FirstToken) -> None:
         req = h.req
-        self.handoffs.pop(h.room, None)
+        self.link.handoffs.pop(h.room, None)
         h.advance(KVPoll.SUCCESS)
         if h.pages_sent_at is not None:  # not a fake-transfer request
-            layout = self.region.layout  # each rank received its own heads of the pages
-            self.transfer_stats.moved((len(h.dst_pages) - h.cached_pages) * layout.page_bytes * 2 * layout.num_layers
-                                      * self.tp.size)
-            self.transfer_stats.completed(self.clock() - h.pages_sent_at)
+            layout = self.link.region.layout  # each rank received its own heads of the pages
+            self.link.transfer_stats.moved((len(h.dst_pages) - h.cached_pages) * layout.page_bytes * 2 * layout.num_layers
+                                      * self.link.tp.size)
+            self.link.transfer_stats.completed(self.link.clock() - h.pages_sent_at)
         req.num_cached_tokens = len(req.input_ids)
-        req.output_ids.append(aux.first_token)
-        if req.return_logprob and aux.logprob is not None:
-            req.output_logprobs.append(aux.logprob)
-            req.output_top_logprobs.append(list(aux.top_logprobs or [])[: req.top_logprobs_num])
-        self._changed[req.rid] = req
-        reason = self.check_stop(req)
-        if reason is not None:
-            self._finish(req, reason)
-        else:
-            req.status = ReqStatus.RUNNING
-            self.running.append(req)
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
-        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
-            self._release_pages(req)  # its pages hold no computed KV: they never enter the radix cache
-        super()._finish(req, reason)
+        tops = list(aux.top_logprobs or [])[: req.top_logprobs_num]
+        self.scheduler.add_token(req, aux.first_token, aux.logprob, tops)
+        if not req.finished:
+            self.scheduler.start_decoding(req)
 
     def _on_peer_failed(self, msg: Failed) -> None:
         room = msg.room
         if room in self.quarantine:
             self._release_quarantine(room)
-        h = self.handoffs.get(room)
+        h = self.link.handoffs.get(room)
         if h is not None:
             self._fail(h, f"prefill server failed the request: {msg.error}", reason="peer_failed",
                        tell_prefill=False)
@@ -279,15 +285,16 @@ class DecodeScheduler(DisaggScheduler):
     def _on_peer_dead(self, msg: PeerDead) -> None:
         addr = msg.addr
         self.dead_peers.add(addr)
-        for h in [h for h in self.handoffs.values() if bootstrap_addr(h.req) == addr]:
+        for h in [h for h in self.link.handoffs.values() if bootstrap_addr(h.req) == addr]:
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", reason="peer_dead",
                        tell_prefill=False)
         for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == addr]:
             self._release_quarantine(room)  # a dead prefill writes nothing more
 
-    def expire_handoffs(self) -> None:
-        t = self.clock()
-        for h in list(self.handoffs.values()):
+    def _expire(self) -> None:
+        """Fail the handoffs whose deadline passed; release the quarantined pages whose grace ended."""
+        t = self.link.clock()
+        for h in list(self.link.handoffs.values()):
             if t > h.deadline:
                 handshaking = h.poll == KVPoll.BOOTSTRAPPING
                 what = "handshake" if handshaking else "KV transfer"
@@ -301,38 +308,48 @@ class DecodeScheduler(DisaggScheduler):
     def _fail(self, h: Handoff, error: str, reason: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric). If the prefill may still write into its pages, they wait in quarantine."""
-        self.handoffs.pop(h.room, None)
+        self.link.handoffs.pop(h.room, None)
         if h.poll != KVPoll.FAILED:
-            self.transfer_stats.failed(reason)
+            self.link.transfer_stats.failed(reason)
         may_write = h.poll == KVPoll.WAITING_FOR_INPUT and tell_prefill
         h.advance(KVPoll.FAILED, error)
         if tell_prefill and h.peer_control is not None:
-            self.send_control(h.peer_control, Abort(h.room, error))
+            self.link.send_control(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
-            grace = self.clock() + self.args.disaggregation_waiting_timeout
+            grace = self.link.clock() + self.args.disaggregation_waiting_timeout
             self.quarantine[h.room] = (h.req.pages, grace, bootstrap_addr(h.req))
             h.req.pages = []
-        self._finish(h.req, FinishReason("abort", message=error, status_code=status))
+        self.scheduler.finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
         pages, _, _ = self.quarantine.pop(room)
-        self.allocator.free(pages)
+        self.scheduler.allocator.free(pages)
+
+    # ---- the scheduler process ----------------------------------------------------------------------------
+
+    def idle_poll_ms(self) -> int:
+        return self.link.idle_poll_ms()
+
+    def wakeup_fds(self) -> list[int]:
+        return [self.link.channel.wakeup_fd]
+
+    def holds_pages(self) -> bool:
+        return bool(self.quarantine)
 
     def stats(self) -> dict:
-        return {**super().stats(), "num_local_prefills": self.num_local_prefills}
+        return {"kv_transfer": self.link.transfer_snapshot(), "num_local_prefills": self.num_local_prefills}
 
     def reset_stats(self) -> None:
-        super().reset_stats()
         self.num_local_prefills = 0
 
-    def kv_pool_is_fully_free(self) -> bool:
-        return not self.quarantine and super().kv_pool_is_fully_free()
+    def server_info(self) -> dict:
+        return self.link.server_info()
 
     def close(self) -> None:
-        if self.tp.is_leader:
+        if self.link.tp.is_leader:
             self.heartbeat.close()
             self.route_pool.shutdown(wait=False, cancel_futures=True)
-        super().close()
+        self.link.close()
 
 
 def route_resolved(addr: str, lookup: Future) -> RouteResolved:

@@ -4,6 +4,10 @@ A request waits (BOOTSTRAPPING) until its decode side sends the destination page
 the scheduler's queue (WAITING_FOR_INPUT: back-pressure). After each prefill chunk the newly filled pages
 are pushed; after the last chunk the remaining pages and the first token follow (TRANSFERRING). When the
 last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
+
+`PrefillRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
+queues, in SGLang's words: the bootstrap queue (handoffs waiting for their decode side's pages), then the
+scheduler's waiting queue, then the transfer queue (TRANSFERRING: writes in flight until the last one lands).
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
                                              WriteDone, WriteFailed, to_wire, tp_targets)
 from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
-from pdserve.disagg.protocol import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
-                                     checked_cached_pages, checked_pages)
-from pdserve.disagg.role import DisaggScheduler
+from pdserve.disagg.peer_link import PeerLink
+from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
+                                     checked_cached_pages, checked_pages, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs, kv_write_requests,
                                      layout_from_description)
-from pdserve.disagg.transfer.channel import PeerClients
+from pdserve.disagg.control_transport import PeerClients
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
+from pdserve.scheduler.role import Role
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
@@ -147,58 +153,67 @@ class KVWriters:
             worker.close()
 
 
-class PrefillScheduler(DisaggScheduler):
+class PrefillRole(Role):
     """With tensor parallelism every rank pushes its own KV heads straight into the decode ranks that hold them
     (`KVTarget`s), each through its own transfer engine; a room counts as written once the writes of all ranks
     landed (see `_on_write_done`), and then the leader sends `kv_done`."""
 
-    def __init__(self, args: ServerArgs, tokenizer=None):
-        super().__init__(args, tokenizer)
-        self.writers = KVWriters(self.engine, self.channel.post, self.channel.new_peer_clients)
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
+        self.args = args
+        self.page_size = args.page_size
+        self.device = runner.device
+        self.link = PeerLink(args, runner)
+        self.writers = KVWriters(self.link.engine, self.link.channel.post, self.link.channel.new_peer_clients)
         self.bootstrap = None
         sessions = self._rank_sessions()
-        if self.tp.is_leader:
-            self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, self.tp.size, self.auth)
+        if self.link.tp.is_leader:
+            self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, self.link.tp.size, self.link.auth)
             for rank, session in enumerate(sessions):
-                register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.auth)
+                register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.link.auth)
         self.kv_done_after_writes: dict[int, KVDone] = {}  # room -> kv_done the leader sends once all writes landed
-        self.early_requests = EarlyRequests(self.runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
+        self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
         self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
                          WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
 
     def _rank_sessions(self) -> list[str]:
         """Every rank's transfer session as peers reach it, in rank order (one collective over the ranks)."""
-        mine = registered_endpoint(self.engine.session_id(), self.args.disaggregation_advertise_host)
-        return [raw.decode() for raw in self.tp.all_gather_bytes(mine.encode())]
+        mine = registered_endpoint(self.link.engine.session_id(), self.args.disaggregation_advertise_host)
+        return [raw.decode() for raw in self.link.tp.all_gather_bytes(mine.encode())]
 
     def _rank_info(self, rank: int, session: str) -> PrefillRankInfo:
         """The bootstrap registration of one rank: its transfer session; control messages for every rank go to
         the leader's endpoint; every rank's pool has the same layout (its own heads)."""
         return PrefillRankInfo(
-            rank=rank, control_endpoint=registered_endpoint(self.channel.endpoint, self.args.disaggregation_advertise_host),
-            transfer_session=session, transfer_backend=self.engine.name, kv_layout=self.description["kv_layout"],
-            model=self.description["model"], tp_size=self.tp.size,
+            rank=rank, control_endpoint=registered_endpoint(self.link.channel.endpoint, self.args.disaggregation_advertise_host),
+            transfer_session=session, transfer_backend=self.link.engine.name, kv_layout=self.link.description["kv_layout"],
+            model=self.link.description["model"], tp_size=self.link.tp.size,
         )
 
     # ---- requests -----------------------------------------------------------------------------------------
 
+    def validate(self, req: Req) -> None:
+        validate_pd_request(req, self.link.handoffs)
+
     def accept(self, req: Req) -> None:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
-            self.waiting.append(req)  # prefilled like any request; nothing is sent
+            self.scheduler.enqueue(req)  # prefilled like any request; nothing is sent
             return
-        h = Handoff(req, req.bootstrap_room, deadline=self.clock() + self.args.disaggregation_bootstrap_timeout)
-        self.handoffs[h.room] = h
+        h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
+        self.link.handoffs[h.room] = h
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)
 
-    def abort_request(self, rid: str, message: str = "aborted by request") -> None:
-        req = self.reqs.get(rid)
-        h = self.handoff_of(req) if req is not None else None
+    def prepare_step(self) -> bool:
+        self.link.handle_events(self.handlers)
+        self._expire()
+        return True
+
+    def abort(self, req: Req, message: str) -> bool:
+        h = self.link.handoff_of(req)
         if h is not None:
             self._fail(h, message, reason="aborted", status=None)
-        else:
-            super().abort_request(rid, message)
+        return h is not None
 
     def check_stop(self, req: Req) -> FinishReason | None:
         return None  # the decode side decides when generation stops, starting with the first token
@@ -210,7 +225,7 @@ class PrefillScheduler(DisaggScheduler):
         min_tokens = self.args.disaggregation_layerwise_min_tokens
         plans = []
         for item in items:
-            h = self.handoff_of(item.req)
+            h = self.link.handoff_of(item.req)
             if min_tokens and h is not None and h.poll != KVPoll.FAILED and item.end - item.start >= min_tokens:
                 runs = self._runs_to_send(h, self._pages_complete_after(item))
                 if runs:
@@ -227,7 +242,7 @@ class PrefillScheduler(DisaggScheduler):
         return push_layer
 
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        h = self.handoff_of(req)
+        h = self.link.handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
             self._push(h, end // self.page_size, final=False)
 
@@ -238,12 +253,11 @@ class PrefillScheduler(DisaggScheduler):
         return item.end // self.page_size
 
     def on_prefill_done(self, req: Req) -> None:
-        h = self.handoff_of(req)
+        h = self.link.handoff_of(req)
         if h is None:  # a fake-transfer request ends with its first token
-            self._finish(req, FinishReason("length"))
+            self.scheduler.finish(req, FinishReason("length"))
             return
-        if self.radix is not None:
-            self.radix.insert(req.input_ids, req.pages)
+        self.scheduler.cache_kv(req)  # the prompt's KV: every position it computed
         self._push(h, math.ceil(len(req.input_ids) / self.page_size), final=True)
         h.advance(KVPoll.TRANSFERRING)
 
@@ -255,7 +269,7 @@ class PrefillScheduler(DisaggScheduler):
             return
         runs = self._runs_to_send(h, upto_page)
         kv_done = KVDone(h.room, h.req.rid, self._first_token(h)) if final else None
-        sole_writer = self.tp.size == 1 and len(h.peer_targets) == 1
+        sole_writer = self.link.tp.size == 1 and len(h.peer_targets) == 1
         if kv_done is not None and not sole_writer:
             self.kv_done_after_writes[h.room] = kv_done
         computed = self._record_event()
@@ -267,11 +281,11 @@ class PrefillScheduler(DisaggScheduler):
         """This rank's heads for `target` in the page `runs` (no spans when it takes none of them from us)."""
         if not runs or not target.heads:
             return [], [], []
-        return kv_write_requests(self.region, target.region, runs, layers, target.heads)
+        return kv_write_requests(self.link.region, target.region, runs, layers, target.heads)
 
     def _first_token(self, h: Handoff) -> FirstToken:
         sent = h.req.pages[h.cached_pages : len(h.dst_pages)]
-        checksum = self.pages_checksum(sent) if h.kv_checksum else None
+        checksum = self.link.pages_checksum(sent) if h.kv_checksum else None
         return _first_token_record(h, checksum)
 
     def _runs_to_send(self, h: Handoff, upto_page: int) -> list:
@@ -284,7 +298,7 @@ class PrefillScheduler(DisaggScheduler):
         """Every rank submits the same jobs (same code on the same state; a rank with no heads for a target writes
         nothing), so the room's writes in flight count one job per rank, and the results of all ranks' writers,
         which every rank receives (`step_events`), count them down together."""
-        h.writes_in_flight += self.tp.size
+        h.writes_in_flight += self.link.tp.size
         self.writers.submit(WriteJob(h.room, target.session, spans, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
@@ -298,16 +312,16 @@ class PrefillScheduler(DisaggScheduler):
 
     def _on_transfer_request(self, msg: TransferRequest) -> None:
         room = msg.room
-        h = self.handoffs.get(room)
+        h = self.link.handoffs.get(room)
         if h is None:
-            if not self.early_requests.add(msg, self.clock()):
+            if not self.early_requests.add(msg, self.link.clock()):
                 logger.warning("room %d: dropping an early transfer_request for %d pages", room, len(msg.dst_pages))
             return
         if h.poll != KVPoll.BOOTSTRAPPING:
             return
         try:
             h.peer_control = msg.control
-            check_compatible(self.description, msg.peer)
+            check_compatible(self.link.description, msg.peer)
             layout = layout_from_description(msg.peer.get("kv_layout"))
             h.dst_pages = checked_pages(msg.dst_pages, layout.num_pages,
                                         math.ceil(len(h.req.input_ids) / self.page_size))
@@ -320,7 +334,7 @@ class PrefillScheduler(DisaggScheduler):
             self._fail(h, f"decode peer refused: {exc}", reason="peer_refused")
             return
         h.advance(KVPoll.WAITING_FOR_INPUT)
-        self.waiting.append(h.req)
+        self.scheduler.enqueue(h.req)
 
     def _targets(self, msg: TransferRequest, layout) -> list[KVTarget]:
         """The decode ranks of `msg`, each with the heads this rank writes into it."""
@@ -329,41 +343,42 @@ class PrefillScheduler(DisaggScheduler):
             raise ValueError(f"the decode runs {decode_tp} ranks but lists {len(targets)} transfer targets")
         if any(base <= 0 for _, base in targets):
             raise ValueError(f"bad kv_base in {targets[:8]!r}")
-        heads = self.model_config.num_kv_heads
-        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, self.tp.size, self.tp.rank, decode_tp, j))
+        heads = self.link.model_config.num_kv_heads
+        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, self.link.tp.size, self.link.tp.rank, decode_tp, j))
                 for j, (session, base) in enumerate(targets)]
 
     def _on_peer_abort(self, msg: Abort) -> None:
-        h = self.handoffs.get(msg.room)
+        h = self.link.handoffs.get(msg.room)
         if h is not None:  # the decode's reason, so that the client reads the same cause from either half
             cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
             self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
 
     def _on_write_done(self, msg: WriteDone) -> None:
-        h = self.handoffs.get(msg.room)
+        h = self.link.handoffs.get(msg.room)
         if h is None:
             return
         h.writes_in_flight -= msg.count
-        self.transfer_stats.moved(msg.nbytes)
+        self.link.transfer_stats.moved(msg.nbytes)
         h.write_seconds += msg.seconds
         if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed
             kv_done = self.kv_done_after_writes.pop(h.room, None)
             if kv_done is not None:  # else the room's only writer has sent it
-                self.send_control(h.peer_control, kv_done)
+                self.link.send_control(h.peer_control, kv_done)
             h.advance(KVPoll.SUCCESS)
-            self.transfer_stats.completed(h.write_seconds)
-            self._finish(h.req, FinishReason("length", message="KV handed to the decode server"))
+            self.link.transfer_stats.completed(h.write_seconds)
+            self.scheduler.finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
 
     def _on_write_failed(self, msg: WriteFailed) -> None:
-        h = self.handoffs.get(msg.room)
+        h = self.link.handoffs.get(msg.room)
         if h is not None:
             h.writes_in_flight -= msg.count
             self._fail(h, f"KV transfer to the decode server failed: {msg.error}", reason="write_failed")
 
-    def expire_handoffs(self) -> None:
-        t = self.clock()
-        for h in self.bootstrap_queue():
+    def _expire(self) -> None:
+        """Fail the handoffs whose decode side did not claim them in time; drop late early requests."""
+        t = self.link.clock()
+        for h in self.link.bootstrap_queue():
             if t > h.deadline:
                 self._fail(h, f"no decode server claimed bootstrap_room {h.room} within "
                               f"{self.args.disaggregation_bootstrap_timeout:.0f}s", reason="bootstrap_timeout",
@@ -374,51 +389,56 @@ class PrefillScheduler(DisaggScheduler):
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric); pages stay held until no write for the room is in flight."""
         if h.poll != KVPoll.FAILED:
-            self.transfer_stats.failed(reason)
+            self.link.transfer_stats.failed(reason)
             h.advance(KVPoll.FAILED, error)
             self.writers.cancelled.add(h.room)
-            self._end_request(h.req, FinishReason("abort", message=error, status_code=status))
+            self.scheduler.end(h.req, FinishReason("abort", message=error, status_code=status))
         self._release_if_drained(h)  # also when a write of an already-failed handoff comes back
 
-    def _end_request(self, req: Req, reason: FinishReason) -> None:
-        for queue_ in (self.waiting, self.running):
-            if req in queue_:
-                queue_.remove(req)
-        if req is self.chunked:
-            self.chunked = None
-        if not req.finished:
-            self._finish(req, reason)
-
     def keeps_pages(self, req: Req) -> bool:
-        h = self.handoff_of(req)
+        h = self.link.handoff_of(req)
         return h is not None and h.writes_in_flight > 0
 
     def _release_if_drained(self, h: Handoff) -> None:
-        if h.writes_in_flight > 0 or not h.req.finished or self.handoffs.get(h.room) is not h:
+        if h.writes_in_flight > 0 or not h.req.finished or self.link.handoffs.get(h.room) is not h:
             return
-        del self.handoffs[h.room]
+        del self.link.handoffs[h.room]
         self.kv_done_after_writes.pop(h.room, None)
         self.writers.cancelled.discard(h.room)
-        self._release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
+        self.scheduler.release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
-            self.send_control(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
+            self.link.send_control(h.peer_control, Failed(h.room, (h.error or "")[:MAX_STRING]))
 
     @property
     def warmup_bootstrap(self) -> dict:
         return {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_room": 0}
 
+    # ---- the scheduler process ----------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.link.handoffs)
+
+    def idle_poll_ms(self) -> int:
+        return self.link.idle_poll_ms()
+
+    def wakeup_fds(self) -> list[int]:
+        return [self.link.channel.wakeup_fd]
+
+    def stats(self) -> dict:
+        return {"kv_transfer": self.link.transfer_snapshot()}
+
     def queued_prefill_tokens(self) -> int:
-        """Queued prompts include those still waiting for their decode side's destination pages."""
-        return super().queued_prefill_tokens() + sum(len(h.req.all_ids) for h in self.bootstrap_queue())
+        """Prompts still waiting for their decode side's destination pages."""
+        return sum(len(h.req.all_ids) for h in self.link.bootstrap_queue())
 
     def server_info(self) -> dict:
-        return {**super().server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}
+        return {**self.link.server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}
 
     def close(self) -> None:
         self.writers.close()
         if self.bootstrap is not None:
             self.bootstrap.close()
-        super().close()
+        self.link.close()
 
 
 def _first_token_record(h: Handoff, kv_checksum: int | None) -> FirstToken:

@@ -139,3 +139,8 @@ class ModelRunner:
     def _run_model(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
         return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))
+
+
+def load_runner(args: ServerArgs) -> ModelRunner:
+    """The model runner of `args.model_path` (its config read from the checkpoint)."""
+    return ModelRunner(args, ModelConfig.from_path(args.model_path))

@@ -164,3 +164,14 @@ class Sampler:
             if k:
                 tops[i] = list(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist()))
         return logprobs, tops
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """The logprob of each prompt token `targets[j]` under logits row j, and that row's top `k` (token, logprob)
+    pairs (empty lists when k is 0)."""
+    lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None]).squeeze(1).tolist()
+    if not k:
+        return chosen, [[] for _ in chosen]
+    tops = lp.topk(k, dim=-1)
+    return chosen, [list(zip(ids, values)) for ids, values in zip(tops.indices.tolist(), tops.values.tolist())]

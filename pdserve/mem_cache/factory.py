@@ -1,4 +1,4 @@
-"""Builds the prefix cache a scheduler asked for with its flags: none, the radix cache, or the tiered one."""
+"""Builds the prefix cache a scheduler asked for with its flags: the null cache, the radix cache, or the tiered one."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pdserve.config import ServerArgs
 from pdserve.mem_cache.hiradix_cache import HiCachePolicy, HiRadixCache, model_identity
 from pdserve.mem_cache.host_pool import HostKVPool
 from pdserve.mem_cache.kv_pool import KVPool, PageAllocator
+from pdserve.mem_cache.null_cache import NullPrefixCache
 from pdserve.mem_cache.radix_cache import RadixCache
 from pdserve.mem_cache.stats import HiCacheStats
 from pdserve.mem_cache.storage import StorageBackend, StorageError, create_storage
@@ -19,9 +20,9 @@ STORAGE_DIR_ENV = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
 _POLICY_KEYS = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token")
 
 
-def create_prefix_cache(args: ServerArgs, allocator: PageAllocator, pool: KVPool) -> RadixCache | None:
+def create_prefix_cache(args: ServerArgs, allocator: PageAllocator, pool: KVPool) -> RadixCache | NullPrefixCache:
     if args.disable_radix_cache:
-        return None
+        return NullPrefixCache()
     if not args.enable_hierarchical_cache:
         return RadixCache(allocator, args.page_size)
     extra = args.hicache_extra_config  # a fresh dict: the policy keys are popped from it

@@ -1,1 +1,1 @@
-"""Continuous batching over a paged KV pool; the PD roles extend `Scheduler` in `pdserve.disagg`."""
+"""Continuous batching over a paged KV pool; a `Scheduler` holds a role (`role.py`), the PD roles live in `pdserve.disagg`."""

@@ -1,5 +1,5 @@
 """The extend batch: new prompts and prompt chunks, assembled into one ForwardBatch (the decode side's
-counterpart is `InputBatch`)."""
+counterpart is `DecodeInputBatch`)."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ runs while the GPU computes. Greedy and sampled requests take part when the batc
 sample them (greedy and temperature-only batches inside the decode CUDA graph, `ModelRunner.decode_tokens`); a batch
 with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. Pages of a
 request that ends while a launched batch still writes its KV are freed once that batch has been read back.
+
+The scheduler launches and reads back (`Scheduler._launch_overlapped`, `_read_back`); this module holds the batch in
+flight and the device-side helpers.
 """
 
 from __future__ import annotations
@@ -35,79 +38,44 @@ def _copy_rows(input_ids: torch.Tensor, dst: torch.Tensor, tokens: torch.Tensor,
     input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
 
-class OverlapMixin:
-    """Mixed into `Scheduler`; uses its running list, page helpers, sampler and finish logic."""
+def decode_inputs(prev: InflightDecode | None, reqs: list[Req], device: torch.device):
+    """The input ids known on the host (0 where the previous batch's token is still on the device) and a
+    callback that writes the previous batch's tokens into the device input ids (None without one)."""
+    if prev is None:
+        return [r.output_ids[-1] for r in reqs], None
+    if prev.reqs == reqs:  # the same batch again: row i continues row i
+        return [0] * len(reqs), lambda input_ids: input_ids.copy_(prev.tokens)
+    ahead = prev.req_ids
+    return [0 if id(r) in ahead else r.output_ids[-1] for r in reqs], _fix_rows(prev, reqs, device)
 
-    def _launch_overlapped(self) -> bool:
-        """Launch a decode batch whose inputs may still be on the device; then read back the previous batch.
-        Returns False (nothing launched) when a request needs host-side sampling state or KV runs short."""
-        reqs = list(self.running)
-        state = self._input_batch_of(reqs)
-        if not state.device_sampling_only():
-            return False
-        positions = [r.num_cached_tokens for r in reqs]  # rows still in flight included: their KV is on its way
-        if not self._ensure_decode_pages(reqs, positions):
-            return False
-        prev = self.inflight
-        input_ids, fix_ids = self._decode_inputs(prev, reqs)
-        tokens = self._device_tokens(state, self._decode_batch(state, positions, input_ids, fix_ids))
-        self.inflight = InflightDecode(reqs, tokens, *self._copy_to_host(tokens), req_ids=state.req_ids)
-        if prev is not None:
-            self._read_back(prev)
-        return True
 
-    def _ensure_decode_pages(self, reqs: list[Req], positions: list[int]) -> bool:
-        """A KV slot at every request's position; only requests whose last page is full get a new one."""
-        ps = self.page_size
-        full = [(r, p) for r, p in zip(reqs, positions) if p >= len(r.pages) * ps]
-        return all(self._ensure_pages(r, p + 1) for r, p in full)
+def _fix_rows(prev: InflightDecode, reqs: list[Req], device: torch.device):
+    """A callback that writes the previous batch's tokens into the rows of this batch that continue them."""
+    prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
+    rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in prev.req_ids]
+    idx = to_device([i for i, _ in rows] + [j for _, j in rows], torch.int64, device).view(2, -1)
+    return partial(_copy_rows, dst=idx[0], tokens=prev.tokens, src=idx[1])
 
-    def _decode_inputs(self, prev: InflightDecode | None, reqs: list[Req]):
-        """The input ids known on the host (0 where the previous batch's token is still on the device) and a
-        callback that writes the previous batch's tokens into the device input ids (None without one)."""
-        if prev is None:
-            return [r.output_ids[-1] for r in reqs], None
-        if prev.reqs == reqs:  # the same batch again: row i continues row i
-            return [0] * len(reqs), lambda input_ids: input_ids.copy_(prev.tokens)
-        ahead = prev.req_ids
-        return [0 if id(r) in ahead else r.output_ids[-1] for r in reqs], self._fix_rows(prev, reqs)
 
-    def _fix_rows(self, prev: InflightDecode, reqs: list[Req]):
-        """A callback that writes the previous batch's tokens into the rows of this batch that continue them."""
-        prev_row = {id(r): i for i, r in enumerate(prev.reqs)}
-        rows = [(i, prev_row[id(r)]) for i, r in enumerate(reqs) if id(r) in prev.req_ids]
-        idx = to_device([i for i, _ in rows] + [j for _, j in rows], torch.int64, self.device).view(2, -1)
-        return partial(_copy_rows, dst=idx[0], tokens=prev.tokens, src=idx[1])
+class HostCopier:
+    """Copies sampled tokens to the host without a sync: two pinned buffers, since the previous batch's copy is
+    still being read while the next one is written."""
 
-    def _copy_to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    __slots__ = ("max_rows", "_pinned")
+
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self._pinned: list[torch.Tensor] = []
+
+    def copy(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The host copy of `tokens` and the event after which it is valid (None: valid now, on a CPU)."""
         if tokens.device.type != "cuda":
             return tokens, None
         if not self._pinned:
-            size = self.args.max_running_requests
-            self._pinned = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._pinned.reverse()  # double buffer: the previous batch's copy is still being read
+            self._pinned = [torch.empty(self.max_rows, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._pinned.reverse()
         host = self._pinned[0][: tokens.shape[0]]
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return host, done
-
-    def _finish_inflight(self) -> None:
-        if self.inflight is not None:
-            prev, self.inflight = self.inflight, None
-            self._read_back(prev)
-
-    def _read_back(self, batch: InflightDecode) -> None:
-        if batch.done is not None:
-            batch.done.synchronize()
-        changed, check_stop = self._changed, self.check_stop
-        for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
-            if req.finish_reason is not None:
-                continue  # ended while the batch ran (stop, abort): its extra token is dropped
-            req.output_ids.append(token)
-            changed[req.rid] = req
-            reason = check_stop(req)
-            if reason is not None:
-                self._finish(req, reason)
-        self.running = [r for r in self.running if r.finish_reason is None]
-        self.allocator.free(batch.deferred_pages)

@@ -1,7 +1,9 @@
 """Continuous batching over a paged KV pool: admission, chunked prefill, decode, retraction, abort.
 
 One `step()` runs at most one forward pass: an extend batch (new prompts and the continuing chunked
-prompt, prefill first) when there is one, else a decode batch of every running request.
+prompt, prefill first) when there is one, else a decode batch of every running request. The scheduler is given
+its model runner and its role (`role.py`: colocated by default, or a PD role); every `self.role.` call below is
+a point where the role acts, and the methods under "for the roles" are all a role may call back.
 """
 
 from __future__ import annotations
@@ -10,53 +12,56 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
 from pdserve.config import ServerArgs
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors
+from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
 from pdserve.forward_batch import ForwardBatch
 from pdserve.mem_cache.factory import create_prefix_cache
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.messages import TokenOut
-from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
-from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.decode_input_batch import DecodeInputBatch
 from pdserve.scheduler.load import PrefillRateMeter
-from pdserve.scheduler.overlap import InflightDecode, OverlapMixin
+from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
+from pdserve.scheduler.role import Role
 from pdserve.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
-IDLE_POLL_MS = 100
 
 
-class Scheduler(OverlapMixin):
-    def __init__(self, args: ServerArgs, tokenizer=None):
+class Scheduler:
+    """`runner`: a `ModelRunner`, or anything with its `forward`, `decode_tokens`, `sampler`, `pool`, `device`,
+    `context_len` and `model_config` (the scheduler tests run a fake one)."""
+
+    def __init__(self, args: ServerArgs, runner: ModelRunner, role: Role | None = None, tokenizer=None):
         self.args = args
-        self.model_config = ModelConfig.from_path(args.model_path)
-        self.runner = ModelRunner(args, self.model_config)
-        self.device = self.runner.device
+        self.runner = runner
+        self.model_config = runner.model_config
+        self.device = runner.device
         self.page_size = args.page_size
-        self.context_len = self.runner.context_len
-        self.allocator = PageAllocator(self.runner.pool.layout.num_pages)
-        self.radix = create_prefix_cache(args, self.allocator, self.runner.pool)
-        self.sampler = self.runner.sampler
+        self.context_len = runner.context_len
+        self.allocator = PageAllocator(runner.pool.layout.num_pages)
+        self.radix = create_prefix_cache(args, self.allocator, runner.pool)  # a NullPrefixCache when disabled
+        self.sampler = runner.sampler
         self.stop_checker = StopChecker(args, self.model_config, tokenizer)
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
         self.running: list[Req] = []
-        self.input_batch: InputBatch | None = None  # device state of the last decode batch
+        self.input_batch: DecodeInputBatch | None = None  # device state of the last decode batch
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
-        self._pinned: list[torch.Tensor] = []
+        self.host_copier = HostCopier(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
+        self.role = role or Role()
+        self.role.bind(self)
 
     # ---- public API -------------------------------------------------------------------------------------------
 
@@ -73,28 +78,19 @@ class Scheduler(OverlapMixin):
             "device": str(self.device),
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.capacity * self.page_size,
-            "hicache_host_total_tokens": (self.radix.host_capacity_pages if self.radix else 0) * self.page_size,
+            "hicache_host_total_tokens": self.radix.host_capacity_pages * self.page_size,
             "attention_backend": self.runner.backend_name,
             "cuda_graphs": self.runner.graph_runner is not None,
             "disaggregation_mode": self.args.disaggregation_mode,
             "tp_size": self.args.tp_size,
+            **self.role.server_info(),
         }
-
-    @property
-    def warmup_bootstrap(self) -> dict:
-        """Bootstrap fields of the warm-up's requests (`warmup.py`): none, but a PD prefill needs its fake peer."""
-        return {}
 
     def add_request(self, req: Req) -> None:
         self.validate(req)
         self.reqs[req.rid] = req
-        if self.radix is not None:
-            self.radix.prefetch(req.rid, req.input_ids)
-        self.accept(req)
-
-    def accept(self, req: Req) -> None:
-        """Hook: a validated request enters the queue (the PD roles first run the KV handshake)."""
-        self.waiting.append(req)
+        self.radix.prefetch(req.rid, req.input_ids)
+        self.role.accept(req)
 
     def validate(self, req: Req) -> None:
         """What only the scheduler knows; the prompt itself was checked where it entered (`check_prompt`)."""
@@ -105,23 +101,18 @@ class Scheduler(OverlapMixin):
             raise ValueError(
                 f"the prompt has {n} tokens but the KV cache holds only {self.allocator.capacity * self.page_size}"
             )
+        self.role.validate(req)
 
     def abort_request(self, rid: str, message: str = "aborted by request") -> None:
         req = self.reqs.get(rid)
-        if req is None or req.finished:
+        if req is None or self.role.abort(req, message) or req.finished:
             return
-        if req in self.waiting:
-            self.waiting.remove(req)
-        if req is self.chunked:
-            self.chunked = None
-        if req in self.running:
-            self.running.remove(req)
-        self._finish(req, FinishReason("abort", message=message))
+        self.end(req, FinishReason("abort", message=message))
 
     def step(self) -> list[TokenOut]:
-        if not self.prepare_step():
+        if not self.role.prepare_step():
             return self._collect_outputs()
-        items = self._schedule_extend()
+        items = self.role.plan_extend()
         if items:
             self._finish_inflight()
             started = time.perf_counter()
@@ -133,39 +124,34 @@ class Scheduler(OverlapMixin):
             self._finish_inflight()
         return self._collect_outputs()
 
-    def prepare_step(self) -> bool:
-        """Hook: runs first in every step (the PD roles read their peers' messages). False skips this step's
-        forward pass, so the step only reports what changed."""
-        return True
-
     def has_work(self) -> bool:
         """Any request not finished yet (the PD roles add those waiting for a message from their peer)."""
-        return self.can_step()
+        return self.can_step() or self.role.has_work()
 
     def can_step(self) -> bool:
         """The next step makes progress without waiting for a request, a wake-up fd or a deadline."""
-        return bool(self.waiting or self.running or self.chunked or self._changed or self.inflight)
+        return bool(self.waiting or self.running or self.chunked or self._changed or self.inflight) \
+            or self.role.can_step()
 
     def idle_poll_ms(self) -> int:
-        """How long the scheduler process may sleep waiting for a request or a wake-up fd when it cannot step: the
-        longest a deadline check waits."""
-        return IDLE_POLL_MS
+        return self.role.idle_poll_ms()
 
     def wakeup_fds(self) -> list[int]:
-        """File descriptors that become readable when work arrives other than through add_request."""
-        return []
+        return self.role.wakeup_fds()
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.inflight:
             return False
-        if self.radix is not None:
-            self.radix.reset()
+        self.radix.reset()
         return True
 
     def kv_pool_is_fully_free(self) -> bool:
-        """Every page is free or held by the prefix cache alone (no request, handoff or write still holds one)."""
-        cached = self.radix.evictable_pages() if self.radix else 0
-        return self.allocator.num_free + cached == self.allocator.capacity and not self._pages_in_use_by_reqs()
+        """Every page is free or held by the prefix cache alone (no request, handoff, write or quarantine still
+        holds one)."""
+        if self.role.holds_pages():
+            return False
+        free = self.allocator.num_free + self.radix.evictable_pages()
+        return free == self.allocator.capacity and not self._pages_in_use_by_reqs()
 
     def stats(self) -> dict:
         used = self.allocator.capacity - self.allocator.num_free
@@ -174,32 +160,77 @@ class Scheduler(OverlapMixin):
             "num_waiting": len(self.waiting),
             "kv_used_tokens": used * self.page_size,
             "kv_total_tokens": self.allocator.capacity * self.page_size,
-            "kv_cached_tokens": (self.radix.num_pages if self.radix else 0) * self.page_size,
-            "prefix_query_tokens": self.radix.query_tokens if self.radix else 0,
-            "prefix_hit_tokens": self.radix.hit_tokens if self.radix else 0,
+            "kv_cached_tokens": self.radix.num_pages * self.page_size,
+            "prefix_query_tokens": self.radix.query_tokens,
+            "prefix_hit_tokens": self.radix.hit_tokens,
             "num_retracted": self.num_retracted,
-            **(self.radix.tier_stats() if self.radix else {}),
+            **self.radix.tier_stats(),
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
+            **self.role.stats(),
         }
 
     def reset_stats(self) -> None:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
         self.prefill_meter = PrefillRateMeter()
-        if self.radix is not None:
-            self.radix.reset_hit_counts()
+        self.radix.reset_hit_counts()
+        self.role.reset_stats()
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting that no forward pass has computed yet."""
         queued = sum(len(r.all_ids) - r.num_cached_tokens for r in self.waiting)
         if self.chunked is not None:
             queued += len(self.chunked.all_ids) - self.chunked.num_cached_tokens
-        return queued
+        return queued + self.role.queued_prefill_tokens()
 
-    # ---- scheduling -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.role.close()
 
-    def _schedule_extend(self) -> list[ExtendItem]:
+    # ---- for the roles ----------------------------------------------------------------------------------------
+
+    def enqueue(self, req: Req) -> None:
+        """req waits for admission and prefill (behind every request queued before it)."""
+        self.waiting.append(req)
+
+    def start_decoding(self, req: Req) -> None:
+        """req's prompt KV and first token are in place: it joins the decode batch."""
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def cache_kv(self, req: Req) -> None:
+        """Offer req's computed KV to the prefix cache (which takes its own references)."""
+        self.radix.insert(req.all_ids[: req.num_cached_tokens], req.pages)
+
+    def add_token(self, req: Req, token: int, logprob: float | None = None, top_logprobs: list | None = None) -> None:
+        """Append req's next token (and its logprobs when req asked for them); finish req if it stops there."""
+        req.output_ids.append(token)
+        if logprob is not None and req.return_logprob:
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(top_logprobs)
+        self._changed[req.rid] = req
+        reason = self.role.check_stop(req)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def has_new_outputs(self) -> bool:
+        """Some request has tokens or an end this step has not reported yet."""
+        return bool(self._changed)
+
+    def end(self, req: Req, reason: FinishReason) -> None:
+        """Take req out of every queue and finish it (unless it already finished)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req is self.chunked:
+            self.chunked = None
+        if req in self.running:
+            self.running.remove(req)
+        if not req.finished:
+            self.finish(req, reason)
+
+    def schedule_extend(self) -> list[ExtendItem]:
+        """This step's prefill chunks: the chunked prompt first, then admitted waiting requests within the token
+        budget (at most one of them chunked, and last)."""
         budget = min(self.args.max_prefill_tokens, self.args.chunked_prefill_size)
         items: list[ExtendItem] = []
         if self.chunked is not None:
@@ -217,7 +248,7 @@ class Scheduler(OverlapMixin):
             self.waiting.popleft()
             item = self._plan_chunk(req, budget)
             if item is None:
-                self._release_pages(req)
+                self.release_pages(req)
                 self.waiting.appendleft(req)
                 break
             items.append(item)
@@ -235,46 +266,48 @@ class Scheduler(OverlapMixin):
     def _admit(self, req: Req) -> bool:
         """Reuse a cached prefix and check that the request's KV fits next to the running requests' growth."""
         fill = req.all_ids
-        if self.radix is not None and not req.pages:
+        if not req.pages:
             limit = len(fill) - 1
             if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
                 limit = min(limit, max(req.logprob_start_len - 1, 0))
             req.pages = self.radix.match_prefix(fill, limit, req.rid)
             req.num_cached_tokens = len(req.pages) * self.page_size
             req.num_prefix_hit = max(req.num_prefix_hit, req.num_cached_tokens)
-        need = math.ceil(len(fill) / self.page_size) - len(req.pages) + self._decode_reserve(req)
-        reserved = sum(self._decode_reserve(r) for r in self.running)
+        need = math.ceil(len(fill) / self.page_size) - len(req.pages) + self.decode_reserve(req)
+        reserved = sum(self.decode_reserve(r) for r in self.running)
         if self.chunked is not None:
-            reserved += self._decode_reserve(self.chunked)
-        if need + reserved <= self._available_pages():
-            if self.radix is not None:
-                self.radix.record_hit(len(req.input_ids), req.num_cached_tokens)
+            reserved += self.decode_reserve(self.chunked)
+        if need + reserved <= self.available_pages():
+            self.radix.record_hit(len(req.input_ids), req.num_cached_tokens)
             return True
-        self._release_pages(req)
+        self.release_pages(req)
         return False
 
-    def _decode_reserve(self, req: Req) -> int:
+    def decode_reserve(self, req: Req) -> int:
+        """Pages held back for req's growth while it decodes (a share of its remaining tokens)."""
         remaining = req.sampling_params.max_tokens - len(req.output_ids)
         remaining = min(remaining, self.context_len - req.seq_len)
         return math.ceil(max(remaining, 0) * self.decode_reserve_ratio / self.page_size)
 
-    def _available_pages(self) -> int:
-        return self.allocator.num_free + (self.radix.evictable_pages() if self.radix else 0)
+    def available_pages(self) -> int:
+        """Pages free now or once the prefix cache evicts what nobody else references."""
+        return self.allocator.num_free + self.radix.evictable_pages()
 
     def _plan_chunk(self, req: Req, budget: int) -> ExtendItem | None:
         total = len(req.all_ids)
         start = req.num_cached_tokens
         end = min(total, start + budget)
-        if end <= start or not self._ensure_pages(req, end):
+        if end <= start or not self.ensure_pages(req, end):
             return None
         return ExtendItem(req, start, end)
 
-    def _ensure_pages(self, req: Req, num_tokens: int) -> bool:
+    def ensure_pages(self, req: Req, num_tokens: int) -> bool:
+        """req.pages hold num_tokens tokens (pages added as needed, evicting cached ones); False if KV runs out."""
         need = math.ceil(num_tokens / self.page_size) - len(req.pages)
         if need <= 0:
             return True
         pages = self.allocator.alloc(need)
-        if pages is None and self.radix is not None:
+        if pages is None:
             self.radix.evict(need - self.allocator.num_free)
             pages = self.allocator.alloc(need)
         if pages is None:
@@ -286,21 +319,20 @@ class Scheduler(OverlapMixin):
 
     def _run_extend(self, items: list[ExtendItem]) -> None:
         batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
-        if self.radix is not None:
-            self.radix.wait_for_loads()  # host pages of matched prefixes are on the device before the forward
-        logits = self.runner.forward(batch.forward_batch, self.layer_hook(items))
+        self.radix.wait_for_loads()  # host pages of matched prefixes are on the device before the forward
+        logits = self.runner.forward(batch.forward_batch, self.role.layer_hook(items))
         for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
             if self._wants_input_logprobs(req):
                 self._record_input_logprobs(req, item, logits[first : first + count])
-            self.on_chunk_done(req, item.start, item.end)
+            self.role.on_chunk_done(req, item.start, item.end)
         done, last_rows = batch.completed()
         if done:
             self._sample_and_append([i.req for i in done], logits[torch.tensor(last_rows, device=logits.device)])
             for item in done:
                 if not item.req.finished:
-                    self.on_prefill_done(item.req)
+                    self.role.on_prefill_done(item.req)
 
     def _run_decode(self) -> None:
         if self.overlap and self._launch_overlapped():
@@ -318,14 +350,59 @@ class Scheduler(OverlapMixin):
             self._sample_and_append(reqs, self.runner.forward(batch), state.sampling)
         self.running = [r for r in self.running if not r.finished]
 
-    def _input_batch_of(self, reqs: list[Req]) -> InputBatch:
+    def _launch_overlapped(self) -> bool:
+        """Launch a decode batch whose inputs may still be on the device; then read back the previous batch
+        (`overlap.py`). Returns False (nothing launched) when a request needs host-side sampling state or KV runs
+        short."""
+        reqs = list(self.running)
+        state = self._input_batch_of(reqs)
+        if not state.device_sampling_only():
+            return False
+        positions = [r.num_cached_tokens for r in reqs]  # rows still in flight included: their KV is on its way
+        if not self._ensure_decode_pages(reqs, positions):
+            return False
+        prev = self.inflight
+        input_ids, fix_ids = decode_inputs(prev, reqs, self.device)
+        tokens = self._device_tokens(state, self._decode_batch(state, positions, input_ids, fix_ids))
+        self.inflight = InflightDecode(reqs, tokens, *self.host_copier.copy(tokens), req_ids=state.req_ids)
+        if prev is not None:
+            self._read_back(prev)
+        return True
+
+    def _ensure_decode_pages(self, reqs: list[Req], positions: list[int]) -> bool:
+        """A KV slot at every request's position; only requests whose last page is full get a new one."""
+        ps = self.page_size
+        full = [(r, p) for r, p in zip(reqs, positions) if p >= len(r.pages) * ps]
+        return all(self.ensure_pages(r, p + 1) for r, p in full)
+
+    def _finish_inflight(self) -> None:
+        if self.inflight is not None:
+            prev, self.inflight = self.inflight, None
+            self._read_back(prev)
+
+    def _read_back(self, batch: InflightDecode) -> None:
+        if batch.done is not None:
+            batch.done.synchronize()
+        changed, check_stop = self._changed, self.role.check_stop
+        for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
+            if req.finish_reason is not None:
+                continue  # ended while the batch ran (stop, abort): its extra token is dropped
+            req.output_ids.append(token)
+            changed[req.rid] = req
+            reason = check_stop(req)
+            if reason is not None:
+                self.finish(req, reason)
+        self.running = [r for r in self.running if r.finish_reason is None]
+        self.allocator.free(batch.deferred_pages)
+
+    def _input_batch_of(self, reqs: list[Req]) -> DecodeInputBatch:
         """The persistent decode batch for these requests, rebuilt when its composition changed."""
         if self.input_batch is None or not self.input_batch.matches(reqs):
             max_pages = math.ceil(self.context_len / self.page_size)
-            self.input_batch = InputBatch(reqs, self.page_size, max_pages, self.device)
+            self.input_batch = DecodeInputBatch(reqs, self.page_size, max_pages, self.device)
         return self.input_batch
 
-    def _decode_batch(self, state: InputBatch, positions: list[int], input_ids: list[int], fix_ids=None
+    def _decode_batch(self, state: DecodeInputBatch, positions: list[int], input_ids: list[int], fix_ids=None
                       ) -> ForwardBatch:
         """The decode pass over state.reqs where request i feeds input_ids[i] at positions[i] (its
         num_cached_tokens, the position after its computed KV, which this pass computes)."""
@@ -336,7 +413,7 @@ class Scheduler(OverlapMixin):
             r.num_cached_tokens += 1
         return batch
 
-    def _device_tokens(self, state: InputBatch, batch: ForwardBatch) -> torch.Tensor:
+    def _device_tokens(self, state: DecodeInputBatch, batch: ForwardBatch) -> torch.Tensor:
         """Run the pass and sample it on the device, for a batch that needs no host-side sampling state
         (`state.device_sampling_only()`): inside the decode graph when every row is greedy or temperature-only."""
         tokens = self.runner.decode_tokens(batch, state.sampling)
@@ -350,7 +427,7 @@ class Scheduler(OverlapMixin):
         for req in list(self.running):
             if req.status is not ReqStatus.RUNNING or req.num_cached_tokens < len(req.pages) * ps:
                 continue  # retracted earlier in this loop, or its last page has room for the next token
-            while not self._ensure_pages(req, req.num_cached_tokens + 1):
+            while not self.ensure_pages(req, req.num_cached_tokens + 1):
                 victim = self.running[-1]
                 self._retract(victim)
                 if victim is req:
@@ -359,7 +436,7 @@ class Scheduler(OverlapMixin):
     def _retract(self, req: Req) -> None:
         """Free a running request's KV and queue it first; it is recomputed from prompt + output so far."""
         self.running.remove(req)
-        self._release_pages(req)
+        self.release_pages(req)
         req.status = ReqStatus.WAITING
         self.waiting.appendleft(req)
         self.num_retracted += 1
@@ -378,22 +455,14 @@ class Scheduler(OverlapMixin):
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:
+        logprobs, tops = result.logprobs, result.top_logprobs
         for i, req in enumerate(reqs):
             if req.sampling_params.max_tokens == 0:
-                self._finish(req, FinishReason("length", message=None))
-                continue
-            req.output_ids.append(result.token_ids[i])
-            if result.logprobs is not None and req.return_logprob:
-                req.output_logprobs.append(result.logprobs[i])
-                req.output_top_logprobs.append(result.top_logprobs[i])
-            self._changed[req.rid] = req
-            reason = self.check_stop(req)
-            if reason is not None:
-                self._finish(req, reason)
-
-    def check_stop(self, req: Req) -> FinishReason | None:
-        """Hook: why req stops after its newest token, or None (the prefill role leaves that to the decode side)."""
-        return self.stop_checker.check(req)
+                self.finish(req, FinishReason("length", message=None))
+            elif logprobs is None:
+                self.add_token(req, result.token_ids[i])
+            else:
+                self.add_token(req, result.token_ids[i], logprobs[i], tops[i])
 
     def _wants_input_logprobs(self, req: Req) -> bool:
         return req.return_logprob and req.logprob_start_len >= 0 and len(req.input_logprobs) < len(req.input_ids)
@@ -406,46 +475,23 @@ class Scheduler(OverlapMixin):
         targets = req.input_ids[item.start + 1 : item.end + 1]
         if not targets:
             return
-        lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
-        idx = torch.tensor(targets, device=lp.device)
-        chosen = lp.gather(1, idx[:, None]).squeeze(1).tolist()
-        k = req.top_logprobs_num
-        tops = lp.topk(k, dim=-1) if k else None
-        for j, value in enumerate(chosen):
-            req.input_logprobs.append(value)
-            req.input_top_logprobs.append(
-                list(zip(tops.indices[j].tolist(), tops.values[j].tolist())) if tops is not None else []
-            )
+        values, tops = prompt_logprobs(logits, targets, req.top_logprobs_num)
+        req.input_logprobs.extend(values)
+        req.input_top_logprobs.extend(tops)
 
-    def layer_hook(self, items: list[ExtendItem]) -> Callable[[int], None] | None:
-        """Hook: a callback run after each layer of this extend forward (the prefill role streams KV)."""
-        return None
-
-    def on_chunk_done(self, req: Req, start: int, end: int) -> None:
-        """Hook: KV of positions [start, end) is now in req.pages (the prefill role ships it)."""
-
-    def on_prefill_done(self, req: Req) -> None:
-        """Hook: the prompt is prefilled and the first token sampled. Colocated: start decoding."""
-        if self.radix is not None:
-            self.radix.insert(req.all_ids[: req.num_cached_tokens], req.pages)
-        req.status = ReqStatus.RUNNING
-        self.running.append(req)
-
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """req ends now: its KV goes to the prefix cache (unless aborted) and its pages are released."""
         req.finish_reason = reason
         req.status = ReqStatus.FINISHED
-        if self.radix is not None and reason.type != "abort":
-            self.radix.insert(req.all_ids[: req.num_cached_tokens], req.pages)
-        self._release_pages(req)
+        if reason.type != "abort" and self.role.caches_finished(req):
+            self.cache_kv(req)
+        self.release_pages(req)
         self._changed[req.rid] = req
 
-    def keeps_pages(self, req: Req) -> bool:
-        """Hook: True while something other than a forward pass still reads req's pages (the prefill role's KV
-        writes); they are not freed now, and whoever holds them releases them once done."""
-        return False
-
-    def _release_pages(self, req: Req) -> None:
-        if self.keeps_pages(req):
+    def release_pages(self, req: Req) -> None:
+        """Drop req's page references, unless its role keeps them (then whoever holds them releases them later);
+        pages a launched decode batch still writes are freed once it has been read back."""
+        if self.role.keeps_pages(req):
             return
         if self.inflight is not None and id(req) in self.inflight.req_ids:
             self.inflight.deferred_pages.extend(req.pages)  # the launched batch still writes this KV

@@ -97,7 +97,7 @@ def _request(sched: Scheduler, index: int, length: int, sampling: str, vocab: in
     """A prompt no other warm-up prompt shares a page with, so every one computes all of its tokens."""
     ids = [(index * 7 + i * 7919 + 17) % (vocab - 1) + 1 for i in range(length)]
     params = SamplingParams.from_dict(SAMPLINGS[sampling].to_dict())
-    return Req.of(f"warmup-{index}", ids, params, **sched.warmup_bootstrap)
+    return Req.of(f"warmup-{index}", ids, params, **sched.role.warmup_bootstrap)
 
 
 def _run(sched: Scheduler, reqs: list[Req]) -> None:

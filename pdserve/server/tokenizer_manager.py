@@ -19,7 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
+from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import PromptError, SamplingParams, check_prompt
 from pdserve.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.messages import (

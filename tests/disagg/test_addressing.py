@@ -81,7 +81,7 @@ def test_mooncake_with_loopback_host_refuses_other_addresses():
 
 
 def test_control_socket_bound_to_ipv6_wildcard_is_reached_at_its_announced_endpoint():
-    from pdserve.disagg.transfer.channel import ControlClient, ControlServer
+    from pdserve.disagg.control_transport import ControlClient, ControlServer
 
     server = ControlServer("::", 0, lambda header, frames, reply: reply({"ok": True, "echo": header["n"]}), "test")
     client = ControlClient(announced_endpoint(server.endpoint, None, "127.0.0.1"), timeout_s=5)

@@ -17,18 +17,18 @@ from test_pd_schedulers import check_pd_equals_colocated, make_pair, pd_req, run
 
 from pdserve.cluster_auth import AuthError, ClusterAuth
 from pdserve.disagg.bootstrap import PrefillRankInfo, _request
-from pdserve.disagg.decode import DecodeScheduler
 from pdserve.disagg.early_requests import MAX_EARLY_REQUESTS
-from pdserve.disagg.prefill import PrefillScheduler
-from pdserve.disagg.protocol import PEER_FAILED
+from pdserve.disagg.factory import create_scheduler
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.disagg.handoff import PEER_FAILED
 from pdserve.disagg.transfer.base import TransferError
-from pdserve.disagg.transfer.channel import ControlClient
+from pdserve.disagg.control_transport import ControlClient
 
 SECRET = "test-cluster-secret"
 
 
 @contextmanager
-def running_pair(model, **kw) -> Iterator[tuple[PrefillScheduler, DecodeScheduler, int]]:
+def running_pair(model, **kw) -> Iterator[tuple[Scheduler, Scheduler, int]]:
     prefill, decode, port = make_pair(model, **kw)
     try:
         yield prefill, decode, port
@@ -97,7 +97,7 @@ def kv_done(room: int, **aux) -> dict:
 
 def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open_pair):
     prefill, decode, _ = open_pair
-    decode_errors = refused(decode.channel.endpoint,
+    decode_errors = refused(decode.role.link.channel.endpoint,
                             {"type": "peer_dead", "room": 1},  # in-process only: never from a peer
                             kv_done(7, logprob=-0.5, top_logprobs=[[1, "x"], "zzz"]),
                             kv_done(7, first_token="5"),
@@ -108,7 +108,7 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
                             {"room": 1})
     assert "peer_dead is never accepted from a peer" in decode_errors[0]
     assert "top_logprobs" in decode_errors[1] and "first_token must be int" in decode_errors[2]
-    prefill_errors = refused(prefill.channel.endpoint,
+    prefill_errors = refused(prefill.role.link.channel.endpoint,
                              {"type": "write_done", "room": 3},
                              {"type": "write_done", "room": 3, "final": True, "count": 1},
                              transfer_request(3, peer="zzz"),
@@ -150,19 +150,19 @@ def fake_bootstrap(route: object) -> Iterator[int]:
 
 def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
     prefill, decode, _ = open_pair
-    routes = [[1, 2], {**decode.description, "ranks": {"0": {"control_endpoint": 5}}},
-              {**decode.description, "kv_layout": [1], "ranks": {}}]
+    routes = [[1, 2], {**decode.role.link.description, "ranks": {"0": {"control_endpoint": 5}}},
+              {**decode.role.link.description, "kv_layout": [1], "ranks": {}}]
     for i, route in enumerate(routes):
         with fake_bootstrap(route) as port:
             decode.add_request(pd_req(f"bad-route-{i}", [5, 6, 7], port, room=4200 + i))
             finish = run([decode])[(0, f"bad-route-{i}")]["finish"]
         assert finish["status_code"] == PEER_FAILED and "prefill handshake failed" in finish["message"]
     prefill.add_request(pd_req("bad-layout", [5, 6, 7], 1, room=4300))
-    delivered(prefill.channel.endpoint, transfer_request(4300, peer={**decode.description, "kv_layout": [1]}))
+    delivered(prefill.role.link.channel.endpoint, transfer_request(4300, peer={**decode.role.link.description, "kv_layout": [1]}))
     finish = run([prefill])[(0, "bad-layout")]["finish"]
     assert finish["status_code"] == PEER_FAILED and "decode peer refused: num_layers mismatch" in finish["message"]
     prefill.add_request(pd_req("bad-targets", [5, 6, 7], 1, room=4302))  # a TP 1 decode naming two ranks
-    delivered(prefill.channel.endpoint, transfer_request(4302, peer=decode.description,
+    delivered(prefill.role.link.channel.endpoint, transfer_request(4302, peer=decode.role.link.description,
                                                          rank_targets=[["127.0.0.1:1", 4096], ["127.0.0.1:2", 8192]]))
     finish = run([prefill])[(0, "bad-targets")]["finish"]
     assert "decode peer refused: the decode runs 1 ranks but lists 2 transfer targets" in finish["message"]
@@ -172,26 +172,26 @@ def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
 def test_early_claims_for_unknown_rooms_stay_bounded(open_pair):
     prefill, _, _ = open_pair
     pool_pages = prefill.runner.pool.layout.num_pages
-    delivered(prefill.channel.endpoint, *(transfer_request(room, dst_pages=list(range(1, 201)))
+    delivered(prefill.role.link.channel.endpoint, *(transfer_request(room, dst_pages=list(range(1, 201)))
                                           for room in range(10_000, 12_000)))
-    prefill.prepare_step()
-    assert 0 < len(prefill.early_requests) <= MAX_EARLY_REQUESTS
-    assert prefill.early_requests.pages <= pool_pages and len(prefill.early_requests) <= pool_pages // 200
+    prefill.role.prepare_step()
+    assert 0 < len(prefill.role.early_requests) <= MAX_EARLY_REQUESTS
+    assert prefill.role.early_requests.pages <= pool_pages and len(prefill.role.early_requests) <= pool_pages // 200
     serves_a_pd_request(open_pair, "after-flood", room=4002)
 
 
 def test_a_peer_without_the_secret_is_refused_everywhere(secret_pair):
     prefill, decode, port = secret_pair
     forged = ClusterAuth("not-the-secret")
-    assert "not signed" in refused(decode.channel.endpoint, kv_done(9))[0]
-    assert "bad cluster-secret MAC" in refused(prefill.channel.endpoint, transfer_request(9), auth=forged)[0]
-    assert "bad cluster-secret MAC" in refused(prefill.channel.endpoint, {"type": "abort", "room": 9},
+    assert "not signed" in refused(decode.role.link.channel.endpoint, kv_done(9))[0]
+    assert "bad cluster-secret MAC" in refused(prefill.role.link.channel.endpoint, transfer_request(9), auth=forged)[0]
+    assert "bad cluster-secret MAC" in refused(prefill.role.link.channel.endpoint, {"type": "abort", "room": 9},
                                                auth=forged)[0]
     # a KV write into the decode's pool: refused before any byte is copied
-    target = decode.region.page_ptr(0, 0, 1)
+    target = decode.role.link.region.page_ptr(0, 0, 1)
     before = decode.runner.pool.buffer.clone()
     for auth in (None, forged):
-        client = ControlClient(decode.engine.session_id(), timeout_s=10.0, auth=auth)
+        client = ControlClient(decode.role.link.engine.session_id(), timeout_s=10.0, auth=auth)
         client.send({"op": "write", "dst": [[target, 16]]}, [b"\x7f" * 16])
         with pytest.raises(TransferError, match="not signed|bad cluster-secret MAC"):
             client.recv("write ack")
@@ -200,7 +200,7 @@ def test_a_peer_without_the_secret_is_refused_everywhere(secret_pair):
     # the route hijack: re-registering rank 0 with another control endpoint
     info = PrefillRankInfo(rank=0, control_endpoint="127.0.0.1:9", transfer_session="127.0.0.1:9",
                            transfer_backend="tcp", kv_layout=prefill.runner.pool.layout.describe(),
-                           model=prefill.description["model"], tp_size=1)
+                           model=prefill.role.link.description["model"], tp_size=1)
     for auth in (None, forged):
         assert _request("PUT", f"http://127.0.0.1:{port}/route", asdict(info), 10.0, auth)[0] == 401
         assert _request("GET", f"http://127.0.0.1:{port}/route", None, 10.0, auth)[0] == 401
@@ -212,7 +212,7 @@ def test_a_replayed_signed_message_is_refused(secret_pair):
     prefill, _, _ = secret_pair
     auth = ClusterAuth(SECRET)
     signed = auth.sign({"type": "abort", "room": 12})
-    client = ControlClient(prefill.channel.endpoint, timeout_s=10.0)
+    client = ControlClient(prefill.role.link.channel.endpoint, timeout_s=10.0)
     try:
         client.send(signed)
         client.send(signed)
@@ -230,15 +230,15 @@ def test_damaged_kv_pages_fail_the_request_with_502_when_checksums_are_on(tiny_m
         outs = run([prefill, decode])
         assert outs[(1, "intact")]["finish"]["type"] == "length" and len(outs[(1, "intact")]["ids"]) == 8
 
-        write_local = decode.engine._write_local
+        write_local = decode.role.link.engine._write_local
 
         def corrupt_after_write(targets):
             write_local(targets)
             _, block, _ = targets[-1]
             flat = decode.runner.pool.buffer.view(-1)
-            flat[(block.dst - decode.region.base) // flat.element_size()] += 1.0
+            flat[(block.dst - decode.role.link.region.base) // flat.element_size()] += 1.0
 
-        monkeypatch.setattr(decode.engine, "_write_local", corrupt_after_write)
+        monkeypatch.setattr(decode.role.link.engine, "_write_local", corrupt_after_write)
         for s in (prefill, decode):
             s.add_request(pd_req("damaged", prompt, port, room=502))
         outs = run([prefill, decode])

@@ -14,9 +14,9 @@ from test_pd_schedulers import engine_args, greedy, make_pair, pd_req, run
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.control_messages import TransferRequest
-from pdserve.disagg.protocol import KVPoll, checked_cached_pages
+from pdserve.disagg.handoff import KVPoll, checked_cached_pages
 from pdserve.scheduler.request import Req
-from pdserve.scheduler.scheduler import Scheduler
+from pdserve.disagg.factory import create_scheduler
 
 PAGE = 4  # engine_args' page size
 
@@ -35,8 +35,8 @@ class CountingWrites:
         self.nbytes = 0
         self.gate = threading.Event()
         self.gate.set()
-        self.write = prefill.engine.write
-        prefill.engine.write = self
+        self.write = prefill.role.link.engine.write
+        prefill.role.link.engine.write = self
 
     def __call__(self, session, src, dst, lengths):
         assert self.gate.wait(30), "the test never opened the write gate"
@@ -60,7 +60,7 @@ def pair(model, request):
 
 
 def colocated_outputs(model, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
-    colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    colocated = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
     outs = []
     for i, prompt in enumerate(prompts):
         colocated.add_request(Req(rid=str(i), input_ids=list(prompt), sampling_params=greedy(n)))
@@ -121,11 +121,11 @@ def test_abort_during_the_transfer_of_the_missing_pages_frees_both_pools(model, 
             assert time.monotonic() < deadline, "the prefill never started writing"
             prefill.step()
             decode.step()
-            h = prefill.handoffs.get(2010 + radix_on)
+            h = prefill.role.link.handoffs.get(2010 + radix_on)
         assert h.cached_pages == (48 // PAGE if radix_on else 0)
-        assert decode.handoffs[2010 + radix_on].poll == KVPoll.WAITING_FOR_INPUT
+        assert decode.role.link.handoffs[2010 + radix_on].poll == KVPoll.WAITING_FOR_INPUT
         decode.abort_request("gone")
-        assert 2010 + radix_on in decode.quarantine  # the pages being written wait until the prefill confirms
+        assert 2010 + radix_on in decode.role.quarantine  # the pages being written wait until the prefill confirms
     finally:
         writes.gate.set()
     outs = run([prefill, decode])
@@ -140,20 +140,20 @@ def test_abort_during_the_transfer_of_the_missing_pages_frees_both_pools(model, 
 def test_prefill_refuses_a_cached_page_count_beyond_the_prompt(model, pair):
     """A decode that claims to hold the page of the last prompt token (or more) is refused; both pools free."""
     prefill, decode, port, _, _ = pair
-    send = decode.channel.send
+    send = decode.role.link.channel.send
 
     def lying(endpoint, msg):
         if isinstance(msg, TransferRequest):
             msg = dataclasses.replace(msg, cached_pages=len(msg.dst_pages))
         send(endpoint, msg)
 
-    decode.channel.send = lying
+    decode.role.link.channel.send = lying
     try:
         for s in (prefill, decode):
             s.add_request(pd_req("liar", list(range(10, 30)), port, room=3000))
         outs = run([prefill, decode])
     finally:
-        decode.channel.send = send
+        decode.role.link.channel.send = send
     assert outs[(1, "liar")]["finish"]["type"] == "abort"
     assert "cached_pages 5 is outside [0, 4]" in outs[(0, "liar")]["finish"]["message"]
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()

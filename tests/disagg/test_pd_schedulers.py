@@ -10,9 +10,8 @@ import pytest
 from cluster_util import free_port
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.protocol import FAKE_BOOTSTRAP_HOST
-from pdserve.disagg.decode import DecodeScheduler
-from pdserve.disagg.prefill import PrefillScheduler
+from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
+from pdserve.disagg.factory import create_scheduler
 from pdserve.disagg.transfer.base import TransferError
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
@@ -31,11 +30,11 @@ def engine_args(model, **kw) -> dict:
                 disaggregation_transfer_backend="tcp", **TIMEOUTS) | kw
 
 
-def make_pair(model, **kw) -> tuple[PrefillScheduler, DecodeScheduler, int]:
+def make_pair(model, **kw) -> tuple[Scheduler, Scheduler, int]:
     port = free_port()  # not a fixed range: other test runs on the machine may hold it
-    prefill = PrefillScheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
+    prefill = create_scheduler(ServerArgs(disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
                                           port=1, **engine_args(model, **kw)))
-    decode = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model, **kw)))
+    decode = create_scheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(model, **kw)))
     return prefill, decode, port
 
 
@@ -77,7 +76,7 @@ def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, 
     prefill, decode, port = pair
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in lengths]
-    colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    colocated = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
     for i, p in enumerate(prompts):
         colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
     expected = run([colocated])  # first: the PD handshake deadlines start when the requests are added
@@ -99,8 +98,8 @@ def test_layerwise_push_matches_colocated(model):
     """Chunks of 8+ tokens ship each layer's KV during the forward; shorter ones after it (page size 4)."""
     prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8)
     span_counts = []  # per write job: 2 (K, V) x page runs x layers; 0 for the final first-token marker
-    submit = prefill.writers.submit
-    prefill.writers.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
+    submit = prefill.role.writers.submit
+    prefill.role.writers.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
     try:
         check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300)
         num_layers = prefill.model_config.num_layers
@@ -126,11 +125,11 @@ def test_decode_prefills_a_request_without_bootstrap_fields_like_colocated(model
     rng = random.Random(7)
     prompts = {rid: [rng.randrange(3, 900) for _ in range(n)] for rid, n in
                (("remote", 40), ("local-short", 5), ("local-chunked", 70))}
-    colocated = Scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    colocated = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
     for rid, ids in prompts.items():
         colocated.add_request(Req(rid=rid, input_ids=list(ids), sampling_params=greedy(24)))
     expected = run([colocated])
-    local_before = decode.num_local_prefills
+    local_before = decode.role.num_local_prefills
     for s in (prefill, decode):
         s.add_request(pd_req("remote", prompts["remote"], port, room=700, n=24))
     got: dict[tuple[int, str], dict] = {}
@@ -152,7 +151,7 @@ def test_decode_prefills_a_request_without_bootstrap_fields_like_colocated(model
         decode.runner.forward_observers.remove(observe)
     for rid in prompts:
         assert got[(1, rid)]["ids"] == expected[(0, rid)]["ids"], rid
-    assert (0, "local-short") not in got and decode.num_local_prefills == local_before + 2
+    assert (0, "local-short") not in got and decode.role.num_local_prefills == local_before + 2
     extends = [i for i, (mode, _) in enumerate(steps) if mode == "EXTEND"]
     assert len(extends) >= 3  # local-chunked: 70 tokens in chunks of 32
     assert all(steps[i - 1][0] != "EXTEND" for i in extends if i > 0 and steps[i][1] > 0), steps
@@ -184,7 +183,7 @@ def test_decode_abort_reaches_prefill_and_frees_both_pools(pair):
     for _ in range(200):  # until the decode side runs the request or is waiting for its KV
         prefill.step()
         decode.step()
-        if "gone" in decode.reqs and (decode.reqs["gone"].output_ids or decode.handoffs):
+        if "gone" in decode.reqs and (decode.reqs["gone"].output_ids or decode.role.link.handoffs):
             break
     decode.abort_request("gone")
     outs = run([prefill, decode])
@@ -203,7 +202,7 @@ def test_unclaimed_room_times_out_on_the_prefill(pair):
 
 def test_page_size_mismatch_is_refused_naming_both_values(model, pair):
     prefill, _, port = pair
-    other = DecodeScheduler(ServerArgs(disaggregation_mode="decode", port=3, **engine_args(model, page_size=8)))
+    other = create_scheduler(ServerArgs(disaggregation_mode="decode", port=3, **engine_args(model, page_size=8)))
     try:
         for s in (prefill, other):
             s.add_request(pd_req("mismatch", [5, 6, 7, 8, 9], port, room=888))
@@ -225,7 +224,7 @@ def test_write_failing_after_the_handoff_failed_still_frees_the_prefill_pages(mo
         write_may_fail.wait(10)
         raise TransferError("the decode peer vanished")
 
-    prefill.engine.write = dying_peer_write
+    prefill.role.link.engine.write = dying_peer_write
     try:
         for s in (prefill, decode):
             s.add_request(pd_req("victim", list(range(10, 30)), port, room=999, n=8))  # one chunk, one write
@@ -239,7 +238,7 @@ def test_write_failing_after_the_handoff_failed_still_frees_the_prefill_pages(mo
         while not prefill.kv_pool_is_fully_free():
             assert time.monotonic() < deadline, "the prefill kept the pages of the failed handoff"
             prefill.step()
-        assert not prefill.handoffs
+        assert not prefill.role.link.handoffs
     finally:
         write_may_fail.set()
         prefill.close()

@@ -116,7 +116,7 @@ def test_tcp_write_to_silent_peer_times_out():
 
 
 def test_tcp_receiver_refuses_malformed_messages():
-    from pdserve.disagg.transfer.channel import ControlClient
+    from pdserve.disagg.control_transport import ControlClient
 
     receiver = make_transfer_engine("tcp", "cpu")
     buf = torch.zeros(64, dtype=torch.uint8)

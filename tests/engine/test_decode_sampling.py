@@ -10,7 +10,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.sampling import gumbel_max_sample, gumbel_max_sample_ref
-from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.decode_input_batch import DecodeInputBatch
 from pdserve.scheduler.request import Req
 
 TEMPERATURE_ONLY = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)
@@ -30,14 +30,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 900) for _ in range(rng.randrange(4, 30))] for _ in range(n)]
 
 
-def decode_state(temperatures: list[float], page_size: int, device, **params) -> InputBatch:
+def decode_state(temperatures: list[float], page_size: int, device, **params) -> DecodeInputBatch:
     """A decode batch of one request per temperature, each on a page of its own."""
     reqs = []
     for i, t in enumerate(temperatures):
         req = Req(rid=f"r{i}", input_ids=[3, 4, 5], sampling_params=SamplingParams(temperature=t, **params))
         req.pages = [5 + i]
         reqs.append(req)
-    return InputBatch(reqs, page_size=page_size, max_pages=16, device=torch.device(device))
+    return DecodeInputBatch(reqs, page_size=page_size, max_pages=16, device=torch.device(device))
 
 
 def record_decode_tokens(runner) -> list[bool]:

@@ -9,7 +9,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.sampler import SamplingTensors
-from pdserve.scheduler.input_batch import InputBatch
+from pdserve.scheduler.decode_input_batch import DecodeInputBatch
 from pdserve.scheduler.request import Req
 
 
@@ -19,13 +19,13 @@ def req(rid: str, pages: list[int], **params) -> Req:
     return r
 
 
-def table(batch: InputBatch) -> list[list[int]]:
+def table(batch: DecodeInputBatch) -> list[list[int]]:
     return batch.page_table.tolist()
 
 
 def test_page_table_is_patched_and_widened_in_place_of_a_rebuild():
     a, b = req("a", [5]), req("b", [7, 8])
-    batch = InputBatch([a, b], page_size=4, max_pages=16, device=torch.device("cpu"))
+    batch = DecodeInputBatch([a, b], page_size=4, max_pages=16, device=torch.device("cpu"))
     assert table(batch) == [[5, 0], [7, 8]]
     a.pages.append(9)
     b.pages += [10, 11]  # past the table's width: it widens
@@ -38,7 +38,7 @@ def test_page_table_is_patched_and_widened_in_place_of_a_rebuild():
 
 def test_composition_or_replaced_pages_do_not_match():
     a, b = req("a", [5]), req("b", [7])
-    batch = InputBatch([a, b], page_size=4, max_pages=16, device=torch.device("cpu"))
+    batch = DecodeInputBatch([a, b], page_size=4, max_pages=16, device=torch.device("cpu"))
     assert batch.matches([a, b]) and not batch.matches([b, a]) and not batch.matches([a])
     b.pages = [7]  # retracted and re-admitted: a new list, possibly other pages
     assert not batch.matches([a, b])
@@ -46,12 +46,12 @@ def test_composition_or_replaced_pages_do_not_match():
 
 def test_device_sampling_only_tracks_min_tokens_and_host_state():
     plain, pending = req("p", [1], temperature=0.7), req("m", [2], temperature=0.7, max_tokens=8, min_tokens=2)
-    batch = InputBatch([plain, pending], page_size=4, max_pages=16, device=torch.device("cpu"))
+    batch = DecodeInputBatch([plain, pending], page_size=4, max_pages=16, device=torch.device("cpu"))
     assert not batch.device_sampling_only()
     pending.output_ids += [4, 5]
     assert batch.device_sampling_only()
     for host_state in ({"temperature": 0.7, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0}):
-        other = InputBatch([plain, req("h", [3], **host_state)], page_size=4, max_pages=16, device=torch.device("cpu"))
+        other = DecodeInputBatch([plain, req("h", [3], **host_state)], page_size=4, max_pages=16, device=torch.device("cpu"))
         assert not other.device_sampling_only()
 
 

@@ -9,8 +9,9 @@ from hicache_util import MAX_NEW, PAGE_SIZE, greedy, prompts
 
 from pdserve.config import ServerArgs
 from pdserve.server_processes import free_port
-from pdserve.disagg.decode import DecodeScheduler
-from pdserve.disagg.prefill import PrefillScheduler
+from pdserve.mem_cache.null_cache import NullPrefixCache
+from pdserve.disagg.factory import create_scheduler
+from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.request import Req
 
 
@@ -21,7 +22,7 @@ def role_args(model: str, mode: str, storage_dir: str, **kw) -> ServerArgs:
                       hicache_storage_prefetch_policy="wait_complete", **kw)
 
 
-def serve(prefill: PrefillScheduler, decode: DecodeScheduler, port: int, rid: str, ids: list[int], room: int):
+def serve(prefill: Scheduler, decode: Scheduler, port: int, rid: str, ids: list[int], room: int):
     """One request through a prefill and a decode scheduler; (prefill's cached tokens, decode's output ids)."""
     for sched in (prefill, decode):
         sched.add_request(Req(rid=rid, input_ids=list(ids), sampling_params=greedy(), bootstrap_host="127.0.0.1",
@@ -36,9 +37,9 @@ def serve(prefill: PrefillScheduler, decode: DecodeScheduler, port: int, rid: st
 
 def test_prefix_from_one_prefill_instance_is_reused_by_another(tiny_model, hf_greedy, tmp_path):
     ports = free_port(), free_port()
-    first, second = (PrefillScheduler(role_args(tiny_model, "prefill", str(tmp_path), disaggregation_bootstrap_port=p))
+    first, second = (create_scheduler(role_args(tiny_model, "prefill", str(tmp_path), disaggregation_bootstrap_port=p))
                      for p in ports)
-    decode = DecodeScheduler(role_args(tiny_model, "decode", str(tmp_path)))
+    decode = create_scheduler(role_args(tiny_model, "decode", str(tmp_path)))
     try:
         (base,) = prompts(48, seed=9)
         cached, output = serve(first, decode, ports[0], "a", base, room=1)
@@ -48,7 +49,7 @@ def test_prefix_from_one_prefill_instance_is_reused_by_another(tiny_model, hf_gr
         cached, output = serve(second, decode, ports[1], "b", followup, room=2)
         assert cached == 48 and len(output) == MAX_NEW
         assert output == hf_greedy(followup)
-        assert decode.radix is None  # the decode role keeps no cache of its own
+        assert isinstance(decode.radix, NullPrefixCache)  # the decode role keeps no cache of its own
         for sched in (first, second, decode):
             assert sched.kv_pool_is_fully_free()
     finally:

@@ -22,7 +22,7 @@ from cluster_util import mooncake_available
 from pdserve import SamplingParams
 from pdserve.launch_cluster import (LaunchConfigError, Placement, PortPicker, parse_args, place_servers, plan_cluster,
                                     server_tp_sizes)
-from pdserve.launcher import ClusterError
+from pdserve.server_processes import ClusterError
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
 

@@ -28,7 +28,7 @@ import torch
 
 from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
 from pdserve.cluster_auth import ClusterAuth
-from pdserve.disagg.transfer.channel import ControlServer, PeerClients, parse_spans
+from pdserve.disagg.control_transport import ControlServer, PeerClients, parse_spans
 
 logger = logging.getLogger(__name__)
 

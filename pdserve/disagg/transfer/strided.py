@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdserve.disagg.transfer.base import TransferError
-from pdserve.disagg.transfer.channel import parse_spans
+from pdserve.disagg.control_transport import parse_spans
 
 
 @dataclass(frozen=True, slots=True)

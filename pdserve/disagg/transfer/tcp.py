@@ -5,7 +5,7 @@ and one payload frame per block of spans repeating at a fixed stride (a page run
 one span per token: see strided.py). The receiver thread checks every destination block against its registered
 regions, copies the frames into place (a strided copy for host memory, one H2D copy plus device-side scatter for
 CUDA memory), synchronizes, then acks. The writer blocks until the ack or the timeout.
-With a cluster secret the header is signed (see channel.py): an unsigned write is refused before any byte
+With a cluster secret the header is signed (see control_transport.py): an unsigned write is refused before any byte
 is copied.
 """
 
@@ -26,7 +26,7 @@ from pdserve.disagg.transfer.base import (
     host_view,
     region_tensor,
 )
-from pdserve.disagg.transfer.channel import ControlServer, PeerClients
+from pdserve.disagg.control_transport import ControlServer, PeerClients
 from pdserve.disagg.transfer.strided import StridedBlock, block_to_wire, host_block, parse_blocks, strided_blocks
 
 

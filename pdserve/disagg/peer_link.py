@@ -1,4 +1,5 @@
-"""What both PD roles share: the transfer engine, the control channel and one `Handoff` per bootstrap room.
+"""What both PD roles share, as a part each of them holds: the transfer engine, the control channel and one
+`Handoff` per bootstrap room.
 
 With tensor parallelism every rank runs its role's scheduler on its own KV heads, and all ranks must form the same
 batches and free the same pages. The invariant, enforced by `step_events`: every control event (a peer's message,
@@ -11,7 +12,6 @@ transfer engine, which moves its own heads.
 from __future__ import annotations
 
 import logging
-from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 
 import msgpack
@@ -22,28 +22,30 @@ from pdserve.cluster_auth import make_auth
 from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.control_messages import Message, WriteDone, WriteFailed, from_wire, to_wire
 from pdserve.disagg.kv_checksum import combined_checksum, head_checksums
-from pdserve.disagg.protocol import Handoff, KVPoll, now, validate_pd_request
+from pdserve.disagg.handoff import Handoff, KVPoll, now
 from pdserve.disagg.transfer import KVRegion, make_transfer_engine
 from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.distributed.tensor_parallel import kv_head_start
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.models.model_config import ModelConfig
 from pdserve.scheduler.request import Req
-from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.role import IDLE_POLL_MS
 
 logger = logging.getLogger(__name__)
 WRITES_IN_FLIGHT_POLL_MS = 5
 
 
-class DisaggScheduler(Scheduler, metaclass=ABCMeta):
-    """A PD role's scheduler. It registers the KV pool with the transfer engine once, runs the peers' control
-    messages through `handlers` and expires late handoffs before each step."""
+class PeerLink:
+    """A PD role's link to its peers. It registers the KV pool with the transfer engine once and hands each step's
+    control events to the role's handlers."""
 
-    allows_local_prefill = False  # the decode role also prefills requests sent without a prefill peer
-
-    def __init__(self, args: ServerArgs, tokenizer=None):
-        super().__init__(args, tokenizer)
-        pool = self.runner.pool
+    def __init__(self, args: ServerArgs, runner: ModelRunner):
+        pool = runner.pool
+        self.args = args
+        self.model_config = runner.model_config
+        self.pool = pool
+        self.device = runner.device
         self.auth = make_auth(args.disaggregation_secret)
         if self.auth is None:
             logger.warning("no --disaggregation-secret: the bootstrap server, control channel and KV transfer port "
@@ -55,22 +57,14 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
         )
         self.engine.register(pool.data_ptr, pool.nbytes, str(self.device))
         self.region = KVRegion(pool.data_ptr, pool.layout)
-        self.tp = self.runner.tp
+        self.tp = runner.tp
         self.leader_clock = now()  # the leader's clock as of the last step (see `clock`)
         self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}", self.auth, listen=self.tp.is_leader)
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
-        self.handlers: dict[type[Message], Callable] = {}
         self.transfer_stats = TransferStats(args.disaggregation_mode)
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)
-
-    def validate(self, req: Req) -> None:
-        super().validate(req)
-        validate_pd_request(req, self.handoffs, self.allows_local_prefill)
-
-    def has_work(self) -> bool:
-        return super().has_work() or bool(self.handoffs)
 
     def handoff_of(self, req: Req) -> Handoff | None:
         """The handoff of this request (a fake-transfer request has none, whatever its room)."""
@@ -81,31 +75,28 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
         """The handoffs still waiting for their peer (BOOTSTRAPPING), oldest first."""
         return [h for h in self.handoffs.values() if h.poll == KVPoll.BOOTSTRAPPING]
 
-    def stats(self) -> dict:
+    def transfer_snapshot(self) -> dict:
+        """The transfer counters with the length of each queue (`kv_transfer` of the stats)."""
         polls = [h.poll for h in self.handoffs.values()]
         queues = {"bootstrap": polls.count(KVPoll.BOOTSTRAPPING),
                   "transfer": polls.count(KVPoll.WAITING_FOR_INPUT) + polls.count(KVPoll.TRANSFERRING)}
-        return {**super().stats(), "kv_transfer": self.transfer_stats.snapshot(queues)}
-
-    def wakeup_fds(self) -> list[int]:
-        return [self.channel.wakeup_fd]
+        return self.transfer_stats.snapshot(queues)
 
     def idle_poll_ms(self) -> int:
         """A follower's KV write result has no fd the leader polls: it reaches the leader at the next step's
         gather, so while writes are in flight with tensor parallelism the leader looks again soon."""
         if self.tp.size > 1 and any(h.writes_in_flight for h in self.handoffs.values()):
             return WRITES_IN_FLIGHT_POLL_MS
-        return super().idle_poll_ms()
+        return IDLE_POLL_MS
 
-    def prepare_step(self) -> bool:
+    def handle_events(self, handlers: dict[type[Message], Callable]) -> None:
+        """Runs this step's control events (`step_events`) through the role's handler of each message type."""
         for msg in self.step_events():
-            handler = self.handlers.get(type(msg))
+            handler = handlers.get(type(msg))
             if handler is None:
                 logger.warning("ignoring control message %s: this role does not handle it", msg.tag)
                 continue
             handler(msg)
-        self.expire_handoffs()
-        return True
 
     def step_events(self) -> list[Message]:
         """This step's control events, the same list on every rank: the leader's inbox (peers' messages, its route
@@ -131,7 +122,7 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
         """The KV checksum of `pages` over the model's every head; with tensor parallelism one collective joins
         the ranks' heads, so every rank must call it at the same step."""
         cfg = self.model_config
-        mine = head_checksums(self.runner.pool, pages, kv_head_start(cfg.num_kv_heads, self.tp.size, self.tp.rank))
+        mine = head_checksums(self.pool, pages, kv_head_start(cfg.num_kv_heads, self.tp.size, self.tp.rank))
         per_head = {}
         for raw in self.tp.all_gather_bytes(msgpack.packb(list(mine.items()))):
             per_head.update(dict(msgpack.unpackb(raw)))
@@ -141,14 +132,6 @@ class DisaggScheduler(Scheduler, metaclass=ABCMeta):
         """To a peer's control endpoint; the followers send nothing (the leader speaks for all ranks)."""
         if self.tp.is_leader:
             self.channel.send(endpoint, msg)
-
-    @abstractmethod
-    def expire_handoffs(self) -> None:
-        """Fail the handoffs whose deadline passed (each role has its own deadlines)."""
-
-    @property
-    def model_info(self) -> dict:
-        return {**super().model_info, **self.server_info()}
 
     def server_info(self) -> dict:
         return {"disaggregation_mode": self.args.disaggregation_mode, "transfer_backend": self.engine.name,

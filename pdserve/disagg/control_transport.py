@@ -1,4 +1,5 @@
-"""The request/reply control channel shared by the tcp and nccl engines and the PD control channel.
+"""The request/reply transport under the PD control channel (`control_channel.py`), also used by the tcp and nccl
+engines for their own control messages.
 
 Wire format (ZMQ multipart, never pickle): frame 0 is a msgpack header dict, further frames are raw
 payload. With a cluster secret (`auth`), every header a client sends is signed and the server refuses

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pdserve.scheduler.request import Req
 
 MAX_PAGES_PER_MESSAGE = 1 << 20
+NUM_ROOMS = 2**63  # bootstrap rooms are 63-bit, as in SGLang
 PEER_FAILED = 502  # HTTP status of a request whose handoff failed at or with the peer (the router may retry it)
 PEER_TIMEOUT = 504  # ... or timed out waiting for the peer
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
@@ -95,10 +96,15 @@ def validate_pd_request(req: Req, handoffs: dict[int, Handoff], allow_local: boo
     if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
         raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "
                          "(send them through the router)")
-    if not 0 <= req.bootstrap_room < 2**63:
+    if not room_in_range(req.bootstrap_room):
         raise ValueError(f"bootstrap_room must be in [0, 2^63), got {req.bootstrap_room}")
     if req.bootstrap_room in handoffs:
         raise ValueError(f"bootstrap_room {req.bootstrap_room} is already in use")
+
+
+def room_in_range(room: int) -> bool:
+    """The one check of a room's range, for a client's request and a peer's control message alike."""
+    return 0 <= room < NUM_ROOMS
 
 
 def now() -> float:

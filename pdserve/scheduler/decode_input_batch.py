@@ -1,4 +1,4 @@
-"""The persistent decode batch (vLLM's `InputBatch`): what the running requests need on the device, kept across steps.
+"""The persistent decode batch (vLLM's `DecodeInputBatch`): what the running requests need on the device, kept across steps.
 
 Built when the decode batch's composition changes (a request joins, ends or is retracted); otherwise a step
 uploads only what changes (input ids, positions, KV slots, lengths, and the pages appended since the previous
@@ -17,7 +17,7 @@ from pdserve.forward_batch import ForwardBatch, ForwardMode, flat_page_table, to
 from pdserve.scheduler.request import Req
 
 
-class InputBatch:
+class DecodeInputBatch:
     def __init__(self, reqs: list[Req], page_size: int, max_pages: int, device: torch.device):
         self.reqs = list(reqs)
         self.req_ids = frozenset(id(r) for r in reqs)
