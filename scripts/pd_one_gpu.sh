@@ -1,27 +1,35 @@
 #!/usr/bin/env bash
-# Colocated vs the PD pair sharing one GPU (issue 21), on a lent one-GPU machine (device tool; carry .whl .deb):
-#   bash scripts/pd_one_gpu.sh PHASE...
-# Phases (each a function below; run in the order given):
-#   transfer     raw mooncake writes on one GPU (src and dst on GPU 0): contiguous vs scattered pages
-#   colocated    one server; the prefill-bound mix at 6 req/s for 30 s right after ready (cold), then again (warm)
-#   prefill_alone  a PD prefill server (mooncake) served directly: requests carry the fake bootstrap host, so it
-#                prefills, hands the KV to nobody and answers with the first token; cold, then warm
-#   pd           prefill + decode on GPU 0 behind the router; the mix at 6 req/s fresh, 30 s of decode-bound load
-#                to fill both pools, the mix again; py-spy profiles of both roles when PYSPY=1
-# Results (serving JSON, server logs, /metrics scrapes, profiles) land in $OUT/results.tgz (the device tool brings
-# back 8 files at most).
+# Colocated vs each PD role alone vs the PD pair sharing one GPU (issue 21), on a lent one-GPU machine (device tool;
+# carry .whl .deb):   bash scripts/pd_one_gpu.sh PHASE...
+# Loads (pdserve.bench.serving, open-loop Poisson, llama-3.1-8b preset, bf16):
+#   mix       70% chat 512-2,048 tokens in + 30% documents 6-8k in, 1-6 tokens out (prefill-bound), RATE req/s
+#   decode    256-512 tokens in, 256-512 out (decode-bound), 8 and 16 req/s
+# Phases (run in the order given):
+#   transfer       raw mooncake writes on one GPU (src and dst on GPU 0): contiguous vs scattered pages
+#   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), the mix warm, the decode load
+#   prefill_alone  a prefill server with the fake transfer backend, served directly: the mix
+#   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
+#   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
+#                  timelines on all three: the mix fresh, 30 s of the decode load to fill both pools, the mix again;
+#                  then `pdserve.bench.timeline` over the logs
+#   cluster        `python -m pdserve.launch_cluster` on the one GPU and the README's curl
+# Set PYSPY=1 for py-spy profiles of the servers under the mix. Results land in $OUT/results.tgz (the device tool
+# brings back 8 files at most).
 set -u
 source scripts/gpu_env.sh || exit 1
 export PATH="$SESSION_DIR/site/bin:$PATH"  # py-spy from the carried wheel
 nvidia-smi -L
 MODEL=${MODEL:-llama-3.1-8b}
 RATE=${RATE:-6}
+SECONDS_PER_RUN=${SECONDS_PER_RUN:-45}
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/r
 mkdir -p "$OUT"
 trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
-FAKE_PEER='{"bootstrap_host": "2.2.2.2", "bootstrap_room": 0}'
-MIX=(--dataset mix --mix-output-scale 0.016 --request-rate "$RATE" --warmup-requests 4 --disable-progress)
+MIX=(--dataset mix --mix-output-scale 0.016 --warmup-requests 4 --disable-progress)
+DECODE_LOAD=(--dataset random --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5
+             --warmup-requests 4 --disable-progress)
+
 model_dir() {
   [ -d "$M/$MODEL" ] || step 240 "make_$MODEL" python3 -m pdserve.tools.make_model --preset "$MODEL" --out "$M/$MODEL" >&2
   echo "$M/$MODEL"
@@ -37,15 +45,26 @@ wait_ready() {  # URL...
   echo "ready after $((SECONDS - start)) s"
 }
 
-bench() {  # NAME URL SECONDS EXTRA...
-  local name=$1 url=$2 seconds=$3; shift 3
-  local n=$(python3 -c "print(max(8, int($RATE * $seconds)))")
-  step $((seconds + 120)) "$name" python3 -m pdserve.bench.serving --backend pdserve --base-url "$url" \
-    --tokenizer "$(model_dir)" --num-prompts "$n" --output "$OUT/$name.json" "$@"
+bench() {  # NAME URL RATE SECONDS EXTRA...
+  local name=$1 url=$2 rate=$3 seconds=$4; shift 4
+  local n; n=$(python3 -c "print(max(8, int($rate * $seconds)))")
+  step $((seconds + 150)) "$name" python3 -m pdserve.bench.serving --backend pdserve --base-url "$url" \
+    --tokenizer "$(model_dir)" --num-prompts "$n" --request-rate "$rate" --output "$OUT/$name.json" "$@"
 }
 
 scrape() {  # NAME URL
   curl -s "$2/metrics" | grep -v "^#" > "$OUT/$1.metrics"
+}
+
+spy() {  # NAME PID SECONDS
+  [ "${PYSPY:-0}" = 1 ] || return 0
+  py-spy record --subprocesses --nonblocking --format raw -r 200 -d "$3" -p "$2" -o "$OUT/$1.pyspy" >/dev/null 2>&1 &
+}
+
+serve() {  # LOGNAME ARGS... (prints the pid)
+  local log=$1; shift
+  python3 -m pdserve.launch_server --model-path "$(model_dir)" "$@" > "$OUT/$log.log" 2>&1 &
+  echo $!
 }
 
 phase_transfer() {
@@ -54,57 +73,74 @@ phase_transfer() {
 }
 
 phase_colocated() {
-  local m; m=$(model_dir)
-  python3 -m pdserve.launch_server --model-path "$m" --port 7100 > "$OUT/colocated.log" 2>&1 &
-  local pid=$!
-  wait_ready http://127.0.0.1:7100
-  bench colocated_mix_cold http://127.0.0.1:7100 30 "${MIX[@]}"
-  bench colocated_mix_warm http://127.0.0.1:7100 30 "${MIX[@]}"
+  local pid; pid=$(serve colocated --port 7100)
+  wait_ready http://127.0.0.1:7100 || return
+  bench colocated_cold http://127.0.0.1:7100 2 15 "${MIX[@]}" --warmup-requests 0
+  spy colocated $pid "$SECONDS_PER_RUN"
+  bench colocated_mix http://127.0.0.1:7100 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
+  bench colocated_decode8 http://127.0.0.1:7100 8 30 "${DECODE_LOAD[@]}"
+  bench colocated_decode16 http://127.0.0.1:7100 16 30 "${DECODE_LOAD[@]}"
   scrape colocated http://127.0.0.1:7100
   kill $pid; wait $pid
 }
 
 phase_prefill_alone() {
-  local m; m=$(model_dir)
-  python3 -m pdserve.launch_server --model-path "$m" --disaggregation-transfer-backend mooncake \
-    --max-total-tokens 120000 --port 7000 --disaggregation-mode prefill > "$OUT/prefill_alone.log" 2>&1 &
-  local pid=$!
-  wait_ready http://127.0.0.1:7000
-  bench prefill_alone_mix_cold http://127.0.0.1:7000 30 "${MIX[@]}" --extra-body "$FAKE_PEER"
-  [ "${PYSPY:-0}" = 1 ] && py-spy record --subprocesses --nonblocking --format raw -r 200 -d 35 -p $pid \
-    -o "$OUT/prefill_alone.pyspy" >/dev/null 2>&1 &
-  bench prefill_alone_mix_warm http://127.0.0.1:7000 30 "${MIX[@]}" --extra-body "$FAKE_PEER"
+  local pid; pid=$(serve prefill_alone --port 7000 --disaggregation-mode prefill \
+    --disaggregation-transfer-backend fake --max-total-tokens 120000)
+  wait_ready http://127.0.0.1:7000 || return
+  spy prefill_alone $pid "$SECONDS_PER_RUN"
+  bench prefill_alone_mix http://127.0.0.1:7000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
   scrape prefill_alone http://127.0.0.1:7000
   kill $pid; wait $pid
 }
 
+phase_decode_alone() {
+  local pid; pid=$(serve decode_alone --port 7001 --disaggregation-mode decode \
+    --disaggregation-transfer-backend fake --max-total-tokens 120000)
+  wait_ready http://127.0.0.1:7001 || return
+  bench decode_alone_decode8 http://127.0.0.1:7001 8 30 "${DECODE_LOAD[@]}"
+  bench decode_alone_decode16 http://127.0.0.1:7001 16 30 "${DECODE_LOAD[@]}"
+  scrape decode_alone http://127.0.0.1:7001
+  kill $pid; wait $pid
+}
+
 phase_pd() {
-  local m; m=$(model_dir)
-  local common=(--model-path "$m" --disaggregation-transfer-backend mooncake --max-total-tokens 120000)
-  python3 -m pdserve.launch_server "${common[@]}" --port 7000 --disaggregation-mode prefill \
-    --disaggregation-bootstrap-port 8998 > "$OUT/prefill.log" 2>&1 &
-  local p=$!
-  python3 -m pdserve.launch_server "${common[@]}" --port 7001 --disaggregation-mode decode > "$OUT/decode.log" 2>&1 &
-  local d=$!
+  local common=(--disaggregation-transfer-backend mooncake --max-total-tokens 120000)
+  local p d r
+  p=$(serve prefill "${common[@]}" --port 7000 --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
+    --request-timeline-log "$OUT/timeline_prefill.jsonl")
+  d=$(serve decode "${common[@]}" --port 7001 --disaggregation-mode decode \
+    --request-timeline-log "$OUT/timeline_decode.jsonl")
   python3 -m pdserve_router --prefill http://127.0.0.1:7000 --prefill-bootstrap-ports 8998 \
-    --decode http://127.0.0.1:7001 --port 8000 > "$OUT/router.log" 2>&1 &
-  local r=$!
-  wait_ready http://127.0.0.1:7000 http://127.0.0.1:7001 http://127.0.0.1:8000
-  local spy=()
-  if [ "${PYSPY:-0}" = 1 ]; then
-    py-spy record --subprocesses --nonblocking --format raw -r 200 -d 40 -p $p -o "$OUT/prefill.pyspy" >/dev/null 2>&1 &
-    spy+=($!)
-    py-spy record --subprocesses --nonblocking --format raw -r 200 -d 40 -p $d -o "$OUT/decode.pyspy" >/dev/null 2>&1 &
-    spy+=($!)
-  fi
-  bench pd_mix_fresh http://127.0.0.1:8000 30 "${MIX[@]}"
-  scrape pd_prefill_fresh http://127.0.0.1:7000; scrape pd_decode_fresh http://127.0.0.1:7001
-  bench pd_fill http://127.0.0.1:8000 30 --dataset random --random-input-len 512 --random-output-len 384 \
-    --random-range-ratio 0.5 --request-rate 16 --disable-progress
-  bench pd_mix_filled http://127.0.0.1:8000 30 "${MIX[@]}"
-  scrape pd_prefill_filled http://127.0.0.1:7000; scrape pd_decode_filled http://127.0.0.1:7001
-  for s in "${spy[@]}"; do wait "$s"; done
+    --decode http://127.0.0.1:7001 --port 8000 --request-timeline-log "$OUT/timeline_router.jsonl" \
+    > "$OUT/router.log" 2>&1 &
+  r=$!
+  wait_ready http://127.0.0.1:7000 http://127.0.0.1:7001 http://127.0.0.1:8000 || return
+  spy pd_prefill $p "$SECONDS_PER_RUN"; spy pd_decode $d "$SECONDS_PER_RUN"
+  bench pd_mix_fresh http://127.0.0.1:8000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
+  mkdir -p "$OUT/fresh" && cp "$OUT"/timeline_*.jsonl "$OUT/fresh/"
+  bench pd_fill http://127.0.0.1:8000 16 30 "${DECODE_LOAD[@]}"
+  local before_filled; before_filled=$(wc -l < "$OUT/timeline_router.jsonl")
+  bench pd_mix_filled http://127.0.0.1:8000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
+  scrape pd_prefill http://127.0.0.1:7000; scrape pd_decode http://127.0.0.1:7001; scrape pd_router http://127.0.0.1:8000
   kill $r $d $p; wait $r $d $p
+  TAILN=40 step 60 timeline_fresh python3 -m pdserve.bench.timeline "$OUT"/fresh/timeline_*.jsonl \
+    --json "$OUT/timeline_fresh.json"
+  mkdir -p "$OUT/filled"
+  for f in "$OUT"/timeline_*.jsonl; do tail -n +"$before_filled" "$f" > "$OUT/filled/${f##*/}"; done
+  TAILN=40 step 60 timeline_filled python3 -m pdserve.bench.timeline "$OUT"/filled/timeline_*.jsonl \
+    --json "$OUT/timeline_filled.json"
+}
+
+phase_cluster() {
+  python3 -m pdserve.launch_cluster --port 8000 > "$OUT/cluster.log" 2>&1 &
+  local pid=$!
+  wait_ready http://127.0.0.1:8000 || { tail -20 "$OUT/cluster.log"; kill -INT $pid; wait $pid; return; }
+  curl -s -m 60 -X POST http://127.0.0.1:8000/generate -H "Content-Type: application/json" \
+    -d '{"text": "The capital of France is", "max_new_tokens": 16, "temperature": 0}' | tee "$OUT/cluster_curl.json"
+  echo
+  grep -i "gpu" "$OUT/cluster.log" | head -5
+  kill -INT $pid; wait $pid
 }
 
 for phase in "$@"; do
