@@ -66,6 +66,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
+    shutdown_drain_timeout_s: float = 30.0
     max_batch_items: int = 256
     # disaggregation
     disaggregation_mode: DisaggMode = "null"
@@ -258,6 +259,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "port": ("http", "HTTP port."),
     "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),
     "log_level": ("http", "debug, info, warning or error."),
+    "shutdown_drain_timeout_s": ("http", "On SIGTERM or Ctrl-C: seconds the requests in flight get to finish while new ones get 503; the rest then end with an error (in-band on a stream). A second signal ends them at once."),
     "max_batch_items": ("http", "Most prompts in one batched request."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
