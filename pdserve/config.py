@@ -66,6 +66,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     log_level: str = "info"
+    shutdown_drain_timeout_s: float = 30.0
     max_batch_items: int = 256
     # disaggregation
     disaggregation_mode: DisaggMode = "null"
@@ -78,6 +79,7 @@ class ServerArgs:
     disaggregation_waiting_timeout: float = 60.0
     disaggregation_heartbeat_interval: float = 2.0
     disaggregation_heartbeat_failures: int = 3
+    disaggregation_fence_timeout: float = 600.0
     disaggregation_layerwise_min_tokens: int = 512
     disaggregation_secret: str | None = None
     disaggregation_enable_kv_checksum: bool = False
@@ -257,6 +259,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "port": ("http", "HTTP port."),
     "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),
     "log_level": ("http", "debug, info, warning or error."),
+    "shutdown_drain_timeout_s": ("http", "On SIGTERM or Ctrl-C: seconds the requests in flight get to finish while new ones get 503; the rest then end with an error (in-band on a stream). A second signal ends them at once."),
     "max_batch_items": ("http", "Most prompts in one batched request."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
@@ -268,6 +271,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_waiting_timeout": ("disaggregation", "Seconds the decode side waits for the KV to arrive."),
     "disaggregation_heartbeat_interval": ("disaggregation", "Seconds between decode heartbeats to each prefill bootstrap server."),
     "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
+    "disaggregation_fence_timeout": ("disaggregation", "Decode: seconds at most that the pages of a failed handoff stay quarantined while its prefill may still write them (a frozen prefill resumes and writes late); they come back earlier once the prefill confirms the abort or its bootstrap port refuses connections."),
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
     "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (or env PDSERVE_DISAGGREGATION_SECRET): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a CRC32 of each request's KV pages and fail the request (502) on a mismatch."),

@@ -11,7 +11,9 @@ with one GPU, servers of one rank each share it: they start one after another, e
 that counts the memory of the ones before it (`place_servers`).
 Every server and the router is a child process in its own session, logging to a file under `--log-dir`.
 The launcher waits until each server's and then the router's /health answers, prints the router URL and a
-curl line, and stops everything on Ctrl-C/SIGTERM. If a child dies, it says which and stops the rest (exit 1).
+curl line, and stops everything on Ctrl-C/SIGTERM: the router and the servers drain (new requests get 503, those
+in flight get `--shutdown-drain-timeout-s` to finish, the rest end with an error); a second Ctrl-C stops them at
+once. If a child dies, it says which and stops the rest (exit 1).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser
-from pdserve.server_processes import (ClusterError, Proc, decode_flags, free_port, http_url, pd_router_flags,
-                                      prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
+from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
+                                      pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
 WATCH_POLL_SECONDS = 0.5
 EXIT_OK = 0
@@ -96,6 +98,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", default=None, help="Where the children's logs go (default: a new temp dir).")
     parser.add_argument("--startup-timeout", type=float, default=1800.0,
                         help="Seconds to wait for every server and the router to become healthy.")
+    parser.add_argument("--shutdown-drain-timeout-s", type=float, default=30.0,
+                        help="On Ctrl-C: seconds the requests in flight get to finish before they end with an error; "
+                             "a second Ctrl-C stops at once (default: 30).")
     return parser
 
 
@@ -115,7 +120,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if not 0 <= ns.port < 65536:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     owned = ("--model-path", "--model", "--port", "--host", "--device", "--base-gpu-id", "--disaggregation-mode",
-             "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--nccl-port")
+             "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--nccl-port",
+             "--shutdown-drain-timeout-s")
     clash = sorted({a.split("=")[0] for a in engine_args} & set(owned))
     if clash:
         parser.error(f"{', '.join(clash)} after `--` would override what the cluster launcher sets; "
@@ -249,6 +255,7 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
                            device=placement.device, gpu=gpu)
         return ChildSpec(name, tuple(argv), http_url(reach, port), gpu, bootstrap, tp_size)
 
+    engine_args = [*engine_args, "--shutdown-drain-timeout-s", str(ns.shutdown_drain_timeout_s)]
     if ns.colocated:
         servers = [spec(f"worker {i}", ns.worker_tp_size) for i in range(ns.num_workers)]
         router_flags = ["--worker", *(s.url for s in servers)]
@@ -261,7 +268,8 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
         servers = prefills + decodes
         router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
     router_port = ns.port or ports.pick()
-    argv = router_argv(router_port, *router_flags, *ns.router_args.split(), host=host)
+    argv = router_argv(router_port, *router_flags, "--shutdown-drain-timeout-s", str(ns.shutdown_drain_timeout_s),
+                       *ns.router_args.split(), host=host)
     return servers, ChildSpec("router", tuple(argv), http_url(reach, router_port))
 
 
@@ -269,10 +277,12 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
 
 
 class Cluster:
-    def __init__(self, log_dir: str):
+    def __init__(self, log_dir: str, drain_timeout_s: float):
         self.log_dir = log_dir
+        self.drain_timeout_s = drain_timeout_s
         self.children: list[Proc] = []
         self.stop_requested = threading.Event()
+        self.stopping = False
 
     def start(self, specs: list[ChildSpec], deadline: float, one_by_one: bool = False) -> list[Proc]:
         """Launch the children (with `one_by_one`, each once the one before it is healthy), and wait until each
@@ -300,8 +310,19 @@ class Cluster:
                 child.check_alive()
 
     def stop(self) -> None:
-        """Router first, then the servers: SIGTERM, wait, then SIGKILL whatever is left of each child's session."""
-        stop_all(reversed(self.children))
+        """SIGTERM to every child (each drains its requests in flight), wait, then SIGKILL whatever is left of each
+        child's session."""
+        self.stopping = True
+        if any(child.proc is not None and child.proc.poll() is None for child in self.children):
+            print(f"{PROG}: draining the requests in flight, up to {self.drain_timeout_s:g} s "
+                  "(Ctrl-C again to stop now)", flush=True)
+        stop_all(reversed(self.children), self.drain_timeout_s + TERMINATE_TIMEOUT_SECONDS)
+
+    def stop_now(self) -> None:
+        """A second SIGTERM to every child: each ends its requests in flight at once."""
+        print(f"{PROG}: stopping now", flush=True)
+        for child in self.children:
+            child.terminate()
 
 
 def default_model_path() -> str:
@@ -338,9 +359,11 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     os.makedirs(log_dir, exist_ok=True)
-    cluster = Cluster(log_dir)
+    cluster = Cluster(log_dir, ns.shutdown_drain_timeout_s)
 
     def on_signal(signum: int, frame) -> None:
+        if cluster.stopping:
+            cluster.stop_now()
         cluster.stop_requested.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -282,6 +283,19 @@ def fetch_prefill_route(bootstrap_addr: str, timeout_s: float = 30.0, rank: int 
         if status not in (0, 503) or time.monotonic() > deadline:
             raise BootstrapError(f"GET {url} failed: {status or 'unreachable'} {body.decode(errors='replace')}")
         time.sleep(0.1)
+
+
+def bootstrap_gone(bootstrap_addr: str, timeout_s: float = 2.0) -> bool:
+    """Nothing listens on the bootstrap port any more (a refused connection): the prefill process has exited. A
+    frozen process still accepts (the kernel answers for it), so it is never taken for gone."""
+    host, _, port = bootstrap_addr.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def bootstrap_healthy(bootstrap_addr: str, timeout_s: float = 2.0) -> bool:

@@ -7,7 +7,7 @@ refused from the network.
 
   decode -> prefill  TransferRequest, Abort
   prefill -> decode  KVDone (FirstToken inside), Failed
-  in-process         WriteDone, WriteFailed (the prefill's KV writer), PeerDead (the decode's heartbeat),
+  in-process         WriteDone, WriteFailed (the prefill's KV writer), PeerDead and PeerGone (the decode's heartbeat),
                      RouteResolved (the decode's bootstrap lookup)
 """
 
@@ -130,6 +130,13 @@ class WriteFailed(Message):
 @control("peer_dead", remote=False)
 class PeerDead(Message):
     """The decode's heartbeat lost the prefill bootstrap server at `addr`."""
+
+    addr: str
+
+
+@control("peer_gone", remote=False)
+class PeerGone(Message):
+    """The dead prefill's bootstrap port at `addr` refuses connections: its process is gone, and its writes too."""
 
     addr: str
 

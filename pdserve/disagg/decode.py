@@ -3,7 +3,9 @@
 Per request: resolve the prefill's bootstrap route (BOOTSTRAPPING, off the scheduler thread), allocate the
 prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), then commit the first token
 from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
-still be writing are quarantined after an abort until it confirms with `failed`, or a grace timeout.
+still be writing are fenced: after an abort, a transfer timeout or the prefill's loss to the heartbeat (a frozen
+prefill resumes and writes late) they stay quarantined until the prefill confirms with `failed` or `kv_done`, its
+bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes.
 
 A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
 here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
@@ -31,10 +33,10 @@ import msgpack
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_endpoint
-from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_healthy, check_compatible,
-                                      fetch_prefill_route)
+from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_gone, bootstrap_healthy,
+                                      check_compatible, fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
-                                             RouteResolved, TransferRequest)
+                                             PeerGone, RouteResolved, TransferRequest)
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
                                      validate_pd_request)
@@ -62,7 +64,7 @@ class DecodeRole(Role):
         self.num_local_prefills = 0
         self._extended_last_step = False
         self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
-        self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, release deadline, prefill)
+        self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
         self.dead_peers: set[str] = set()
         self.rank_targets = self._rank_targets()
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
@@ -72,7 +74,7 @@ class DecodeRole(Role):
             self.heartbeat = Heartbeat(args, self.link.channel.post)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
         self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
-                         RouteResolved: self._on_route_resolved}
+                         PeerGone: self._on_peer_gone, RouteResolved: self._on_route_resolved}
 
     def _rank_targets(self) -> list[tuple[str, int]]:
         """Every rank's (transfer session, KV buffer address), in rank order (one collective over the ranks)."""
@@ -286,10 +288,13 @@ class DecodeRole(Role):
         addr = msg.addr
         self.dead_peers.add(addr)
         for h in [h for h in self.link.handoffs.values() if bootstrap_addr(h.req) == addr]:
+            # told, and its pages fenced: a frozen prefill resumes, writes what it had queued, then confirms
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", reason="peer_dead",
-                       tell_prefill=False)
-        for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == addr]:
-            self._release_quarantine(room)  # a dead prefill writes nothing more
+                       tell_prefill=True)
+
+    def _on_peer_gone(self, msg: PeerGone) -> None:
+        for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == msg.addr]:
+            self._release_quarantine(room)  # its process exited: it writes nothing more
 
     def _expire(self) -> None:
         """Fail the handoffs whose deadline passed; release the quarantined pages whose grace ended."""
@@ -316,8 +321,8 @@ class DecodeRole(Role):
         if tell_prefill and h.peer_control is not None:
             self.link.send_control(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
-            grace = self.link.clock() + self.args.disaggregation_waiting_timeout
-            self.quarantine[h.room] = (h.req.pages, grace, bootstrap_addr(h.req))
+            fence_deadline = self.link.clock() + self.args.disaggregation_fence_timeout
+            self.quarantine[h.room] = (h.req.pages, fence_deadline, bootstrap_addr(h.req))
             h.req.pages = []
         self.scheduler.finish(h.req, FinishReason("abort", message=error, status_code=status))
 
@@ -381,13 +386,16 @@ def bootstrap_addr(req: Req) -> str:
 
 
 class Heartbeat:
-    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the control inbox."""
+    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the control inbox. A dead
+    peer is then probed until its bootstrap port refuses connections (`peer_gone`: its fenced pages come back) or
+    it is watched again."""
 
     def __init__(self, args: ServerArgs, post: Callable[[Message], None]):
         self.interval = args.disaggregation_heartbeat_interval
         self.max_failures = args.disaggregation_heartbeat_failures
         self.post = post
         self.failures: dict[str, int] = {}
+        self.dead: set[str] = set()
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="pd-heartbeat", daemon=True)
@@ -396,20 +404,38 @@ class Heartbeat:
     def watch(self, addr: str) -> None:
         with self.lock:
             self.failures.setdefault(addr, 0)
+            self.dead.discard(addr)
 
     def _run(self) -> None:
         while not self.stop.wait(self.interval):
             with self.lock:
-                addrs = list(self.failures)
-            for addr in addrs:
-                alive = bootstrap_healthy(addr, timeout_s=min(self.interval, 2.0))
-                with self.lock:
-                    self.failures[addr] = 0 if alive else self.failures[addr] + 1
-                    dead = self.failures[addr] >= self.max_failures
-                    if dead:
-                        del self.failures[addr]
-                if dead:
-                    self.post(PeerDead(addr))
+                watched, dead = list(self.failures), list(self.dead)
+            for addr in watched:
+                self._ping(addr)
+            for addr in dead:
+                self._probe_gone(addr)
+
+    def _ping(self, addr: str) -> None:
+        alive = bootstrap_healthy(addr, timeout_s=min(self.interval, 2.0))
+        with self.lock:
+            if addr not in self.failures:
+                return
+            self.failures[addr] = 0 if alive else self.failures[addr] + 1
+            dead = self.failures[addr] >= self.max_failures
+            if dead:
+                del self.failures[addr]
+                self.dead.add(addr)
+        if dead:
+            self.post(PeerDead(addr))
+
+    def _probe_gone(self, addr: str) -> None:
+        gone = bootstrap_gone(addr, timeout_s=min(self.interval, 2.0))
+        with self.lock:
+            gone = gone and addr in self.dead
+            if gone:
+                self.dead.discard(addr)
+        if gone:
+            self.post(PeerGone(addr))
 
     def close(self) -> None:
         self.stop.set()

@@ -3,7 +3,8 @@
 A decode may claim a room a moment before the router's request reaches the prefill, so the claim is kept until
 the request comes. Anyone who reaches the control port can send claims for rooms that never come, so the store
 holds at most `max_count` claims and `max_pages` destination pages in all, each for `ttl_s`; when full, the
-oldest claims make room.
+oldest claims make room. The rooms of claims dropped unused (and where to reach their decode) are remembered, as
+many again, so that a later abort from the decode can be confirmed: nothing was written for them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class EarlyRequests:
         self.max_pages, self.ttl_s, self.max_count = max_pages, ttl_s, max_count
         self._kept: OrderedDict[int, tuple[TransferRequest, float]] = OrderedDict()  # room -> (claim, deadline)
         self.pages = 0
+        self._dropped: OrderedDict[int, str] = OrderedDict()  # room -> the decode's control endpoint
 
     def add(self, msg: TransferRequest, now: float) -> bool:
         """Keep `msg` until `now + ttl_s`; False (dropped) when it alone needs more pages than the store holds."""
@@ -27,7 +29,7 @@ class EarlyRequests:
             return False
         self.pop(msg.room)
         while self._kept and (len(self._kept) >= self.max_count or self.pages + len(msg.dst_pages) > self.max_pages):
-            self.pop(next(iter(self._kept)))
+            self._drop(next(iter(self._kept)))
         self._kept[msg.room] = (msg, now + self.ttl_s)
         self.pages += len(msg.dst_pages)
         return True
@@ -41,7 +43,17 @@ class EarlyRequests:
 
     def expire(self, now: float) -> None:
         while self._kept and next(iter(self._kept.values()))[1] < now:
-            self.pop(next(iter(self._kept)))
+            self._drop(next(iter(self._kept)))
+
+    def _drop(self, room: int) -> None:
+        self._dropped[room] = self.pop(room).control
+        if len(self._dropped) > self.max_count:
+            self._dropped.popitem(last=False)
+
+    def take_control(self, room: int) -> str | None:
+        """The decode's control endpoint of a claim kept or dropped unused for `room`, forgotten here."""
+        claim = self.pop(room)
+        return claim.control if claim is not None else self._dropped.pop(room, None)
 
     def __len__(self) -> int:
         return len(self._kept)

@@ -349,9 +349,18 @@ class PrefillRole(Role):
 
     def _on_peer_abort(self, msg: Abort) -> None:
         h = self.link.handoffs.get(msg.room)
-        if h is not None:  # the decode's reason, so that the client reads the same cause from either half
+        if h is None:
+            self._confirm_abort_of_unclaimed(msg.room)
+        else:  # the decode's reason, so that the client reads the same cause from either half
             cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
             self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
+
+    def _confirm_abort_of_unclaimed(self, room: int) -> None:
+        """An abort for a room known only by its early transfer_request (kept or dropped): nothing was written,
+        nothing will be (the claim is forgotten), so the decode may free the pages it fenced."""
+        control = self.early_requests.take_control(room)
+        if control is not None:
+            self.link.send_control(control, Failed(room, "the prefill never received the request"))
 
     def _on_write_done(self, msg: WriteDone) -> None:
         h = self.link.handoffs.get(msg.room)

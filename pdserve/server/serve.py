@@ -2,7 +2,9 @@
 
 Children are spawned (never forked), talk over ipc:// sockets in a private temp dir, and are watched:
 if one exits, the server logs which one and shuts everything down (no half-alive server). SIGTERM and
-SIGINT shut down cleanly: stop the HTTP server, terminate the children, join them, kill stragglers.
+SIGINT drain first: new requests get 503 while those in flight get `--shutdown-drain-timeout-s` to finish, the
+rest end with an error (in-band on a stream; a second signal ends them at once); then stop the HTTP server,
+terminate the children, join them, kill stragglers.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from aiohttp import web
 from pdserve.detokenizer.process import run_detokenizer_process
 from pdserve.process_setup import setup_logging, stop_children
 from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
-from pdserve.server.http_server import create_app
+from pdserve.server.drain import SHUTTING_DOWN, Drain
+from pdserve.server.http_server import DRAIN_KEY, create_app
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.tokenizer_manager import TokenizerManager
+from pdserve.server.tokenizer_manager import RequestRejected, TokenizerManager
 from pdserve.server_processes import free_port
 from pdserve.tokenizer import load_tokenizer
 from pdserve.tqdm_lock import no_process_shared_locks
@@ -42,6 +45,7 @@ STARTUP_TIMEOUT_SECONDS = 1800.0  # loading a large checkpoint can take many min
 EXIT_CHILD_DIED = 1
 EXIT_START_FAILED = 1
 READY_ROLES = {"scheduler", "detokenizer"}  # the leader rank announces once every rank has loaded
+FINAL_WRITE_SECONDS = 5.0  # for the requests ended at shutdown to send their error
 
 
 def serve(args: ServerArgs) -> int:
@@ -82,10 +86,14 @@ def _reap(child: BaseProcess, timeout: float = 2.0) -> None:
 
 async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, stop_now = asyncio.Event(), asyncio.Event()
     exit_code = 0
 
     def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            logger.warning("received %s again; stopping now", sig.name)
+            stop_now.set()
+            return
         logger.info("received %s; shutting down", sig.name)
         stop.set()
 
@@ -118,6 +126,8 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         tm.start()
         runner = await _start_http(args, tm)
         await stop.wait()
+        if exit_code == 0:
+            await _drain(runner.app[DRAIN_KEY], tm, args.shutdown_drain_timeout_s, stop_now)
         return exit_code
     finally:
         for child in children:
@@ -126,6 +136,26 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
             await runner.cleanup()
         if tm is not None:
             tm.close()
+
+
+async def _drain(drain: Drain, tm: TokenizerManager, timeout_s: float, stop_now: asyncio.Event) -> None:
+    """Refuse new requests, give those in flight `timeout_s` (or until `stop_now`), then end the rest."""
+    drain.start()
+    if drain.in_flight:
+        logger.warning("draining %d requests (Ctrl-C again to stop now)", drain.in_flight)
+        await _until_idle(drain, timeout_s, stop_now)
+    if drain.in_flight:
+        logger.warning("ending %d unfinished requests with an error", drain.in_flight)
+        tm.end_all(RequestRejected(SHUTTING_DOWN, 503, "shutting_down"))
+        await _until_idle(drain, FINAL_WRITE_SECONDS, asyncio.Event())
+
+
+async def _until_idle(drain: Drain, timeout_s: float, stop_now: asyncio.Event) -> None:
+    """Until no request is in flight, `timeout_s` passed or `stop_now` is set."""
+    waits = {asyncio.ensure_future(drain.idle.wait()), asyncio.ensure_future(stop_now.wait())}
+    _, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for wait in pending:
+        wait.cancel()
 
 
 async def _unless_stopped(awaitable: Awaitable[T], stop: asyncio.Event) -> T | None:

@@ -111,6 +111,7 @@ class TokenizerManager:
         self._to_scheduler = push_socket(self._sync_ctx, ipc_addr(args, "scheduler"))
         self._receiver = pull_socket(self._async_ctx, ipc_addr(args, "tokenizer"), bind=True)
         self._recv_task: asyncio.Task | None = None
+        self._ended: RequestRejected | None = None  # set at shutdown: every request then fails with it
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -224,6 +225,8 @@ class TokenizerManager:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
         """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it."""
+        if self._ended is not None:
+            raise self._ended
         self.check_not_in_flight([request.rid])
         message = encode(_tokenized(request))
         state = ReqState(request)
@@ -234,6 +237,8 @@ class TokenizerManager:
         try:
             while not finished:
                 item = await state.queue.get()
+                if isinstance(item, RequestRejected):
+                    raise item
                 if isinstance(item, RequestError):
                     finished = True
                     raise RequestRejected(item.message)
@@ -271,6 +276,12 @@ class TokenizerManager:
             return False
         self._to_scheduler.send(encode(AbortReq(rid)))
         return True
+
+    def end_all(self, reason: RequestRejected) -> None:
+        """Fail every request in flight with `reason` (and abort it in the scheduler), and every later one."""
+        self._ended = reason
+        for state in self.states.values():
+            state.queue.put_nowait(reason)
 
     def abort_all(self) -> int:
         rids = list(self.states)

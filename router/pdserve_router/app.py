@@ -1,4 +1,9 @@
-"""HTTP routes of the router: generation routes go through the Dispatcher; admin routes fan out or proxy."""
+"""HTTP routes of the router: generation routes go through the Dispatcher; admin routes fan out or proxy.
+
+`run` serves until SIGTERM or SIGINT, then drains: new generation requests and /health get 503 while those in
+flight get `--shutdown-drain-timeout-s` to finish; the rest end with a 503 (in-band on a stream). A second
+signal ends them at once.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
 from collections.abc import Iterable
 
 import aiohttp
@@ -13,7 +19,7 @@ from aiohttp import web
 
 from .config import DEFAULT_BOOTSTRAP_PORT, ConfigError, RouterConfig
 from .dashboard import add_dashboard
-from .dispatch import CONNECTION_ERRORS, Dispatcher
+from .dispatch import CONNECTION_ERRORS, SHUTTING_DOWN, Dispatcher
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable
 from .upstream import UpstreamPool
@@ -22,6 +28,7 @@ from .workers import CacheReportPoller, HealthChecker, LoadPoller, NoHealthyWork
 log = logging.getLogger("pdserve_router")
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 MAX_BODY_BYTES = 64 * 1024 * 1024
+FINAL_WRITE_SECONDS = 5.0  # for the requests ended at shutdown to send their error
 
 
 class Router:
@@ -43,6 +50,7 @@ class Router:
         self.load: LoadPoller | None = None
         self.cache_reports: CacheReportPoller | None = None
         self.event_loop = "asyncio"
+        self.draining = False
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -79,10 +87,24 @@ class Router:
         await self.upstream.close()
         await self.session.close()
 
+    async def drain(self, stop_now: asyncio.Event) -> None:
+        """Refuse new requests, give those in flight the drain time (or until `stop_now`), then end the rest."""
+        self.draining = True
+        dispatcher = self.dispatcher
+        if dispatcher.in_flight:
+            log.warning("draining %d requests (Ctrl-C again to stop now)", len(dispatcher.in_flight))
+            await first_of(dispatcher.idle.wait(), stop_now.wait(), within=self.config.shutdown_drain_timeout_s)
+        if dispatcher.in_flight:
+            log.warning("ending %d unfinished requests with an error", len(dispatcher.in_flight))
+            dispatcher.end_all()
+            await first_of(dispatcher.idle.wait(), within=FINAL_WRITE_SECONDS)
+
     # generation
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         path = request.path
+        if self.draining:
+            return error_response(503, SHUTTING_DOWN, request.headers.get("X-Request-Id"))
         self.metrics.requests.labels(route=path).inc()
         raw = await request.read()
         charset = request.charset
@@ -106,6 +128,8 @@ class Router:
     # health and admin
 
     async def health_route(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return error_response(503, SHUTTING_DOWN)
         try:
             for role in self.roles:
                 if not any(w.ready for w in self.registry.available(role)):
@@ -292,7 +316,39 @@ def new_event_loop(choice: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+async def first_of(*waits, within: float) -> None:
+    """Until the first of the awaitables `waits` completes, or `within` seconds; the others are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        task.cancel()
+
+
+async def serve(config: RouterConfig) -> None:
+    """Serve until SIGTERM or SIGINT, drain, stop."""
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    stop, stop_now = asyncio.Event(), asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        log.info("received %s; %s", sig.name, "stopping now" if stop.is_set() else "shutting down")
+        (stop_now if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        await stop.wait()
+        await app[ROUTER].drain(stop_now)
+    finally:
+        await runner.cleanup()
+
+
 def run(config: RouterConfig) -> None:
     loop = new_event_loop(config.event_loop)
-    web.run_app(create_app(config), host=config.host, port=config.port, access_log=None, print=None,
-                handler_cancellation=True, loop=loop)
+    try:
+        loop.run_until_complete(serve(config))
+    finally:
+        loop.close()

@@ -49,6 +49,9 @@ _HELP: dict[str, str] = {
     "retry_backoff_s": "First retry backoff in seconds; doubles per retry, with jitter.",
     "retry_max_backoff_s": "Longest retry backoff in seconds.",
     "abort_timeout_s": "Seconds an abort_request to the other half of a failed pair may take.",
+    "shutdown_drain_timeout_s": "On SIGTERM or Ctrl-C: seconds the requests in flight get to finish while new ones get "
+                                "503; the rest then end with an error (in-band on a stream). A second signal ends "
+                                "them at once.",
     "admin_timeout_s": "Seconds for fan-out admin calls (/health_generate, /flush_cache, /get_server_info).",
     "request_timeline_log": "Append one JSON line per finished request to this file: its rid and the seconds from "
                             "arrival to each stage (dispatched to and first byte from each side, finished), the "

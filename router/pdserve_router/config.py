@@ -55,6 +55,7 @@ class RouterConfig:
     retry_max_backoff_s: float = 1.0
     abort_timeout_s: float = 2.0
     admin_timeout_s: float = 60.0
+    shutdown_drain_timeout_s: float = 30.0
     request_timeline_log: str | None = None  # one JSON line per finished request (pdserve.bench.timeline reads it)
     # health checks
     health_check_interval_s: float = 5.0

@@ -39,6 +39,7 @@ from .workers import NoHealthyWorker, Worker, WorkerRegistry
 log = logging.getLogger("pdserve_router")
 CONNECTION_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SHUTTING_DOWN = "the router is shutting down"
 CLIENT_HIGH_WATER = 64 * 1024  # client send-buffer bytes above which the relay falls back to awaited writes
 # A pdserve PD server answers 502 (its peer failed or refused) or 504 (its peer timed out) when a KV handoff fails:
 # the instance that answered is alive; the other half of the pair is the suspect.
@@ -135,6 +136,8 @@ class RequestContext:
     return_logprob: bool
     response: web.StreamResponse | None = None
     excluded: set[str] = field(default_factory=set)
+    deadline: asyncio.Timeout | None = None  # the request timeout, brought forward to end it at shutdown
+    shutting_down: bool = False
 
 
 @dataclass(slots=True)
@@ -169,6 +172,9 @@ class Dispatcher:
         self.signer = RequestSigner(config.disaggregation_secret) if config.disaggregation_secret else None
         self.background: set[asyncio.Task] = set()
         self.timeline = TimelineRecorder(metrics.stages, config.request_timeline_log)
+        self.in_flight: dict[int, RequestContext] = {}  # by id()
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     def decision_counter(self, role: Role) -> Callable[[str], None]:
         counters = {source: self.metrics.cache_decisions.labels(role=role, source=source)
@@ -185,24 +191,45 @@ class Dispatcher:
         ctx = RequestContext(request, path, body, raw, request_id, started, StageClock(request_id, started),
                              bool(body.get("stream")),
                              batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
+        self.in_flight[id(ctx)] = ctx
+        self.idle.clear()
         try:
-            async with timeout(self.config.request_timeout_s):
+            async with timeout(self.config.request_timeout_s) as ctx.deadline:
                 return await self.with_retries(ctx)
         except asyncio.TimeoutError:
-            self.metrics.errors.labels(kind="timeout").inc()
-            message = f"request timed out after {self.config.request_timeout_s:g} s"
-            log.warning("rid=%s %s", ctx.request_id, message)
+            status, message = self.timeout_answer(ctx)
             if ctx.response is None:
-                return error_response(504, message, ctx.request_id)
-            await self.end_stream_with_error(ctx, 504, message)
+                return error_response(status, message, ctx.request_id)
+            await self.end_stream_with_error(ctx, status, message)
             return ctx.response
         except asyncio.CancelledError:
             self.metrics.errors.labels(kind="client_disconnect").inc()
             log.info("rid=%s client went away before the answer", ctx.request_id)
             raise
         finally:
+            del self.in_flight[id(ctx)]
+            if not self.in_flight:
+                self.idle.set()
             self.metrics.duration.observe(time.perf_counter() - ctx.started)
             self.timeline.finish(ctx.clock)
+
+    def timeout_answer(self, ctx: RequestContext) -> tuple[int, str]:
+        """The status and message of a request whose deadline passed (or was brought forward by `end_all`)."""
+        if ctx.shutting_down:
+            self.metrics.errors.labels(kind="shutdown").inc()
+            return 503, SHUTTING_DOWN
+        self.metrics.errors.labels(kind="timeout").inc()
+        message = f"request timed out after {self.config.request_timeout_s:g} s"
+        log.warning("rid=%s %s", ctx.request_id, message)
+        return 504, message
+
+    def end_all(self) -> None:
+        """Ends every request in flight now, as its timeout would, with a 503 (in-band on a stream)."""
+        now = asyncio.get_running_loop().time()
+        for ctx in self.in_flight.values():
+            if ctx.deadline is not None:
+                ctx.shutting_down = True
+                ctx.deadline.reschedule(now)
 
     async def with_retries(self, ctx: RequestContext) -> web.StreamResponse:
         last_error: UpstreamError | None = None

@@ -43,7 +43,7 @@ class RouterMetrics:
         registry = self.registry
         self.requests = Counter(PREFIX + "requests", "Requests received, by route.", ("route",), registry=registry)
         self.errors = Counter(PREFIX + "errors", "Failures, by kind (connect, upstream_5xx, upstream_4xx, timeout, "
-                              "no_worker, bad_request, client_disconnect, stream).", ("kind",), registry=registry)
+                              "no_worker, bad_request, client_disconnect, stream, shutdown).", ("kind",), registry=registry)
         self.prefills = Counter(PREFIX + "prefill", "PD requests by where their prompt was prefilled: remote (a "
                                 "prefill instance) or local (the decode instance, conditional disaggregation).",
                                 ("path",), registry=registry)
