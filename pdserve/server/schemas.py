@@ -54,8 +54,9 @@ class EngineSamplingFields(BaseModel):
 # sampling_params fields of SGLang that pdserve does not implement, with the test of a value that asks for nothing
 NEUTRAL_SGLANG_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
     **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params",
-                     "no_stop_trim"), _absent),
+                     "no_stop_trim", "watermark", "ebnf_full_assistant"), _absent),
     "n": lambda value: value in (None, 1),
+    "beam_width": lambda value: value in (None, 1),
     "spaces_between_special_tokens": lambda value: value in (None, True),
 }
 
@@ -72,6 +73,9 @@ class SamplingFields(EngineSamplingFields):
     custom_params: Any = None
     no_stop_trim: Any = None
     n: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    ebnf_full_assistant: Any = None
     spaces_between_special_tokens: Any = None
     stream_interval: int | None = None  # streaming cadence: pdserve streams every token
 
@@ -114,7 +118,8 @@ NEUTRAL_SGLANG_FIELDS: dict[str, Callable[[Any], bool]] = {
         "max_thinking_tokens", "priority", "extra_key", "cache_salt", "custom_labels", "return_bytes",
         "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs", "num_items_assigned",
         "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
-        "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices",
+        "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices", "sampling_logprobs_mode",
+        "return_flat_raw_output_top_logprobs", "mm_processor_kwargs", "token_indices_to_pool", "kv_hints",
     ), _absent),
     **dict.fromkeys(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"), _rank_zero),
 }
