@@ -9,14 +9,16 @@ clients expect, and refuse the OpenAI features this server does not implement.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from pdserve.sampling_params import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_ROOM = 2**63 - 1
+MAX_ID_CHARS = 512  # request ids, model and user names, bootstrap hosts: a longer one is refused with a 400
+ShortStr = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
 
 
 def _absent(value: Any) -> bool:
@@ -101,7 +103,7 @@ def _set_fields(model: BaseModel, schema: type[BaseModel]) -> dict[str, Any]:
 class BootstrapFields(BaseModel):
     """PD rendezvous fields; the router sets them, one per prompt for batches."""
 
-    bootstrap_host: str | list[str] | None = None
+    bootstrap_host: ShortStr | list[ShortStr] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
 
@@ -157,7 +159,7 @@ class GenerateReqInput(SamplingFields, BootstrapFields, SGLangOnlyFields):
     top_logprobs_num: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     return_text_in_logprobs: bool = True
-    rid: str | list[str] | None = None
+    rid: ShortStr | list[ShortStr] | None = None
 
     def unsupported_feature(self) -> str | None:
         nested = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
@@ -181,7 +183,7 @@ class StreamOptions(BaseModel):
 class OpenAIRequestBase(BootstrapFields):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: ShortStr
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
@@ -192,7 +194,7 @@ class OpenAIRequestBase(BootstrapFields):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    user: ShortStr | None = None
     # vLLM / SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -201,7 +203,7 @@ class OpenAIRequestBase(BootstrapFields):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
-    rid: str | None = None
+    rid: ShortStr | None = None
 
     def unsupported_feature(self) -> str | None:
         """The first requested OpenAI feature this server does not implement, if any."""
@@ -282,7 +284,7 @@ class ChatCompletionRequest(OpenAIRequestBase):
 class AbortRequestInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rid: str = ""
+    rid: ShortStr = ""
     abort_all: bool = False
 
 
