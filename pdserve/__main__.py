@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import sys
 
-from pdserve.config import ServerArgs, build_arg_parser
+from pdserve.config import build_arg_parser, exit_on_config_error, parse_server_cli
+from pdserve.hub import with_local_model
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_arg_parser(prog="python -m pdserve")
     parser.add_argument("--shell", action="store_true", help="Chat with the model in this terminal.")
-    ns = parser.parse_args(argv)
-    args = ServerArgs.from_namespace(ns)
+    ns, cli = exit_on_config_error(parser.prog, lambda: parse_server_cli(parser, argv))
+    args = exit_on_config_error(parser.prog, lambda: with_local_model(cli))
     if not ns.shell:
         from pdserve.server.serve import serve
 

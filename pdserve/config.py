@@ -8,8 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
+
+from pdserve.sglang_compat import UnsupportedFlag, check_sglang_flags
 
 DisaggMode = Literal["null", "prefill", "decode"]
 TransferBackendName = Literal["auto", "mooncake", "nccl", "tcp", "fake"]
@@ -24,6 +27,9 @@ class ServerArgs:
     # model
     model_path: str
     tokenizer_path: str | None = None
+    revision: str | None = None
+    tokenizer_mode: Literal["auto", "slow"] = "auto"
+    chat_template: str | None = None
     dtype: str = "auto"
     trust_remote_code: bool = False
     context_length: int | None = None
@@ -67,6 +73,10 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     shutdown_drain_timeout_s: float = 30.0
+    log_requests: bool = False
+    log_requests_level: int = 2
+    stream_interval: int = 1
+    request_body_timeout_s: float = 30.0
     max_batch_items: int = 256
     # disaggregation
     disaggregation_mode: DisaggMode = "null"
@@ -88,6 +98,7 @@ class ServerArgs:
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
     tp_rank: int = field(default=0, metadata={"cli": False})
+    sglang_flag_notes: tuple[str, ...] = field(default=(), metadata={"cli": False})  # SGLang flags accepted as-is
 
     def __post_init__(self) -> None:
         self.validate()
@@ -102,6 +113,8 @@ class ServerArgs:
             "cuda_graph_max_bs": self.cuda_graph_max_bs,
             "max_batch_items": self.max_batch_items,
             "decode_local_prefill_chunk_size": self.decode_local_prefill_chunk_size,
+            "stream_interval": self.stream_interval,
+            "request_body_timeout_s": self.request_body_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -119,6 +132,8 @@ class ServerArgs:
             raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tensor-parallel rank {self.tp_rank} is outside --tp-size {self.tp_size}")
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ConfigError(f"--tokenizer-mode must be auto or slow, got {self.tokenizer_mode!r}")
         if self.disaggregation_mode not in ("null", "prefill", "decode"):
             raise ConfigError(f"--disaggregation-mode must be null, prefill or decode, got {self.disaggregation_mode!r}")
         if self.disaggregation_transfer_backend not in ("auto", "mooncake", "nccl", "tcp", "fake"):
@@ -200,17 +215,38 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> "ServerArgs":
         parser = build_arg_parser()
-        ns = parser.parse_args(argv)
-        try:
-            return cls.from_namespace(ns)
-        except ConfigError as exc:
-            parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+        return exit_on_config_error(parser.prog, lambda: parse_server_cli(parser, argv)[1])
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> "ServerArgs":
         values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
         return cls(**values)
+
+
+def parse_server_cli(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[argparse.Namespace, ServerArgs]:
+    """pdserve's flags, plus SGLang's flags pdserve accepts as they are; ConfigError for anything else."""
+    ns, unknown = parser.parse_known_args(argv)
+    try:
+        notes = check_sglang_flags(unknown)
+    except UnsupportedFlag as exc:
+        raise ConfigError(str(exc)) from None
+    return ns, ServerArgs.from_namespace(ns).replace(sglang_flag_notes=tuple(notes))
+
+
+def exit_on_config_error(prog: str, parse: Any) -> Any:
+    """`parse()`, or its ConfigError as one line on stderr and exit code 2 (argparse's, without the usage)."""
+    try:
+        return parse()
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Raises a bad command line as ConfigError (one line) instead of printing the usage."""
+
+    def error(self, message: str) -> Any:
+        raise ConfigError(message)
 
 
 def _flag(name: str) -> str:
@@ -219,8 +255,14 @@ def _flag(name: str) -> str:
 
 _HELP: dict[str, tuple[str, str]] = {
     # field: (group, help)
-    "model_path": ("model", "Folder of an HF-format model (config.json, safetensors, tokenizer)."),
-    "tokenizer_path": ("model", "Tokenizer folder; defaults to --model-path."),
+    "model_path": ("model", "Folder of an HF-format model (config.json, safetensors, tokenizer), or a hub id "
+                            "(org/name) found in, or downloaded to, the Hugging Face cache (HF_HOME; HF_HUB_OFFLINE=1: "
+                            "the cache only)."),
+    "tokenizer_path": ("model", "Tokenizer folder or hub id; defaults to --model-path."),
+    "revision": ("model", "Hub revision (branch, tag or commit) of a --model-path given as a hub id."),
+    "tokenizer_mode": ("model", "auto (the fast Rust tokenizer when the model has one) or slow (the Python one)."),
+    "chat_template": ("model", "Chat template of /v1/chat/completions: a file of Jinja text, or the template itself; "
+                               "defaults to the tokenizer's."),
     "dtype": ("model", "Weight and activation dtype: auto (the checkpoint's; float32 on CPU), float32, float16, bfloat16."),
     "trust_remote_code": ("model", "Let transformers run the tokenizer code of the model's repository; the model "
                                    "itself always runs on pdserve's own code."),
@@ -260,6 +302,11 @@ _HELP: dict[str, tuple[str, str]] = {
     "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),
     "log_level": ("http", "debug, info, warning or error."),
     "shutdown_drain_timeout_s": ("http", "On SIGTERM or Ctrl-C: seconds the requests in flight get to finish while new ones get 503; the rest then end with an error (in-band on a stream). A second signal ends them at once."),
+    "log_requests": ("http", "Log each request's id and token counts as it arrives and finishes."),
+    "log_requests_level": ("http", "With --log-requests: 0 or 1 logs ids and counts, 2 also the prompt and output "
+                                   "text cut to 2048 characters, 3 the whole text."),
+    "stream_interval": ("http", "Streamed responses send an event every N output tokens (and at the end)."),
+    "request_body_timeout_s": ("http", "Seconds a client may take to send a request body; a slower one gets 408."),
     "max_batch_items": ("http", "Most prompts in one batched request."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
@@ -283,7 +330,10 @@ _ALIASES = {"tp_size": ["--tensor-parallel-size"], "model_path": ["--model"]}
 
 
 def build_arg_parser(prog: str = "python -m pdserve.launch_server") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="pdserve: an LLM server with prefill/decode disaggregation.")
+    parser = OneLineErrorParser(
+        prog=prog, description="pdserve: an LLM server with prefill/decode disaggregation.",
+        epilog="SGLang's other launch flags are accepted where pdserve already behaves as they ask (e.g. "
+               "--enable-metrics, --dp-size 1) and otherwise refused in one line naming the missing feature.")
     groups: dict[str, argparse._ArgumentGroup] = {}
     defaults = ServerArgs.__dataclass_fields__
     for f in fields(ServerArgs):

@@ -28,9 +28,9 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
 
-from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser
+from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser, parse_server_cli
+from pdserve.hub import resolve_model_path
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
@@ -136,25 +136,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def check_model_path(path: str) -> None:
-    if not os.path.isdir(path):
-        raise LaunchConfigError(f"--model-path {path}: no such directory")
+    try:
+        path = resolve_model_path(path)
+    except ConfigError as exc:
+        raise LaunchConfigError(f"--model-path: {exc}") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise LaunchConfigError(f"--model-path {path}: no config.json there (an HF-format model folder is needed)")
 
 
 def check_engine_args(model_path: str, engine_args: list[str]) -> ServerArgs:
     """The flags after `--` as every server will parse them, so that a bad one fails here and not in N servers."""
-    parser = build_server_arg_parser()
-    parser.error = _engine_flag_error
-    ns = parser.parse_args(["--model-path", model_path, *engine_args])
     try:
-        return ServerArgs.from_namespace(ns)
+        return parse_server_cli(build_server_arg_parser(), ["--model-path", model_path, *engine_args])[1]
     except ConfigError as exc:
         raise LaunchConfigError(f"after `--`: {exc}") from exc
-
-
-def _engine_flag_error(message: str) -> NoReturn:
-    raise LaunchConfigError(f"after `--`: {message}")
 
 
 # ---- planning -------------------------------------------------------------------------------------------------

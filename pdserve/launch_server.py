@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from pdserve.config import ServerArgs
+from pdserve.config import ServerArgs, exit_on_config_error
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = ServerArgs.from_cli(argv)
+    from pdserve.hub import with_local_model
+
+    cli = ServerArgs.from_cli(argv)
+    args = exit_on_config_error("python -m pdserve.launch_server", lambda: with_local_model(cli))
     from pdserve.server.serve import serve
 
     return serve(args)

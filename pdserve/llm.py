@@ -13,6 +13,7 @@ from tqdm import tqdm
 from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.engine.model_runner import load_runner
+from pdserve.hub import with_local_model
 from pdserve.server_processes import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.process_setup import stop_children
@@ -41,7 +42,7 @@ class LLM:
     ranks; each step's new requests are broadcast to them first, as the server's leader rank does."""
 
     def __init__(self, model_path: str, **engine_args):
-        self.args = ServerArgs.from_kwargs(model_path, **engine_args)
+        self.args = with_local_model(ServerArgs.from_kwargs(model_path, **engine_args))
         if self.args.tp_size > 1 and self.args.nccl_port is None:
             self.args = self.args.replace(nccl_port=free_port())
         self.tokenizer = load_tokenizer(self.args)

@@ -3,6 +3,8 @@ logprob settings, and one request's output accumulated from its stream."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -12,6 +14,9 @@ from typing import Any
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.http_common import ApiError
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
+
+request_logger = logging.getLogger("pdserve.requests")
+LOGGED_TEXT_CHARS = 2048  # --log-requests-level 2 cuts texts here; 3 logs them whole
 
 
 def sampling_error(exc: SamplingParamsError | TypeError) -> ApiError:
@@ -112,3 +117,59 @@ async def collect(streams: list[AsyncIterator[OutputDelta]]) -> list[Generation]
         async for index, delta in merged:
             generations[index].add(delta)
     return generations
+
+
+# --- one request's output stream -----------------------------------------------------------------
+
+
+def output_stream(tm: TokenizerManager, request: GenerateRequest, streamed: bool) -> AsyncIterator[OutputDelta]:
+    """The request's outputs: logged with --log-requests and, when streamed, grouped by --stream-interval tokens."""
+    stream = tm.generate(request)
+    if tm.args.log_requests:
+        stream = _logged(stream, request, tm)
+    if streamed and tm.args.stream_interval > 1:
+        stream = _every_n_tokens(stream, tm.args.stream_interval)
+    return stream
+
+
+async def _every_n_tokens(stream: AsyncIterator[OutputDelta], tokens: int) -> AsyncIterator[OutputDelta]:
+    pending: OutputDelta | None = None
+    async with aclosing(stream):
+        async for delta in stream:
+            pending = delta if pending is None else _joined(pending, delta)
+            if pending.finished or len(pending.out.new_token_ids) >= tokens:
+                yield pending
+                pending = None
+
+
+def _joined(earlier: OutputDelta, later: OutputDelta) -> OutputDelta:
+    a, b = earlier.out, later.out
+    out = dataclasses.replace(
+        b, text=a.text + b.text, new_token_ids=a.new_token_ids + b.new_token_ids,
+        output_logprobs=a.output_logprobs + b.output_logprobs,
+        output_top_logprobs=a.output_top_logprobs + b.output_top_logprobs,
+        input_logprobs=a.input_logprobs if a.input_logprobs is not None else b.input_logprobs,
+        input_top_logprobs=a.input_top_logprobs if a.input_top_logprobs is not None else b.input_top_logprobs,
+    )
+    input_logprobs = earlier.input_logprobs if earlier.input_logprobs is not None else later.input_logprobs
+    ttft = earlier.ttft if earlier.ttft is not None else later.ttft
+    return OutputDelta(out, input_logprobs, ttft, later.e2e_latency)
+
+
+async def _logged(stream: AsyncIterator[OutputDelta], request: GenerateRequest,
+                  tm: TokenizerManager) -> AsyncIterator[OutputDelta]:
+    level = tm.args.log_requests_level
+    prompt = _logged_text(tm.tokenizer.decode(request.input_ids), level) if level >= 2 else ""
+    request_logger.info("request %s: %d prompt tokens%s", request.rid, len(request.input_ids), prompt)
+    generation = Generation()
+    async with aclosing(stream):
+        async for delta in stream:
+            generation.add(delta)
+            yield delta
+    output = _logged_text(generation.text, level) if level >= 2 else ""
+    request_logger.info("request %s finished (%s): %d output tokens%s", request.rid,
+                        (generation.finish_reason or {}).get("type"), generation.completion_tokens, output)
+
+
+def _logged_text(text: str, level: int) -> str:
+    return f": {(text if level >= 3 else text[:LOGGED_TEXT_CHARS])!r}"

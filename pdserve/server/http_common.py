@@ -32,6 +32,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     503: "service_unavailable",
 }
@@ -85,6 +86,24 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         response = error_response(500, "internal server error")
     request.app[METRICS_KEY].http_error(response.status)
     return response
+
+
+def body_timeout_middleware(seconds: float) -> Any:
+    """A body that takes longer than `seconds` to arrive is answered 408 and its connection closed, so a client
+    that sends headers and stalls holds nothing."""
+
+    @web.middleware
+    async def read_body_in_time(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            async with asyncio.timeout(seconds):
+                await request.read()  # kept by aiohttp for the handler's own read
+        except TimeoutError:
+            response = error_response(408, f"the request body did not arrive within {seconds:g} s")
+            response.force_close()
+            return response
+        return await handler(request)
+
+    return read_body_in_time
 
 
 def auth_middleware(api_key: str) -> Any:

@@ -13,7 +13,7 @@ from pdserve.cluster_auth import make_auth
 from pdserve.server import native_api, openai_api
 from pdserve.server.drain import Drain
 from pdserve.server.http_common import (ARGS_KEY, METRICS_KEY, TM_KEY, auth_middleware, error_middleware,
-                                        router_auth_middleware)
+                                        router_auth_middleware, body_timeout_middleware)
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import TokenizerManager
 
@@ -23,7 +23,8 @@ DRAIN_KEY = web.AppKey("drain", Drain)
 
 def create_app(args: Any, tm: TokenizerManager, server_metrics: ServerMetrics) -> web.Application:
     drain = Drain()
-    middlewares = [error_middleware, drain.middleware] + ([auth_middleware(args.api_key)] if args.api_key else [])
+    middlewares = [error_middleware, drain.middleware, body_timeout_middleware(args.request_body_timeout_s)]
+    middlewares += [auth_middleware(args.api_key)] if args.api_key else []
     cluster = make_auth(args.disaggregation_secret) if args.is_pd else None
     if cluster is not None:
         middlewares.append(router_auth_middleware(cluster))

@@ -19,6 +19,7 @@ from pdserve.server.generation import (
     check_unique_rids,
     collect,
     new_rid,
+    output_stream,
     sampling_error,
     with_logprobs,
 )
@@ -126,7 +127,7 @@ async def _respond(
     request: web.Request, body: OpenAIRequestBase, requests: list[GenerateRequest], fmt: "ResponseFormat"
 ) -> web.StreamResponse:
     tm = request.app[TM_KEY]
-    streams = [tm.generate(r) for r in requests]
+    streams = [output_stream(tm, r, body.stream) for r in requests]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_with_early_errors(request, fmt.events(streams, body.n, include_usage))

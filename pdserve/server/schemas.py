@@ -9,14 +9,16 @@ clients expect, and refuse the OpenAI features this server does not implement.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from pdserve.sampling_params import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_N = 16
 MAX_ROOM = 2**63 - 1
+MAX_ID_CHARS = 512  # request ids, model and user names, bootstrap hosts: a longer one is refused with a 400
+ShortStr = Annotated[str, StringConstraints(max_length=MAX_ID_CHARS)]
 
 
 def _absent(value: Any) -> bool:
@@ -54,8 +56,9 @@ class EngineSamplingFields(BaseModel):
 # sampling_params fields of SGLang that pdserve does not implement, with the test of a value that asks for nothing
 NEUTRAL_SGLANG_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
     **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params",
-                     "no_stop_trim"), _absent),
+                     "no_stop_trim", "watermark", "ebnf_full_assistant"), _absent),
     "n": lambda value: value in (None, 1),
+    "beam_width": lambda value: value in (None, 1),
     "spaces_between_special_tokens": lambda value: value in (None, True),
 }
 
@@ -72,6 +75,9 @@ class SamplingFields(EngineSamplingFields):
     custom_params: Any = None
     no_stop_trim: Any = None
     n: Any = None
+    beam_width: Any = None
+    watermark: Any = None
+    ebnf_full_assistant: Any = None
     spaces_between_special_tokens: Any = None
     stream_interval: int | None = None  # streaming cadence: pdserve streams every token
 
@@ -97,7 +103,7 @@ def _set_fields(model: BaseModel, schema: type[BaseModel]) -> dict[str, Any]:
 class BootstrapFields(BaseModel):
     """PD rendezvous fields; the router sets them, one per prompt for batches."""
 
-    bootstrap_host: str | list[str] | None = None
+    bootstrap_host: ShortStr | list[ShortStr] | None = None
     bootstrap_port: int | list[int | None] | None = None
     bootstrap_room: int | list[int] | None = None
 
@@ -114,7 +120,8 @@ NEUTRAL_SGLANG_FIELDS: dict[str, Callable[[Any], bool]] = {
         "max_thinking_tokens", "priority", "extra_key", "cache_salt", "custom_labels", "return_bytes",
         "return_entropy", "return_prompt_token_ids", "need_wait_for_mm_inputs", "num_items_assigned",
         "encoder_urls", "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch",
-        "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices",
+        "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices", "sampling_logprobs_mode",
+        "return_flat_raw_output_top_logprobs", "mm_processor_kwargs", "token_indices_to_pool", "kv_hints",
     ), _absent),
     **dict.fromkeys(("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"), _rank_zero),
 }
@@ -152,7 +159,7 @@ class GenerateReqInput(SamplingFields, BootstrapFields, SGLangOnlyFields):
     top_logprobs_num: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     logprob_start_len: int | None = Field(default=None, ge=-1, le=MAX_INT32)
     return_text_in_logprobs: bool = True
-    rid: str | list[str] | None = None
+    rid: ShortStr | list[ShortStr] | None = None
 
     def unsupported_feature(self) -> str | None:
         nested = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params]
@@ -176,7 +183,7 @@ class StreamOptions(BaseModel):
 class OpenAIRequestBase(BootstrapFields):
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: ShortStr
     max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = None
     top_p: float | None = None
@@ -187,7 +194,7 @@ class OpenAIRequestBase(BootstrapFields):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    user: ShortStr | None = None
     # vLLM / SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -196,7 +203,7 @@ class OpenAIRequestBase(BootstrapFields):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
-    rid: str | None = None
+    rid: ShortStr | None = None
 
     def unsupported_feature(self) -> str | None:
         """The first requested OpenAI feature this server does not implement, if any."""
@@ -277,7 +284,7 @@ class ChatCompletionRequest(OpenAIRequestBase):
 class AbortRequestInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rid: str = ""
+    rid: ShortStr = ""
     abort_all: bool = False
 
 

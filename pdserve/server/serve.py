@@ -51,6 +51,8 @@ FINAL_WRITE_SECONDS = 5.0  # for the requests ended at shutdown to send their er
 def serve(args: ServerArgs) -> int:
     """Run the server until SIGTERM/SIGINT (exit code 0) or a child's death (exit code 1)."""
     setup_logging(args.log_level)
+    for note in args.sglang_flag_notes:
+        logger.debug("SGLang flag %s", note)
     no_process_shared_locks()
     try:
         _check_port_free(args.host, args.port)

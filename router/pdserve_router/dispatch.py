@@ -28,7 +28,7 @@ from .conditional import LocalPrefillRule, estimate_prompt_tokens
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
-                      bootstrap_fields, encode_body, error_body, error_response, merge_json_response,
+                      bootstrap_fields, check_short_fields, encode_body, error_body, error_response, merge_json_response,
                       prefill_items_by_index, routing_key)
 from .policies import make_policy
 from .sse import WholeEvents
@@ -186,6 +186,7 @@ class Dispatcher:
         request_id = request.headers.get("X-Request-Id") or f"{random.getrandbits(128):032x}"
         if "\r" in request_id or "\n" in request_id:
             raise BadRequest("X-Request-Id must be one line")
+        check_short_fields(request_id, body)
         if any(key in body for key in BOOTSTRAP_KEYS):  # the rendezvous is the router's to choose, never a client's
             body, raw = {k: v for k, v in body.items() if k not in BOOTSTRAP_KEYS}, None
         ctx = RequestContext(request, path, body, raw, request_id, started, StageClock(request_id, started),

@@ -16,6 +16,8 @@ MAX_BATCH_ITEMS = 4096
 INPUT_LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 SSE_DONE = b"data: [DONE]"
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+MAX_ID_CHARS = 512  # the servers' bound on request ids and model and user names
+SHORT_FIELDS = ("rid", "model", "user")
 
 
 class BadRequest(ValueError):
@@ -30,6 +32,17 @@ def error_body(status: int, message: str) -> dict:
 def error_response(status: int, message: str, request_id: str | None = None) -> web.Response:
     headers = {"X-Request-Id": request_id} if request_id else None
     return web.json_response(error_body(status, message), status=status, headers=headers)
+
+
+def check_short_fields(request_id: str, body: dict) -> None:
+    """A request id (header or `rid`), model or user name longer than MAX_ID_CHARS is refused at once."""
+    if len(request_id) > MAX_ID_CHARS:
+        raise BadRequest(f"X-Request-Id is longer than {MAX_ID_CHARS} characters")
+    for key in SHORT_FIELDS:
+        value = body.get(key)
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, str) and len(v) > MAX_ID_CHARS for v in values):
+            raise BadRequest(f"'{key}' is longer than {MAX_ID_CHARS} characters")
 
 
 def batch_size(path: str, body: dict) -> int | None:

@@ -180,7 +180,7 @@ def test_ctrl_c_stops_cleanly_without_third_party_noise(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model-path", "/nonexistent/model"], "--model-path /nonexistent/model: no such directory"),
+    (["--model-path", "/nonexistent/model"], "--model-path: model path '/nonexistent/model' is neither a folder nor a hub id"),
     (["--num-prefill", "x"], "argument --num-prefill/--prefill: invalid int value: 'x'"),
     (["--device", "cpu", "--", "--page-size", "abc"], "after `--`: argument --page-size: invalid int value: 'abc'"),
     (["--device", "cpu", "--", "--mem-fraction-static", "3"], "after `--`: --mem-fraction-static must be in (0, 1)"),
