@@ -171,9 +171,14 @@ class Proc:
 
     def stop(self, timeout: float = TERMINATE_TIMEOUT_SECONDS) -> None:
         """SIGTERM, a wait, then SIGKILL to whatever is left of its session."""
+        self.terminate()
+        self.wait_or_kill(timeout)
+
+    def wait_or_kill(self, timeout: float) -> None:
+        """Wait for the SIGTERM already sent (a second one would end a draining server's requests at once), then
+        SIGKILL whatever is left of its session."""
         if self.proc is None:
             return
-        self.terminate()
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -228,4 +233,4 @@ def stop_all(procs: Iterable[Proc], timeout: float = TERMINATE_TIMEOUT_SECONDS) 
     for proc in procs:
         proc.terminate()
     for proc in procs:
-        proc.stop(timeout)
+        proc.wait_or_kill(timeout)
