@@ -3,8 +3,9 @@ its on-disk cache) before the first real request instead of during it.
 
 Triton compiles a variant per specialization of a kernel's integer arguments (== 1, divisible by 16) and of its
 pointers' 16-byte alignment. The batch tensors start aligned whatever the batch (`forward_batch.packed_to_device`)
-and the page table's width is not specialized (`kernels/attention.py`), so what varies with traffic is the paths
-taken; the plan reaches them with lengths in every residue class anyway (== 1, odd, = 0 and != 0 mod 16):
+and the kernels' length and row-offset arguments are not specialized (`do_not_specialize` in `pdserve/kernels/`),
+so what varies with traffic is the paths taken; the plan reaches them with lengths in every residue class anyway
+(== 1, odd, = 0 and != 0 mod 16):
 - prompts alone: short ones, the SDPA path of long fresh prompts (1024 and an odd 1031), a prompt longer than a
   chunk (its second chunk attends over its prefix);
 - batches of 2, 3 and 4 prompts of mixed lengths in one extend, each then decoding as a batch of its size;
