@@ -127,7 +127,8 @@ class DecodeRole(Role):
 
     def can_step(self) -> bool:
         """Handoffs waiting for a message or a route need no steps (the channel's wake-up fd ends the wait); those
-        whose route is known need one when pages may have been freed since pre-allocation last had to wait."""
+        whose route is known, and fake-transfer requests, need one when pages may have been freed since
+        pre-allocation last had to wait."""
         if self._free_when_blocked == self.scheduler.available_pages():
             return False
         return bool(self.fake_queue) or any(self._route_ready(h) for h in self.link.bootstrap_queue())

@@ -8,7 +8,6 @@ sampling-parameter upload.
 
 from __future__ import annotations
 
-
 import torch
 
 from pdserve.engine.sampler import SamplingRow, SamplingTensors
