@@ -191,6 +191,12 @@ class ServerArgs:
         return self.disaggregation_mode != "null"
 
     @property
+    def serves_role_alone(self) -> bool:
+        """A PD server on the fake transfer backend: no peer on either side, every request served by this role
+        alone (a prefill answers with the first token, a decode decodes over pages nobody filled)."""
+        return self.is_pd and self.disaggregation_transfer_backend == "fake"
+
+    @property
     def keeps_prefix_cache(self) -> bool:
         """Whether finished requests' pages stay in a radix cache (a decode server's only with its own flag)."""
         if self.disaggregation_mode == "decode" and not self.disaggregation_decode_enable_radix_cache:
@@ -310,7 +316,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "max_batch_items": ("http", "Most prompts in one batched request."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
-    "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake."),
+    "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake (no peer: the role serves every request alone, for benchmarking one role; see docs/pd.md)."),
     "disaggregation_ib_device": ("disaggregation", "RDMA device(s) for mooncake, e.g. mlx5_0 or mlx5_0,mlx5_1."),
     "disaggregation_advertise_host": ("disaggregation", "The address this server gives its PD peers (control channel, KV transfer engine) instead of --host: for NAT or several NICs. Unset: --host, or for 0.0.0.0 the address of the interface that routes to the peer."),
     "num_reserved_decode_tokens": ("disaggregation", "Decode: KV tokens reserved per request for its future output."),

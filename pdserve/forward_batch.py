@@ -68,6 +68,24 @@ def to_device(values: list | array, dtype: torch.dtype, device: torch.device) ->
     return host.pin_memory().to(device, non_blocking=True)
 
 
+ALIGN_BYTES = 16  # Triton compiles a kernel variant per 16-byte alignment of each pointer argument
+TYPECODES = {torch.int64: "q", torch.int32: "i"}
+
+
+def packed_to_device(segments: list[list[int]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The segments in one host-to-device copy, as one view each. Every view starts on a 16-byte boundary, so a
+    kernel sees the same alignment whatever the batch's sizes, and one compiled variant serves every batch."""
+    host = array(TYPECODES[dtype])
+    step = ALIGN_BYTES // host.itemsize
+    bounds = []
+    for segment in segments:
+        host.extend([0] * (-len(host) % step))
+        bounds.append((len(host), len(host) + len(segment)))
+        host.extend(segment)
+    packed = to_device(host, dtype, device)
+    return [packed[start:end] for start, end in bounds]
+
+
 def flat_page_table(page_rows: list[list[int]], width: int) -> list[int]:
     """Rows of page ids, each padded with page 0 to `width`, flattened row after row."""
     return [page for row in page_rows for page in (row + [0] * (width - len(row)))]
@@ -85,7 +103,7 @@ def build_forward_batch(
     page_size: int,
     device: torch.device,
 ) -> ForwardBatch:
-    """Two host-to-device copies: every int64 field in one buffer, every int32 field in another."""
+    """Two host-to-device copies: every int64 field in one buffer, every int32 field in another (`packed_to_device`)."""
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     starts, acc = [], 0
     for e in extend_lens:
@@ -93,20 +111,21 @@ def build_forward_batch(
         acc += e
     width = max((len(r) for r in page_rows), default=1) or 1
     table = flat_page_table(page_rows, width)
-    t, b = len(input_ids), len(seq_lens)
-    longs = to_device(array("q", [*input_ids, *positions, *out_cache_loc, *logits_indices]), torch.int64, device)
-    ints = to_device(array("i", [*seq_lens, *prefix_lens, *extend_lens, *starts, *table]), torch.int32, device)
+    ids, pos, locs, logit_rows = packed_to_device([input_ids, positions, out_cache_loc, logits_indices], torch.int64,
+                                                  device)
+    lens, prefixes, extends, start_locs, pages = packed_to_device([seq_lens, prefix_lens, extend_lens, starts, table],
+                                                                  torch.int32, device)
     return ForwardBatch(
         mode=mode,
-        input_ids=longs[:t],
-        positions=longs[t : 2 * t],
-        out_cache_loc=longs[2 * t : 3 * t],
-        logits_indices=longs[3 * t :],
-        seq_lens=ints[:b],
-        prefix_lens=ints[b : 2 * b],
-        extend_lens=ints[2 * b : 3 * b],
-        extend_start_loc=ints[3 * b : 4 * b],
-        page_table=ints[4 * b :].view(b, width),
+        input_ids=ids,
+        positions=pos,
+        out_cache_loc=locs,
+        logits_indices=logit_rows,
+        seq_lens=lens,
+        prefix_lens=prefixes,
+        extend_lens=extends,
+        extend_start_loc=start_locs,
+        page_table=pages.view(len(seq_lens), width),
         seq_lens_cpu=seq_lens,
         prefix_lens_cpu=list(prefix_lens),
         extend_lens_cpu=list(extend_lens),

@@ -40,7 +40,7 @@ EXIT_FAILED = 1
 EXIT_CONFIG_ERROR = 2  # argparse's own code for a bad command line
 PROG = "pdserve-cluster"
 EXAMPLE_PROMPT = "The capital of France is"
-BACKENDS = ("auto", "mooncake", "nccl", "tcp", "fake")
+BACKENDS = ("auto", "mooncake", "nccl", "tcp")  # fake serves each role alone (docs/pd.md): no cluster
 # Servers sharing one GPU: the part of --mem-fraction-static given up for each server after the first, for its own
 # CUDA context, activations and graphs (one server alone keeps the whole 1 - fraction for those).
 SHARED_GPU_RUNTIME_FRACTION = 0.05

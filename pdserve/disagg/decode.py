@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -73,6 +74,11 @@ class DecodeRole(Role):
             self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
             self.heartbeat = Heartbeat(args, self.link.channel.post)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
+        self.fake_queue: deque[Handoff] = deque()  # fake-transfer requests waiting for their pages, oldest first
+        if args.serves_role_alone:
+            logger.warning("fake transfer backend: this decode server serves every request alone; it allocates each "
+                           "prompt's pages without prefilling them, so the prompt KV is not computed and the output "
+                           "is not meaningful (for benchmarking the decode role)")
         self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
                          PeerGone: self._on_peer_gone, RouteResolved: self._on_route_resolved}
 
@@ -114,21 +120,20 @@ class DecodeRole(Role):
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
-        """No prefill peer: the prompt's pages hold whatever they held (decode-only benchmarks, health checks)."""
-        if not self.scheduler.ensure_pages(req, len(req.input_ids)):
-            self.scheduler.finish(req, FinishReason("abort", message="KV cache full"))
-            return
-        self._commit(Handoff(req, req.bootstrap_room, deadline=self.link.clock()), FirstToken(0, req.input_ids[-1]))
+        """No prefill peer: the request waits for its pages like a real one (`_preallocate_fake`), then decodes over
+        pages that hold whatever they held (decode-only benchmarks, health checks)."""
+        self.fake_queue.append(Handoff(req, req.bootstrap_room, deadline=self.link.clock()))
 
     def has_work(self) -> bool:
-        return bool(self.link.handoffs or self.quarantine)
+        return bool(self.link.handoffs or self.quarantine or self.fake_queue)
 
     def can_step(self) -> bool:
         """Handoffs waiting for a message or a route need no steps (the channel's wake-up fd ends the wait); those
-        whose route is known need one when pages may have been freed since pre-allocation last had to wait."""
+        whose route is known, and fake-transfer requests, need one when pages may have been freed since
+        pre-allocation last had to wait."""
         if self._free_when_blocked == self.scheduler.available_pages():
             return False
-        return any(self._route_ready(h) for h in self.link.bootstrap_queue())
+        return bool(self.fake_queue) or any(self._route_ready(h) for h in self.link.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
         return bootstrap_addr(h.req) in self.routes
@@ -162,7 +167,9 @@ class DecodeRole(Role):
 
     def _preallocate(self) -> None:
         self._free_when_blocked = None
-        reserved = sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running)
+        reserved = self._preallocate_fake(sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running))
+        if self.fake_queue:
+            return  # FIFO: later requests wait behind a blocked fake-transfer one
         for h in self.link.bootstrap_queue():
             if not self._route_ready(h):
                 continue
@@ -185,6 +192,22 @@ class DecodeRole(Role):
             h.pages_sent_at = self.link.clock()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
             reserved += self.scheduler.decode_reserve(h.req)
+
+    def _preallocate_fake(self, reserved: int) -> int:
+        """Fake-transfer requests take their pages in arrival order while they fit next to `reserved` pages, and
+        decode from the prompt's last token (no prefill ran); returns the pages reserved now."""
+        while self.fake_queue:
+            h = self.fake_queue[0]
+            if h.req.finished:  # aborted while it waited
+                self.fake_queue.popleft()
+                continue
+            if not self._allocate_destination(h, reserved):
+                self._free_when_blocked = self.scheduler.available_pages()
+                break
+            self.fake_queue.popleft()
+            reserved += self.scheduler.decode_reserve(h.req)
+            self._commit(h, FirstToken(0, h.req.input_ids[-1]))
+        return reserved
 
     def _transfer_request(self, h: Handoff) -> TransferRequest:
         advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
@@ -262,7 +285,8 @@ class DecodeRole(Role):
 
     def _commit(self, h: Handoff, aux: FirstToken) -> None:
         req = h.req
-        self.link.handoffs.pop(h.room, None)
+        if self.link.handoffs.get(h.room) is h:
+            del self.link.handoffs[h.room]
         h.advance(KVPoll.SUCCESS)
         if h.pages_sent_at is not None:  # not a fake-transfer request
             layout = self.link.region.layout  # each rank received its own heads of the pages

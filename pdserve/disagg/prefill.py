@@ -166,7 +166,10 @@ class PrefillRole(Role):
         self.writers = KVWriters(self.link.engine, self.link.channel.post, self.link.channel.new_peer_clients)
         self.bootstrap = None
         sessions = self._rank_sessions()
-        if self.link.tp.is_leader:
+        if args.serves_role_alone:
+            logger.warning("fake transfer backend: this prefill server serves every request alone, without a "
+                           "bootstrap server; it prefills, hands the KV to nobody and answers with the first token")
+        elif self.link.tp.is_leader:
             self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, self.link.tp.size, self.link.auth)
             for rank, session in enumerate(sessions):
                 register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.link.auth)

@@ -106,7 +106,7 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
     return tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_LEN), MAX_SPLITS), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh,
@@ -270,7 +270,7 @@ def _extend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _extend_kernel(
     Q, K, V, Out, PageTable, PrefixLens, ExtendLens, ExtendStart,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ot, stride_oh,

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _rmsnorm_kernel(
     X, Res, W, Out, ResOut, n_rows, stride_x, stride_r, stride_o, stride_ro, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,

@@ -50,7 +50,7 @@ def _scan_tiles(row_start, first_tile, last_tile, V, inv_t, seed, row_ctr, step_
     return best, tl.min(tl.where(best_val == best, best_col, NO_TOKEN), axis=0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tiles_per_split"])  # varies with the batch size: one variant for all
 def _gumbel_sample_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol, V, tiles_per_split,
                                 QUARTER: tl.constexpr):
     row = tl.program_id(0)
@@ -75,7 +75,7 @@ def _gumbel_sample_split_kernel(Logits, stride_row, Temps, Rng, BestVal, BestCol
     tl.store(BestCol + row * splits + split, col)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["splits"])  # varies with the batch size: one variant for every size of a power of 2
 def _gumbel_sample_row_kernel(BestVal, BestCol, Out, Rng, splits, V, SPLITS: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, SPLITS)

@@ -8,12 +8,10 @@ sampling-parameter upload.
 
 from __future__ import annotations
 
-from array import array
-
 import torch
 
 from pdserve.engine.sampler import SamplingRow, SamplingTensors
-from pdserve.forward_batch import ForwardBatch, ForwardMode, flat_page_table, to_device
+from pdserve.forward_batch import ForwardBatch, ForwardMode, flat_page_table, packed_to_device, to_device
 from pdserve.scheduler.request import Req
 
 
@@ -57,14 +55,15 @@ class DecodeInputBatch:
         rows, cols, pages = self._new_pages()
         n, k = len(positions), len(rows)
         seq_lens = [p + 1 for p in positions]
-        longs = to_device(array("q", [*input_ids, *positions, *slots, *rows, *cols, *pages]), torch.int64, self.device)
-        ints = to_device(array("i", [*seq_lens, *positions]), torch.int32, self.device)
+        ids, positions_dev, locs, patch = packed_to_device([input_ids, positions, slots, [*rows, *cols, *pages]],
+                                                           torch.int64, self.device)
+        lens, prefixes = packed_to_device([seq_lens, positions], torch.int32, self.device)
         if k:
-            patch = longs[3 * n :].view(3, k)
+            patch = patch.view(3, k)
             self.page_table[patch[0], patch[1]] = patch[2].int()
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=longs[:n], positions=longs[n : 2 * n],
-            out_cache_loc=longs[2 * n : 3 * n], seq_lens=ints[:n], prefix_lens=ints[n:], extend_lens=self.extend_lens,
+            mode=ForwardMode.DECODE, input_ids=ids, positions=positions_dev,
+            out_cache_loc=locs, seq_lens=lens, prefix_lens=prefixes, extend_lens=self.extend_lens,
             extend_start_loc=self.extend_start_loc, page_table=self.page_table, logits_indices=self.logits_indices,
             seq_lens_cpu=seq_lens, prefix_lens_cpu=positions, extend_lens_cpu=[1] * n, page_size=self.page_size,
         )

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 
 from pdserve.config import ConfigError
+from pdserve.engine import compile_watch
 from pdserve.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.messages import (
     AbortReq,
@@ -86,6 +87,8 @@ class SchedulerProcess:
 
     def announce_ready(self, warmup: WarmupReport | None) -> None:
         self.tp.barrier()  # every rank has loaded its shard and run the same warm-up
+        if self.sched.device.type == "cuda":
+            compile_watch.arm()  # from now on each Triton compile is one the warm-up missed: counted and logged
         info = {**self.sched.model_info, "warmup": warmup.describe() if warmup else None}
         self.send(self.to_tokenizer, ProcessReady("scheduler", info))
 
@@ -158,6 +161,7 @@ class SchedulerProcess:
     def handle_get_stats(self, msg: GetStatsReq) -> None:
         stats = dict(self.sched.stats())
         stats["kv_pool_fully_free"] = not self.sched.has_work() and bool(self.sched.kv_pool_is_fully_free())
+        stats["compiles_after_ready"] = compile_watch.compiles_after_ready()
         self.send(self.to_tokenizer, GetStatsReply(msg.request_id, stats))
 
     def run_step(self) -> list[TokenOut]:

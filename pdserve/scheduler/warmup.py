@@ -1,11 +1,19 @@
 """Warm-up before ready: every kernel variant serving will use runs once, so Triton compiles it (or loads it from
 its on-disk cache) before the first real request instead of during it.
 
-Decode batch sizes are covered where CUDA graphs are captured (`engine/cuda_graph.py`, at start). This pass adds
-what the graphs leave out: extend batches for a few prompt-length buckets (short prompts; the SDPA path of long
-fresh prompts; a prompt longer than a chunk, whose second chunk attends over its prefix), an eager batched decode,
-and the samplers (greedy; temperature with top-k, top-p and min-p; penalties, which sample on the host side).
-On the CPU, where torch compiles nothing, one short bucket runs the same code paths.
+Triton compiles a variant per specialization of a kernel's integer arguments (== 1, divisible by 16) and of its
+pointers' 16-byte alignment. The batch tensors start aligned whatever the batch (`forward_batch.packed_to_device`)
+and the kernels' length and row-offset arguments are not specialized (`do_not_specialize` in `pdserve/kernels/`),
+so what varies with traffic is the paths taken; the plan reaches them with lengths in every residue class anyway
+(== 1, odd, = 0 and != 0 mod 16):
+- prompts alone: short ones, the SDPA path of long fresh prompts (1024 and an odd 1031), a prompt longer than a
+  chunk (its second chunk attends over its prefix);
+- batches of 2, 3 and 4 prompts of mixed lengths in one extend, each then decoding as a batch of its size;
+- with a prefix cache, extends of 1, 15, 16 and 33 new tokens over a cached prompt of whole pages, alone and all
+  four in one extend;
+- the samplers (greedy; temperature with top-k, top-p and min-p; penalties, which sample on the host side).
+Decode batch sizes up to the largest captured one also run in CUDA graphs (`engine/cuda_graph.py`, at start).
+On the CPU, where torch compiles nothing, one short prompt alone and one batch run the same code paths.
 Requests go through the scheduler as real ones do; afterwards the cache, the sampler's seed and the prefill-rate
 meter are as they were, so a warmed server answers exactly as an unwarmed one.
 """
@@ -23,8 +31,10 @@ from pdserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-PROMPT_BUCKETS = (32, 256, 1024, 4096)  # 1024: the SDPA backend's first long-prompt length
-CPU_PROMPT_BUCKETS = PROMPT_BUCKETS[:1]  # torch's CPU kernels compile nothing: one pass over the code paths
+ALONE_LENGTHS = (1, 17, 32, 250, 256, 1024, 1031, 4096)  # 1024: the SDPA backend's first long-prompt length
+MIXED_BATCHES = ((1, 17), (32, 33, 250), (16, 17, 250, 1031))
+PREFIX_PAGES = 4  # the cached prompt the prefix-hit extends run over
+PREFIX_EXTENSIONS = (33, 16, 15, 1)
 WARMUP_TIMEOUT_S = 1800.0  # first compiles of every variant on a cold cache
 MAX_NEW_TOKENS = 3  # the first token from the extend, then decode steps
 SAMPLINGS = {
@@ -37,70 +47,131 @@ SAMPLINGS = {
 
 
 @dataclass(frozen=True, slots=True)
+class WarmupPlan:
+    alone: tuple[int, ...]  # prompt lengths run one at a time
+    batches: tuple[tuple[int, ...], ...]  # prompt lengths run together, one batch after the other
+    prefix: int = 0  # tokens of the cached prompt the prefix-hit extends run over (0: none)
+    extensions: tuple[int, ...] = ()  # new tokens of each prefix-hit extend: one at a time, then all together
+
+
+CPU_PLAN = WarmupPlan(alone=(32,), batches=((32,) * len(SAMPLINGS),))  # every sampling in one batched decode
+
+
+@dataclass(frozen=True, slots=True)
 class WarmupReport:
-    prompt_lengths: tuple[int, ...]  # the prompts run, one at a time, then all at once
+    prompt_lengths: tuple[int, ...]  # the prompts run alone
     samplings: tuple[str, ...]
     extend_tokens: tuple[int, ...]  # tokens of each extend forward that ran
+    prefix_hit_extends: tuple[int, ...]  # new tokens of each extended request whose KV started past a cached prefix
     decode_batch_sizes: tuple[int, ...]  # batch size of each decode forward that ran
     seconds: float
 
     def describe(self) -> dict:
         return {"prompt_lengths": list(self.prompt_lengths), "samplings": list(self.samplings),
-                "extend_tokens": list(self.extend_tokens), "decode_batch_sizes": list(self.decode_batch_sizes),
-                "seconds": round(self.seconds, 3)}
+                "extend_tokens": list(self.extend_tokens), "prefix_hit_extends": list(self.prefix_hit_extends),
+                "decode_batch_sizes": list(self.decode_batch_sizes), "seconds": round(self.seconds, 3)}
 
 
-def prompt_lengths(sched: Scheduler) -> list[int]:
-    """The buckets that fit the context and the KV pool, plus (on CUDA) one prompt a bucket longer than a prefill
-    chunk."""
+def gpu_plan(room: int, chunk: int, page_size: int, prefix_cache: bool) -> WarmupPlan:
+    """The plan on CUDA for prompts of at most `room` tokens and prefill chunks of `chunk`."""
+    def fit(lengths) -> tuple[int, ...]:
+        return tuple(min(n, room) for n in lengths)
+
+    alone = tuple(sorted({n for n in fit((*ALONE_LENGTHS, chunk + 32)) if n > 0}))
+    batches = tuple(fit(lengths) for lengths in MIXED_BATCHES)
+    prefix = PREFIX_PAGES * page_size
+    if not prefix_cache or prefix + max(PREFIX_EXTENSIONS) > room:
+        return WarmupPlan(alone, batches)
+    return WarmupPlan(alone, batches, prefix, PREFIX_EXTENSIONS)
+
+
+def warmup_plan(sched: Scheduler) -> WarmupPlan:
     if sched.device.type != "cuda":
-        return list(CPU_PROMPT_BUCKETS)
+        return CPU_PLAN
     room = min(sched.context_len, sched.allocator.capacity * sched.page_size // 2) - MAX_NEW_TOKENS
     chunk = min(sched.args.chunked_prefill_size, sched.args.max_prefill_tokens)
-    lengths = {min(n, room) for n in (*PROMPT_BUCKETS, chunk + PROMPT_BUCKETS[0])}
-    return sorted(n for n in lengths if n > 0)
+    return gpu_plan(room, chunk, sched.page_size, sched.args.keeps_prefix_cache)
 
 
-def warm_up(sched: Scheduler) -> WarmupReport:
+class ForwardLog:
+    """What the warm-up's forwards ran, seen through the runner's forward observers."""
+
+    def __init__(self) -> None:
+        self.extend_tokens: list[int] = []
+        self.prefix_hit_extends: list[int] = []
+        self.decode_sizes: list[int] = []
+
+    def observe(self, batch: ForwardBatch) -> None:
+        if batch.mode != ForwardMode.EXTEND:
+            self.decode_sizes.append(batch.batch_size)
+            return
+        self.extend_tokens.append(sum(batch.extend_lens_cpu))
+        self.prefix_hit_extends += [n for p, n in zip(batch.prefix_lens_cpu, batch.extend_lens_cpu) if p]
+
+
+def warm_up(sched: Scheduler, plan: WarmupPlan | None = None) -> WarmupReport:
     """Runs the warm-up requests to completion; raises TimeoutError if they do not finish in time."""
     started = time.perf_counter()
-    lengths = prompt_lengths(sched)
-    vocab = sched.model_config.vocab_size
-    extend_tokens: list[int] = []
-    decode_sizes: list[int] = []
-
-    def observe(batch: ForwardBatch) -> None:
-        if batch.mode == ForwardMode.EXTEND:
-            extend_tokens.append(sum(batch.extend_lens_cpu))
-        else:
-            decode_sizes.append(batch.batch_size)
-
-    sched.runner.forward_observers.append(observe)
+    plan = plan or warmup_plan(sched)
+    log = ForwardLog()
+    sched.runner.forward_observers.append(log.observe)
     try:
-        names = list(SAMPLINGS)
-        for i, n in enumerate(lengths):  # alone, then all at once (each sampling in a batched decode)
-            _run(sched, [_request(sched, i, n, names[i % len(names)], vocab)])
-        _run(sched, [_request(sched, len(lengths) + i, lengths[i % len(lengths)], name, vocab)
-                     for i, name in enumerate(names)])
+        _run_plan(sched, plan, WarmupPrompts(sched))
     finally:
-        sched.runner.forward_observers.remove(observe)
+        sched.runner.forward_observers.remove(log.observe)
     sched.sampler.reseed(sched.args.random_seed)
     sched.reset_stats()
-    report = WarmupReport(tuple(lengths), tuple(names), tuple(extend_tokens), tuple(decode_sizes),
-                          time.perf_counter() - started)
-    logger.info("warm-up done in %.1f s: prompts of %s tokens, samplings %s, %d extend and %d decode forwards",
-                report.seconds, lengths, ", ".join(names), len(extend_tokens), len(decode_sizes))
+    report = WarmupReport(plan.alone, tuple(SAMPLINGS), tuple(log.extend_tokens), tuple(log.prefix_hit_extends),
+                          tuple(log.decode_sizes), time.perf_counter() - started)
+    logger.info("warm-up done in %.1f s: prompts of %s tokens alone, batches of %s, extends of %s tokens over a "
+                "cached %d-token prefix, samplings %s; %d extend and %d decode forwards", report.seconds,
+                list(plan.alone), [list(b) for b in plan.batches], list(plan.extensions), plan.prefix,
+                ", ".join(SAMPLINGS), len(log.extend_tokens), len(log.decode_sizes))
     return report
 
 
-def _request(sched: Scheduler, index: int, length: int, sampling: str, vocab: int) -> Req:
-    """A prompt no other warm-up prompt shares a page with, so every one computes all of its tokens."""
-    ids = [(index * 7 + i * 7919 + 17) % (vocab - 1) + 1 for i in range(length)]
-    params = SamplingParams.from_dict(SAMPLINGS[sampling].to_dict())
-    return Req.of(f"warmup-{index}", ids, params, **sched.role.warmup_bootstrap)
+def _run_plan(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> None:
+    """Each phase starts on an empty prefix cache, so every prompt computes all of its tokens but the prefix-hit
+    extends' cached prefix."""
+    for length in plan.alone:
+        _run(sched, [prompts.fresh(length)])
+    for lengths in plan.batches:
+        _run(sched, [prompts.fresh(n) for n in lengths])
+    if plan.prefix:
+        base = prompts.fresh(plan.prefix)
+        _run(sched, [base], flush=False)
+        for n in plan.extensions:
+            _run(sched, [prompts.extending(base, n)], flush=False)
+        _run(sched, [prompts.extending(base, n) for n in plan.extensions])
 
 
-def _run(sched: Scheduler, reqs: list[Req]) -> None:
+class WarmupPrompts:
+    """Warm-up requests whose prompts share no page unless asked to; the samplings taken in turn."""
+
+    def __init__(self, sched: Scheduler):
+        self.bootstrap = sched.role.warmup_bootstrap
+        self.vocab = sched.model_config.vocab_size
+        self.count = 0
+
+    def fresh(self, length: int) -> Req:
+        return self._request(self._ids(length))
+
+    def extending(self, base: Req, new_tokens: int) -> Req:
+        """`base`'s prompt followed by `new_tokens` tokens no other prompt has."""
+        return self._request(base.input_ids + self._ids(new_tokens))
+
+    def _ids(self, length: int) -> list[int]:
+        return [(self.count * 7 + i * 7919 + 17) % (self.vocab - 1) + 1 for i in range(length)]
+
+    def _request(self, ids: list[int]) -> Req:
+        names = list(SAMPLINGS)
+        params = SamplingParams.from_dict(SAMPLINGS[names[self.count % len(names)]].to_dict())
+        req = Req.of(f"warmup-{self.count}", ids, params, **self.bootstrap)
+        self.count += 1
+        return req
+
+
+def _run(sched: Scheduler, reqs: list[Req], flush: bool = True) -> None:
     for req in reqs:
         sched.add_request(req)
     deadline = time.monotonic() + WARMUP_TIMEOUT_S
@@ -111,4 +182,5 @@ def _run(sched: Scheduler, reqs: list[Req]) -> None:
     failed = [f"{r.rid}: {r.finish_reason.message}" for r in reqs if r.finish_reason.type == "abort"]
     if failed:
         raise RuntimeError(f"warm-up requests failed: {'; '.join(failed)}")
-    sched.flush_cache()  # the next run's prompts find nothing cached
+    if flush:
+        sched.flush_cache()  # the next run's prompts find nothing cached

@@ -11,6 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.http_common import ApiError
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
@@ -23,9 +24,22 @@ def sampling_error(exc: SamplingParamsError | TypeError) -> ApiError:
     return ApiError(400, f"invalid sampling parameters: {exc}")
 
 
-def check_bootstrap(args: Any, request: GenerateRequest) -> None:
-    """A prefill server serves only requests the router paired up; a decode server also takes one without any
-    bootstrap field and prefills it itself (conditional disaggregation); a colocated server ignores the fields."""
+ROLE_ALONE_NOTES = {  # meta_info entries of each answer of a role served alone (fake transfer backend)
+    "prefill": {"kv": "fake: prompt KV handed to nobody",
+                "output": "fake: the first token only, whatever max_new_tokens said"},
+    "decode": {"kv": "fake: prompt KV not computed"},
+}
+
+
+def settle_bootstrap(args: Any, request: GenerateRequest) -> None:
+    """A role served alone (`--disaggregation-transfer-backend fake`) takes every request as a fake-transfer one,
+    whatever bootstrap fields it carries, and notes so in its answer. Otherwise a prefill server serves only
+    requests the router paired up; a decode server also takes one without any bootstrap field and prefills it
+    itself (conditional disaggregation); a colocated server ignores the fields."""
+    if args.serves_role_alone:
+        request.bootstrap_host, request.bootstrap_port, request.bootstrap_room = FAKE_BOOTSTRAP_HOST, None, 0
+        request.meta_note = ROLE_ALONE_NOTES[args.disaggregation_mode]
+        return
     fields = (request.bootstrap_host, request.bootstrap_room)
     local = args.disaggregation_mode == "decode" and fields == (None, None)
     if args.is_pd and not local and None in fields:

@@ -43,6 +43,9 @@ class _ScrapeState:
             CounterMetricFamily(PREFIX + "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
                                 query),
             _gauge("prefix_cache_hit_rate", "Prefix-cache hit tokens / looked-up tokens.", hit / query if query else 0.0),
+            CounterMetricFamily(PREFIX + "compiles_after_ready", "Kernels compiled (or loaded from the on-disk cache) "
+                                "after the server reported ready: variants the warm-up missed.",
+                                stats.get("compiles_after_ready", 0)),
             *_hicache_counters(stats.get("hicache", {})),
             *_kv_transfer_metrics(stats.get("kv_transfer")),
         ]

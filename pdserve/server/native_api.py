@@ -13,7 +13,7 @@ from aiohttp import web
 
 from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
-from pdserve.server.generation import Generation, check_batch_size, check_bootstrap, check_prompt_sizes
+from pdserve.server.generation import Generation, check_batch_size, settle_bootstrap, check_prompt_sizes
 from pdserve.server.generation import check_unique_rids, collect
 from pdserve.server.generation import new_rid, output_stream, sampling_error, with_logprobs
 from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, json_response, parse_body
@@ -84,7 +84,7 @@ async def build_generate_requests(
                               bootstrap_port=port, bootstrap_room=room, routing_key=prompts[index])
         with_logprobs(req, bool(body.return_logprob), body.top_logprobs_num or 0,
                       -1 if body.logprob_start_len is None else body.logprob_start_len)
-        check_bootstrap(args, req)
+        settle_bootstrap(args, req)
         requests.append(req)
     await tm.check_requests(requests)
     return requests, is_batch
@@ -110,6 +110,7 @@ def generate_result(generation: Generation, request: GenerateRequest, with_text:
         "cached_tokens": last.out.cached_tokens if last else 0,
         "e2e_latency": last.e2e_latency if last else 0.0,
         "ttft": last.ttft if last else None,
+        **request.meta_note,
     }
     if request.sampling_params.wants_logprobs:
         strip = (lambda entries: entries) if with_text else _without_text

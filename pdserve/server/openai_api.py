@@ -14,7 +14,7 @@ from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.generation import (
     Generation,
     check_batch_size,
-    check_bootstrap,
+    settle_bootstrap,
     check_prompt_sizes,
     check_unique_rids,
     collect,
@@ -116,7 +116,7 @@ async def _requests(
         req = GenerateRequest(rid, input_ids, params, bootstrap_host=host, bootstrap_port=port,
                               bootstrap_room=room, routing_key=keys[index // body.n])
         with_logprobs(req, top_n is not None, top_n or 0, -1)
-        check_bootstrap(args, req)
+        settle_bootstrap(args, req)
         requests.append(req)
     await tm.check_requests(requests)
     check_unique_rids(tm, requests)

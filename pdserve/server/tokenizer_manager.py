@@ -66,6 +66,7 @@ class GenerateRequest:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     routing_key: str | list[int] | None = None  # what the router hashes for cache-aware routing (prefix_digest)
+    meta_note: dict = field(default_factory=dict)  # entries added to the answer's meta_info (a role served alone)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.detokenizer.process import IncrementalDetokenizer
-from pdserve.server.generation import check_bootstrap
+from pdserve.server.generation import settle_bootstrap
 from pdserve.server.http_common import ApiError
 from pdserve.messages import (
     BatchTokenOut,
@@ -257,16 +257,16 @@ def test_unknown_fields_are_still_refused():
 def test_pd_server_requires_bootstrap_fields():
     """A prefill needs them; a decode takes none (it prefills locally) or all, never half."""
     request = GenerateRequest("r", [1], SamplingParams())
-    check_bootstrap(ServerArgs(model_path="m"), request)  # colocated: fine without them
+    settle_bootstrap(ServerArgs(model_path="m"), request)  # colocated: fine without them
     prefill_args = ServerArgs(model_path="m", disaggregation_mode="prefill")
     decode_args = ServerArgs(model_path="m", disaggregation_mode="decode")
     with pytest.raises(ApiError) as err:
-        check_bootstrap(prefill_args, request)
+        settle_bootstrap(prefill_args, request)
     assert err.value.status == 400 and "bootstrap_host" in err.value.message
-    check_bootstrap(decode_args, request)  # conditional disaggregation: the decode server prefills it
+    settle_bootstrap(decode_args, request)  # conditional disaggregation: the decode server prefills it
     request.bootstrap_host = "10.0.0.1"
     with pytest.raises(ApiError):
-        check_bootstrap(decode_args, request)
+        settle_bootstrap(decode_args, request)
     request.bootstrap_room = 7
-    check_bootstrap(prefill_args, request)
-    check_bootstrap(decode_args, request)
+    settle_bootstrap(prefill_args, request)
+    settle_bootstrap(decode_args, request)

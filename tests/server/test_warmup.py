@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve import LLM, SamplingParams
-from pdserve.scheduler.warmup import CPU_PROMPT_BUCKETS, SAMPLINGS
+from server_util import parse_prometheus
 
-BUCKET = CPU_PROMPT_BUCKETS[0]
+from pdserve import LLM, SamplingParams
+from pdserve.scheduler.warmup import CPU_PLAN, SAMPLINGS
+
+BUCKET = CPU_PLAN.alone[0]
 # one prompt alone, then one per sampling in a batch: extend forwards of these sizes, a batched decode
 EXPECTED_EXTEND_TOKENS = [BUCKET, BUCKET * len(SAMPLINGS)]
 
@@ -21,6 +23,12 @@ def test_server_is_ready_only_after_its_warm_up(server):
     assert warmup["prompt_lengths"] == [BUCKET] and warmup["samplings"] == list(SAMPLINGS)
     assert warmup["extend_tokens"] == EXPECTED_EXTEND_TOKENS
     assert len(SAMPLINGS) in warmup["decode_batch_sizes"]
+
+
+def test_compiles_after_ready_are_counted_and_exported(server):
+    """On the CPU nothing is compiled: the counter is there, at 0."""
+    assert server.get("/get_server_info").json()["scheduler"]["compiles_after_ready"] == 0
+    assert parse_prometheus(server.get("/metrics").body.decode())["pdserve_compiles_after_ready_total"] == 0
 
 
 @pytest.fixture(scope="module")
