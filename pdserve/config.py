@@ -67,6 +67,7 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     max_batch_items: int = 256
+    request_timeline_log: str | None = None
     # disaggregation
     disaggregation_mode: DisaggMode = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -258,6 +259,9 @@ _HELP: dict[str, tuple[str, str]] = {
     "api_key": ("http", "Require 'Authorization: Bearer KEY' on every route but /health."),
     "log_level": ("http", "debug, info, warning or error."),
     "max_batch_items": ("http", "Most prompts in one batched request."),
+    "request_timeline_log": ("http", "Append one JSON line per finished request to this file: its rid, role, arrival "
+                                     "time and the seconds from arrival to each stage it passed (python -m "
+                                     "pdserve.bench.timeline merges the router's and the servers' logs)."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
     "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake."),
