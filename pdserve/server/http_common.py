@@ -91,6 +91,7 @@ async def mark_answer_started(request: web.Request, response: web.StreamResponse
         exchange.answer_started()
 
 
+@web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
