@@ -93,7 +93,8 @@ def stage_count(proc, role: str, stage: str) -> float:
 def test_a_colocated_request_passes_every_stage_in_order(colocated, stream):
     proc, log = colocated
     rid = f"colocated-{stream}"
-    reply = proc.post("/generate", {"text": PROMPT, "rid": rid, "sampling_params": SAMPLING, "stream": stream})
+    prompt = f"{rid}: {PROMPT}"  # its own: a prefix-cache hit would leave a single chunk to prefill
+    reply = proc.post("/generate", {"text": prompt, "rid": rid, "sampling_params": SAMPLING, "stream": stream})
     assert reply.status == 200, reply.body
     record = timeline_line(log, rid)
     assert record["role"] == tl.COLOCATED_ROLE
