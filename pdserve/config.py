@@ -78,6 +78,7 @@ class ServerArgs:
     stream_interval: int = 1
     request_body_timeout_s: float = 30.0
     max_batch_items: int = 256
+    request_timeline_log: str | None = None
     # disaggregation
     disaggregation_mode: DisaggMode = "null"
     disaggregation_bootstrap_port: int = 8998
@@ -314,6 +315,9 @@ _HELP: dict[str, tuple[str, str]] = {
     "stream_interval": ("http", "Streamed responses send an event every N output tokens (and at the end)."),
     "request_body_timeout_s": ("http", "Seconds a client may take to send a request body; a slower one gets 408."),
     "max_batch_items": ("http", "Most prompts in one batched request."),
+    "request_timeline_log": ("http", "Append one JSON line per finished request to this file: its rid, role, arrival "
+                                     "time and the seconds from arrival to each stage it passed (python -m "
+                                     "pdserve.bench.timeline merges the router's and the servers' logs)."),
     "disaggregation_mode": ("disaggregation", "null (colocated), prefill or decode."),
     "disaggregation_bootstrap_port": ("disaggregation", "Prefill: port of the bootstrap server."),
     "disaggregation_transfer_backend": ("disaggregation", "KV transfer: auto (mooncake if importable, else tcp), mooncake, nccl, tcp, fake (no peer: the role serves every request alone, for benchmarking one role; see docs/pd.md)."),

@@ -149,6 +149,7 @@ class TokenOut:
     new_top_logprobs: list[list[list]] = field(default_factory=list)  # per token: [[token_id, logprob], ...]
     input_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    stage_marks: dict[str, float] | None = None  # the scheduler's timeline marks since the previous TokenOut
 
 
 @message
@@ -172,6 +173,7 @@ class StrOut:
     output_top_logprobs: list[list[list]] = field(default_factory=list)  # per new token: [[logprob, id, text], ...]
     input_logprobs: list | None = None  # raw from the scheduler; the tokenizer manager knows the prompt ids
     input_top_logprobs: list | None = None
+    stage_marks: dict[str, float] | None = None  # TokenOut's, passed on
 
 
 @message

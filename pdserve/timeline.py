@@ -4,6 +4,8 @@ A `RequestTimeline` starts when the request arrives (`RequestTimeline.begin`, wh
 per stage name, the seconds since arrival on the monotonic clock. A stage is kept at its first mark; a repeated
 stage (REPEATED_STAGES: a prefill chunk's start and end, an output token) also keeps its latest mark under
 `name#last` once it has been marked twice, so a record stays small however many chunks or tokens a request has.
+The HTTP process owns a request's timeline; its scheduler marks its own stages in the request's `StageMarks` and
+sends them along in the request's next output message (`RequestTimeline.merge` takes them in).
 
 `TimelineSink.finish` ends a timeline: it observes every stage in the histogram
 `pdserve_request_stage_seconds{role,stage}` and, with a log path (`--request-timeline-log PATH`), appends one JSON
@@ -17,12 +19,19 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from prometheus_client import CollectorRegistry, Histogram
 
 # roles: a server's disaggregation mode, "regular" for a colocated one (the router's name for it too)
 PREFILL_ROLE, DECODE_ROLE, COLOCATED_ROLE = "prefill", "decode", "regular"
+
+
+
+def server_role(disaggregation_mode: str) -> str:
+    """The role of a server started with `--disaggregation-mode` (null: colocated)."""
+    return COLOCATED_ROLE if disaggregation_mode == "null" else disaggregation_mode
+
 
 # every role
 RECEIVED = "received"
@@ -55,6 +64,16 @@ STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
                  10.0, 30.0, 60.0, 120.0)
 
 
+class Arrival(NamedTuple):
+    """When a request arrived, on the wall clock and on the monotonic clock."""
+    unix: float
+    monotonic: float
+
+    @classmethod
+    def now(cls) -> Arrival:
+        return cls(time.time(), time.monotonic())
+
+
 @dataclass(slots=True)
 class RequestTimeline:
     rid: str
@@ -64,9 +83,9 @@ class RequestTimeline:
     stages: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def begin(cls, rid: str, role: str) -> RequestTimeline:
-        """A timeline for a request arriving now, with RECEIVED marked at 0."""
-        timeline = cls(rid, role, time.time(), time.monotonic())
+    def begin(cls, rid: str, role: str, arrival: Arrival | None = None) -> RequestTimeline:
+        """A timeline for a request arriving at `arrival` (default: now), with RECEIVED marked at 0."""
+        timeline = cls(rid, role, *(arrival or Arrival.now()))
         timeline.stages[RECEIVED] = 0.0
         return timeline
 
@@ -79,9 +98,44 @@ class RequestTimeline:
         elif stage in REPEATED_STAGES:
             self.stages[stage + LAST_SUFFIX] = seconds
 
+    def merge(self, marks: dict[str, float]) -> None:
+        """Records another process's `StageMarks.take()`: time.monotonic() values, comparable with ours because
+        every process of a server runs on one host (CLOCK_MONOTONIC is system-wide)."""
+        for stage, at in marks.items():
+            self.mark(stage.removesuffix(LAST_SUFFIX), at)
+
     def record(self) -> dict:
         """The JSON object of one finished request."""
         return {"rid": self.rid, "role": self.role, "arrival_unix": self.arrival_unix, "stages": dict(self.stages)}
+
+
+class StageMarks:
+    """A scheduler's marks of one request, on the monotonic clock, kept until `take` hands them to the request's next
+    output message: a stage's first mark, and a repeated stage's latest under `name#last` (one entry, overwritten),
+    so nothing grows per token."""
+
+    __slots__ = ("marked", "unsent")
+
+    def __init__(self) -> None:
+        self.marked: set[str] = set()
+        self.unsent: dict[str, float] = {}
+
+    def mark(self, stage: str, now: float | None = None) -> None:
+        if stage not in self.marked:
+            self.marked.add(stage)
+            key = stage
+        elif stage in REPEATED_STAGES:
+            key = stage + LAST_SUFFIX
+        else:
+            return
+        self.unsent[key] = time.monotonic() if now is None else now
+
+    def take(self) -> dict[str, float] | None:
+        """The marks made since the previous take, or None when there are none."""
+        if not self.unsent:
+            return None
+        marks, self.unsent = self.unsent, {}
+        return marks
 
 
 class TimelineSink:

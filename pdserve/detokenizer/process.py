@@ -75,6 +75,7 @@ class IncrementalDetokenizer:
             output_top_logprobs=top_logprobs,
             input_logprobs=out.input_logprobs,
             input_top_logprobs=out.input_top_logprobs,
+            stage_marks=out.stage_marks,
         )
 
     def _append(self, state: DecodeState, new_ids: list[int], finished: bool) -> None:

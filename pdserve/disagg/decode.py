@@ -45,6 +45,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.role import Role
+from pdserve.timeline import KV_LANDED, PAGES_PREALLOCATED, TRANSFER_REQUEST_SENT
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +186,11 @@ class DecodeRole(Role):
             if not self._allocate_destination(h, reserved):
                 self._free_when_blocked = self.scheduler.available_pages()
                 break  # FIFO: later requests wait behind this one
+            h.req.stage_marks.mark(PAGES_PREALLOCATED)
             h.peer_control = info.control_endpoint
             if self.link.tp.is_leader:  # the leader's message speaks for every rank
                 self.link.send_control(h.peer_control, self._transfer_request(h))
+            h.req.stage_marks.mark(TRANSFER_REQUEST_SENT)
             h.advance(KVPoll.WAITING_FOR_INPUT)
             h.pages_sent_at = self.link.clock()
             h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
@@ -264,6 +267,7 @@ class DecodeRole(Role):
         h = self.link.handoffs.get(room)
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
+        h.req.stage_marks.mark(KV_LANDED)
         try:
             self._check_first_token(msg.aux, h)
         except ValueError as exc:

@@ -40,6 +40,8 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.role import Role
+from pdserve.timeline import (BOOTSTRAP_RESOLVED, DECODE_PAGES_KNOWN, HANDOFF_RELEASED, KV_WRITES_ISSUED,
+                              KV_WRITES_LANDED)
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
@@ -302,6 +304,7 @@ class PrefillRole(Role):
         nothing), so the room's writes in flight count one job per rank, and the results of all ranks' writers,
         which every rank receives (`step_events`), count them down together."""
         h.writes_in_flight += self.link.tp.size
+        h.req.stage_marks.mark(KV_WRITES_ISSUED)
         self.writers.submit(WriteJob(h.room, target.session, spans, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
@@ -322,6 +325,7 @@ class PrefillRole(Role):
             return
         if h.poll != KVPoll.BOOTSTRAPPING:
             return
+        h.req.stage_marks.mark(BOOTSTRAP_RESOLVED)
         try:
             h.peer_control = msg.control
             check_compatible(self.link.description, msg.peer)
@@ -336,6 +340,7 @@ class PrefillRole(Role):
             logger.warning("room %d: refusing decode peer: %s", room, exc)
             self._fail(h, f"decode peer refused: {exc}", reason="peer_refused")
             return
+        h.req.stage_marks.mark(DECODE_PAGES_KNOWN)
         h.advance(KVPoll.WAITING_FOR_INPUT)
         self.scheduler.enqueue(h.req)
 
@@ -373,6 +378,7 @@ class PrefillRole(Role):
         self.link.transfer_stats.moved(msg.nbytes)
         h.write_seconds += msg.seconds
         if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed
+            h.req.stage_marks.mark(KV_WRITES_LANDED)
             kv_done = self.kv_done_after_writes.pop(h.room, None)
             if kv_done is not None:  # else the room's only writer has sent it
                 self.link.send_control(h.peer_control, kv_done)
@@ -415,6 +421,7 @@ class PrefillRole(Role):
         if h.writes_in_flight > 0 or not h.req.finished or self.link.handoffs.get(h.room) is not h:
             return
         del self.link.handoffs[h.room]
+        h.req.stage_marks.mark(HANDOFF_RELEASED)  # a success reports it: its request finished in this step
         self.kv_done_after_writes.pop(h.room, None)
         self.writers.cancelled.discard(h.room)
         self.scheduler.release_pages(h.req)  # the handoff is gone: nothing keeps the pages now

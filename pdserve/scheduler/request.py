@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.timeline import StageMarks
 
 
 class ReqStatus(Enum):
@@ -69,6 +70,7 @@ class Req:
     finish_reason: FinishReason | None = None
     num_reported: int = 0  # output tokens already reported in a TokenOut
     stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
+    stage_marks: StageMarks = field(default_factory=StageMarks)  # the scheduler's and its role's timeline marks
 
     @classmethod
     def of(cls, rid: str, input_ids: list[int], params: SamplingParams, **kw) -> Req:

@@ -29,6 +29,8 @@ from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.role import Role
 from pdserve.scheduler.stop import StopChecker
+from pdserve.timeline import (ADMITTED, FIRST_TOKEN_EMITTED, FIRST_TOKEN_SAMPLED, OUTPUT_TOKEN, PREFILL_CHUNK_END,
+                              PREFILL_CHUNK_START, QUEUED)
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,7 @@ class Scheduler:
 
     def enqueue(self, req: Req) -> None:
         """req waits for admission and prefill (behind every request queued before it)."""
+        req.stage_marks.mark(QUEUED)
         self.waiting.append(req)
 
     def start_decoding(self, req: Req) -> None:
@@ -205,6 +208,7 @@ class Scheduler:
     def add_token(self, req: Req, token: int, logprob: float | None = None, top_logprobs: list | None = None) -> None:
         """Append req's next token (and its logprobs when req asked for them); finish req if it stops there."""
         req.output_ids.append(token)
+        req.stage_marks.mark(OUTPUT_TOKEN)
         if logprob is not None and req.return_logprob:
             req.output_logprobs.append(logprob)
             req.output_top_logprobs.append(top_logprobs)
@@ -252,6 +256,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             items.append(item)
+            req.stage_marks.mark(ADMITTED)
             budget -= item.end - item.start
             if not item.completes_prefill:
                 break  # at most one chunked request, and it is the last of the batch
@@ -320,7 +325,9 @@ class Scheduler:
     def _run_extend(self, items: list[ExtendItem]) -> None:
         batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
         self.radix.wait_for_loads()  # host pages of matched prefixes are on the device before the forward
+        _mark_all(items, PREFILL_CHUNK_START)
         logits = self.runner.forward(batch.forward_batch, self.role.layer_hook(items))
+        _mark_all(items, PREFILL_CHUNK_END)
         for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
@@ -330,6 +337,7 @@ class Scheduler:
         done, last_rows = batch.completed()
         if done:
             self._sample_and_append([i.req for i in done], logits[torch.tensor(last_rows, device=logits.device)])
+            _mark_all(done, FIRST_TOKEN_SAMPLED)
             for item in done:
                 if not item.req.finished:
                     self.role.on_prefill_done(item.req)
@@ -383,11 +391,12 @@ class Scheduler:
     def _read_back(self, batch: InflightDecode) -> None:
         if batch.done is not None:
             batch.done.synchronize()
-        changed, check_stop = self._changed, self.role.check_stop
+        changed, check_stop, now = self._changed, self.role.check_stop, time.monotonic()
         for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
             if req.finish_reason is not None:
                 continue  # ended while the batch ran (stop, abort): its extra token is dropped
             req.output_ids.append(token)
+            req.stage_marks.mark(OUTPUT_TOKEN, now)
             changed[req.rid] = req
             reason = check_stop(req)
             if reason is not None:
@@ -516,6 +525,8 @@ class Scheduler:
         """The detokenizer's message: the tokens since the previous report, and the prompt logprobs in the first."""
         start = req.num_reported
         req.num_reported = len(req.output_ids)
+        if start == 0 and req.output_ids:
+            req.stage_marks.mark(FIRST_TOKEN_EMITTED)
         reason = req.finish_reason
         input_logprobs = input_top_logprobs = None
         if req.return_logprob and start == 0 and req.logprob_start_len >= 0:
@@ -527,4 +538,12 @@ class Scheduler:
             req.rid, req.output_ids[start:], None if reason is None else reason.to_dict(), len(req.input_ids),
             req.num_reported, req.num_prefix_hit, req.output_logprobs[start:] if logprobs else [],
             req.output_top_logprobs[start:] if logprobs else [], input_logprobs, input_top_logprobs,
+            req.stage_marks.take(),
         )
+
+
+def _mark_all(items: list[ExtendItem], stage: str) -> None:
+    """Marks `stage` now for the request of every item."""
+    now = time.monotonic()
+    for item in items:
+        item.req.stage_marks.mark(stage, now)

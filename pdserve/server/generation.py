@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.http_common import ApiError
-from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
+from pdserve.server.tokenizer_manager import Exchange, GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 request_logger = logging.getLogger("pdserve.requests")
 LOGGED_TEXT_CHARS = 2048  # --log-requests-level 2 cuts texts here; 3 logs them whole
@@ -136,9 +136,11 @@ async def collect(streams: list[AsyncIterator[OutputDelta]]) -> list[Generation]
 # --- one request's output stream -----------------------------------------------------------------
 
 
-def output_stream(tm: TokenizerManager, request: GenerateRequest, streamed: bool) -> AsyncIterator[OutputDelta]:
-    """The request's outputs: logged with --log-requests and, when streamed, grouped by --stream-interval tokens."""
-    stream = tm.generate(request)
+def output_stream(tm: TokenizerManager, request: GenerateRequest, streamed: bool,
+                  exchange: Exchange | None) -> AsyncIterator[OutputDelta]:
+    """The request's outputs: logged with --log-requests and, when streamed, grouped by --stream-interval tokens;
+    `exchange` is the HTTP exchange it came in (its timeline lives there)."""
+    stream = tm.generate(request, exchange)
     if tm.args.log_requests:
         stream = _logged(stream, request, tm)
     if streamed and tm.args.stream_interval > 1:

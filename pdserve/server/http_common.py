@@ -1,5 +1,5 @@
-"""HTTP plumbing shared by the native and the OpenAI routes: app keys, JSON errors, the error, API-key and router
-token middlewares, body parsing and SSE writing."""
+"""HTTP plumbing shared by the native and the OpenAI routes: app keys, JSON errors, the timeline, error, API-key and
+router token middlewares, body parsing and SSE writing."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.cluster_auth import HEADER, AuthError, ClusterAuth
 from pdserve.server.metrics import ServerMetrics
-from pdserve.server.tokenizer_manager import RequestRejected, TokenizerManager
+from pdserve.server.tokenizer_manager import Exchange, RequestRejected, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
 TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
 ARGS_KEY = web.AppKey("args", object)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+EXCHANGE_KEY = web.RequestKey("exchange", Exchange)  # on a generation route's request
 PUBLIC_PATHS = frozenset({"/health"})
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
@@ -67,6 +68,28 @@ def error_body(status: int, message: str, code: str | int | None = None) -> dict
 
 def error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
     return json_response(error_body(status, message, code), status=status)
+
+
+@web.middleware
+async def timeline_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A generation route's requests keep their timelines in the request's `Exchange`, recorded once its answer
+    has started (the outermost middleware: error answers too) or it failed or was abandoned."""
+    if request.path not in GENERATION_PATHS:
+        return await handler(request)
+    exchange = request[EXCHANGE_KEY] = Exchange()
+    try:
+        response = await handler(request)
+        await response.prepare(request)  # a no-op for a stream, which started its answer itself
+        return response
+    finally:
+        request.app[TM_KEY].finish_timelines(exchange)
+
+
+async def mark_answer_started(request: web.Request, response: web.StreamResponse) -> None:
+    """`on_response_prepare`: the answer's first bytes go out now (a stream's first event follows at once)."""
+    exchange = request.get(EXCHANGE_KEY)
+    if exchange is not None:
+        exchange.answer_started()
 
 
 @web.middleware

@@ -16,7 +16,8 @@ from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.generation import Generation, check_batch_size, settle_bootstrap, check_prompt_sizes
 from pdserve.server.generation import check_unique_rids, collect
 from pdserve.server.generation import new_rid, output_stream, sampling_error, with_logprobs
-from pdserve.server.http_common import ARGS_KEY, METRICS_KEY, TM_KEY, ApiError, json_response, parse_body
+from pdserve.server.http_common import ARGS_KEY, EXCHANGE_KEY, METRICS_KEY, TM_KEY, ApiError, json_response
+from pdserve.server.http_common import parse_body
 from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.metrics import CONTENT_TYPE
 from pdserve.server.schemas import AbortRequestInput, GenerateReqInput, bootstrap_for, sglang_sampling_params
@@ -31,7 +32,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await parse_body(request, GenerateReqInput)
     requests, is_batch = await build_generate_requests(args, tm, body)
     check_unique_rids(tm, requests)
-    streams = [output_stream(tm, r, body.stream) for r in requests]
+    streams = [output_stream(tm, r, body.stream, request[EXCHANGE_KEY]) for r in requests]
     with_text = body.return_text_in_logprobs
     if body.stream:
         return await stream_with_early_errors(request, _generate_events(streams, requests, is_batch, with_text))

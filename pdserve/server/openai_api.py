@@ -23,7 +23,8 @@ from pdserve.server.generation import (
     sampling_error,
     with_logprobs,
 )
-from pdserve.server.http_common import ARGS_KEY, TM_KEY, ApiError, json_response, parse_body, stream_with_early_errors
+from pdserve.server.http_common import ARGS_KEY, EXCHANGE_KEY, TM_KEY, ApiError, json_response, parse_body
+from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
@@ -127,7 +128,7 @@ async def _respond(
     request: web.Request, body: OpenAIRequestBase, requests: list[GenerateRequest], fmt: "ResponseFormat"
 ) -> web.StreamResponse:
     tm = request.app[TM_KEY]
-    streams = [output_stream(tm, r, body.stream) for r in requests]
+    streams = [output_stream(tm, r, body.stream, request[EXCHANGE_KEY]) for r in requests]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await stream_with_early_errors(request, fmt.events(streams, body.n, include_usage))

@@ -39,6 +39,7 @@ from pdserve.messages import (
 )
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prefix_digest import PrefixDigest
+from pdserve.timeline import DETOKENIZED, SENT, TOKENIZED, Arrival, RequestTimeline, TimelineSink, server_role
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,22 @@ class OutputDelta:
 
 
 @dataclass(slots=True)
+class Exchange:
+    """One HTTP request and the timelines of the generation requests it made: they start at its arrival and end
+    once its answer has started (or it failed), so SENT is theirs too."""
+
+    arrival: Arrival = field(default_factory=Arrival.now)
+    timelines: list[RequestTimeline] = field(default_factory=list)
+
+    def answer_started(self) -> None:
+        for timeline in self.timelines:
+            timeline.mark(SENT)
+
+
+@dataclass(slots=True)
 class ReqState:
     request: GenerateRequest
+    timeline: RequestTimeline | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -103,6 +118,8 @@ class TokenizerManager:
         self._longest_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
         self.model_info: dict = {}
         self.states: dict[str, ReqState] = {}
+        self.role = server_role(args.disaggregation_mode)
+        self.timeline_sink = TimelineSink(metrics.registry, args.request_timeline_log)
         self.prefix_digest = PrefixDigest(args.keeps_prefix_cache)
         self._control_ids = itertools.count()
         self._control_waiters: dict[int, asyncio.Future] = {}
@@ -143,6 +160,7 @@ class TokenizerManager:
         self._sync_ctx.term()
         self._async_ctx.term()
         self._tokenize_thread.shutdown(wait=False, cancel_futures=True)
+        self.timeline_sink.close()
 
     # --- model facts ---------------------------------------------------------------------------
 
@@ -224,13 +242,14 @@ class TokenizerManager:
             if rid in self.states:
                 raise RequestRejected(f"request id {rid!r} is already in flight")
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputDelta]:
-        """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it."""
+    async def generate(self, request: GenerateRequest, exchange: Exchange | None = None) -> AsyncIterator[OutputDelta]:
+        """Submit one request and yield its outputs; leaving early (disconnect, cancel) aborts it. With the HTTP
+        `exchange` it came in (none for a health probe), its timeline is kept there until `finish_timelines`."""
         if self._ended is not None:
             raise self._ended
         self.check_not_in_flight([request.rid])
         message = encode(_tokenized(request))
-        state = ReqState(request)
+        state = ReqState(request, self._begin_timeline(request.rid, exchange))
         self.states[request.rid] = state
         self.metrics.request_started()
         self._to_scheduler.send(message)
@@ -253,6 +272,20 @@ class TokenizerManager:
         finally:
             if not finished:
                 self.abort(request.rid)
+
+    def _begin_timeline(self, rid: str, exchange: Exchange | None) -> RequestTimeline | None:
+        if exchange is None:
+            return None
+        timeline = RequestTimeline.begin(rid, self.role, exchange.arrival)
+        timeline.mark(TOKENIZED)  # its prompt was tokenized and checked: it goes to the scheduler now
+        exchange.timelines.append(timeline)
+        return timeline
+
+    def finish_timelines(self, exchange: Exchange) -> None:
+        """The exchange's answer was started, failed or abandoned: its requests' timelines are recorded."""
+        for timeline in exchange.timelines:
+            self.timeline_sink.finish(timeline)
+        exchange.timelines.clear()
 
     def _computed_kv(self, request: GenerateRequest) -> bool:
         """Whether the request's prompt KV was computed here or received (a decode server's fake-transfer request
@@ -340,6 +373,8 @@ class TokenizerManager:
             if state is None:
                 continue
             self._record_timing(state, out, now)
+            if state.timeline is not None:
+                _mark_output(state.timeline, out)
             state.queue.put_nowait(out)
             if out.finish_reason is not None:
                 del self.states[out.rid]
@@ -362,6 +397,13 @@ class TokenizerManager:
         if state is not None:
             self.metrics.request_rejected()
             state.queue.put_nowait(msg)
+
+
+def _mark_output(timeline: RequestTimeline, out: StrOut) -> None:
+    """DETOKENIZED, and the scheduler's marks (its time.monotonic(): this host's clock, as ours)."""
+    if out.stage_marks:
+        timeline.merge(out.stage_marks)
+    timeline.mark(DETOKENIZED)
 
 
 def _tokenized(request: GenerateRequest) -> TokenizedGenerateReq:
