@@ -120,7 +120,7 @@ def test_sampling_fields_beam_width_and_watermark_are_named():
 
 
 def _fake_manager(args: ServerArgs, outs: list[StrOut]) -> SimpleNamespace:
-    async def generate(request):
+    async def generate(request, exchange):
         for out in outs:
             yield OutputDelta(out, None, 0.1, 0.2)
 
@@ -135,7 +135,7 @@ def _outs(tokens: int) -> list[StrOut]:
 
 async def _deltas(tm, streamed: bool) -> list[OutputDelta]:
     request = GenerateRequest("r", [5, 6], SamplingParams())
-    return [delta async for delta in output_stream(tm, request, streamed)]
+    return [delta async for delta in output_stream(tm, request, streamed, None)]
 
 
 def test_stream_interval_groups_tokens_and_flushes_at_the_end():
