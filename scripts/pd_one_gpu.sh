@@ -6,7 +6,8 @@
 #   decode    256-512 tokens in, 256-512 out (decode-bound), 8 and 16 req/s
 # Phases (run in the order given):
 #   transfer       raw mooncake writes on one GPU (src and dst on GPU 0): contiguous vs scattered pages
-#   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), the mix warm, the decode load
+#   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), then 30 s more at 2 req/s
+#                  (steady), the mix at RATE, the decode load (COLOCATED_DECODE=0 skips it)
 #   prefill_alone  a prefill server with the fake transfer backend, served directly: the mix
 #   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
@@ -61,6 +62,13 @@ spy() {  # NAME PID SECONDS
   py-spy record --subprocesses --nonblocking --format raw -r 200 -d "$3" -p "$2" -o "$OUT/$1.pyspy" >/dev/null 2>&1 &
 }
 
+stop() {  # PID...: SIGTERM, then wait until each is gone (servers started by `serve` are not this shell's children)
+  kill "$@" 2>/dev/null
+  for pid in "$@"; do
+    for _ in $(seq 120); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
+  done
+}
+
 serve() {  # LOGNAME ARGS... (prints the pid)
   local log=$1; shift
   python3 -m pdserve.launch_server --model-path "$(model_dir)" "$@" > "$OUT/$log.log" 2>&1 &
@@ -76,12 +84,16 @@ phase_colocated() {
   local pid; pid=$(serve colocated --port 7100)
   wait_ready http://127.0.0.1:7100 || return
   bench colocated_cold http://127.0.0.1:7100 2 15 "${MIX[@]}" --warmup-requests 0
+  scrape colocated_after_cold http://127.0.0.1:7100
+  bench colocated_steady http://127.0.0.1:7100 2 30 "${MIX[@]}"
   spy colocated $pid "$SECONDS_PER_RUN"
   bench colocated_mix http://127.0.0.1:7100 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
-  bench colocated_decode8 http://127.0.0.1:7100 8 30 "${DECODE_LOAD[@]}"
-  bench colocated_decode16 http://127.0.0.1:7100 16 30 "${DECODE_LOAD[@]}"
+  if [ "${COLOCATED_DECODE:-1}" = 1 ]; then
+    bench colocated_decode8 http://127.0.0.1:7100 8 30 "${DECODE_LOAD[@]}"
+    bench colocated_decode16 http://127.0.0.1:7100 16 30 "${DECODE_LOAD[@]}"
+  fi
   scrape colocated http://127.0.0.1:7100
-  kill $pid; wait $pid
+  stop $pid
 }
 
 phase_prefill_alone() {
@@ -91,7 +103,7 @@ phase_prefill_alone() {
   spy prefill_alone $pid "$SECONDS_PER_RUN"
   bench prefill_alone_mix http://127.0.0.1:7000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
   scrape prefill_alone http://127.0.0.1:7000
-  kill $pid; wait $pid
+  stop $pid
 }
 
 phase_decode_alone() {
@@ -101,7 +113,7 @@ phase_decode_alone() {
   bench decode_alone_decode8 http://127.0.0.1:7001 8 30 "${DECODE_LOAD[@]}"
   bench decode_alone_decode16 http://127.0.0.1:7001 16 30 "${DECODE_LOAD[@]}"
   scrape decode_alone http://127.0.0.1:7001
-  kill $pid; wait $pid
+  stop $pid
 }
 
 phase_pd() {
@@ -123,7 +135,7 @@ phase_pd() {
   local before_filled; before_filled=$(wc -l < "$OUT/timeline_router.jsonl")
   bench pd_mix_filled http://127.0.0.1:8000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
   scrape pd_prefill http://127.0.0.1:7000; scrape pd_decode http://127.0.0.1:7001; scrape pd_router http://127.0.0.1:8000
-  kill $r $d $p; wait $r $d $p
+  stop $r $d $p
   TAILN=40 step 60 timeline_fresh python3 -m pdserve.bench.timeline "$OUT"/fresh/timeline_*.jsonl \
     --json "$OUT/timeline_fresh.json"
   mkdir -p "$OUT/filled"
