@@ -223,7 +223,7 @@ class Router:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         url = request.query.get("url")
-        if url is None and request.can_read_body:
+        if url is None and request.body_exists:
             try:
                 spec = await json_body(request)
             except ValueError:
