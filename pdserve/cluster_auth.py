@@ -30,9 +30,10 @@ class AuthError(ValueError):
     """A message or request without a valid MAC, too old, or replayed."""
 
 
-def cluster_secret(configured: str | None) -> str | None:
-    """`--disaggregation-secret`, else the environment's PDSERVE_DISAGGREGATION_SECRET, else None."""
-    return configured or os.environ.get(SECRET_ENV) or None
+def cluster_secret(configured: str | None, api_key: str | None = None) -> str | None:
+    """`--disaggregation-secret`, else the environment's PDSERVE_DISAGGREGATION_SECRET, else the server's
+    `--api-key` (a server with only an API key keeps its bootstrap server and control ports closed too), else None."""
+    return configured or os.environ.get(SECRET_ENV) or api_key or None
 
 
 class ClusterAuth:
@@ -102,6 +103,6 @@ def _request_bytes(method: str, path: str, body: bytes) -> bytes:
     return f"{method.upper()} {path}\n".encode() + body
 
 
-def make_auth(configured: str | None) -> ClusterAuth | None:
-    secret = cluster_secret(configured)
+def make_auth(configured: str | None, api_key: str | None = None) -> ClusterAuth | None:
+    secret = cluster_secret(configured, api_key)
     return ClusterAuth(secret) if secret else None

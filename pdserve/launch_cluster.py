@@ -14,6 +14,8 @@ The launcher waits until each server's and then the router's /health answers, pr
 curl line, and stops everything on Ctrl-C/SIGTERM: the router and the servers drain (new requests get 503, those
 in flight get `--shutdown-drain-timeout-s` to finish, the rest end with an error); a second Ctrl-C stops them at
 once. If a child dies, it says which and stops the rest (exit 1).
+Every child runs with one cluster secret (PDSERVE_DISAGGREGATION_SECRET in its environment): the one given
+(`--disaggregation-secret` or `--api-key` after `--`, or the environment's), else a new `secrets.token_urlsafe`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -29,6 +32,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.cluster_auth import SECRET_ENV, cluster_secret
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser, parse_server_cli
 from pdserve.hub import resolve_model_path
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
@@ -132,6 +136,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     engine_tp = ns.engine.tp_size
     ns.prefill_tp_size, ns.decode_tp_size = ns.prefill_tp_size or engine_tp, ns.decode_tp_size or engine_tp
     ns.worker_tp_size = engine_tp
+    ns.cluster_secret = cluster_secret(ns.engine.disaggregation_secret, ns.engine.api_key) or secrets.token_urlsafe(32)
     return ns, engine_args
 
 
@@ -272,9 +277,10 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
 
 
 class Cluster:
-    def __init__(self, log_dir: str, drain_timeout_s: float):
+    def __init__(self, log_dir: str, drain_timeout_s: float, secret: str):
         self.log_dir = log_dir
         self.drain_timeout_s = drain_timeout_s
+        self.env = {**os.environ, SECRET_ENV: secret}  # every child's cluster secret, kept off the command lines
         self.children: list[Proc] = []
         self.stop_requested = threading.Event()
         self.stopping = False
@@ -282,7 +288,7 @@ class Cluster:
     def start(self, specs: list[ChildSpec], deadline: float, one_by_one: bool = False) -> list[Proc]:
         """Launch the children (with `one_by_one`, each once the one before it is healthy), and wait until each
         answers /health, with a line for each one that does."""
-        procs = [Proc(s.name, list(s.argv), s.url, log_path=self.log_path(s.name)) for s in specs]
+        procs = [Proc(s.name, list(s.argv), s.url, log_path=self.log_path(s.name), env=self.env) for s in specs]
         started, ready = time.monotonic(), iter(range(1, len(procs) + 1))
 
         def report(proc: Proc) -> None:
@@ -354,7 +360,7 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     os.makedirs(log_dir, exist_ok=True)
-    cluster = Cluster(log_dir, ns.shutdown_drain_timeout_s)
+    cluster = Cluster(log_dir, ns.shutdown_drain_timeout_s, ns.cluster_secret)
 
     def on_signal(signum: int, frame) -> None:
         if cluster.stopping:

@@ -16,11 +16,7 @@ class SamplingParamsError(ValueError):
 
 
 class PromptError(ValueError):
-    """A prompt the model cannot take; `code` is OpenAI's error code where one applies."""
-
-    def __init__(self, message: str, code: str | None = None):
-        super().__init__(message)
-        self.code = code
+    """A prompt the model cannot take."""
 
 
 @dataclass(slots=True)
@@ -123,8 +119,7 @@ def check_prompt(input_ids: Sequence[int], params: SamplingParams, vocab_size: i
     if room <= 0:
         raise PromptError(
             f"the prompt has {len(input_ids)} tokens; this model's context length is {context_len}, "
-            "so it must be shorter to leave room for at least one output token",
-            code="context_length_exceeded",
+            "so it must be shorter to leave room for at least one output token"
         )
     params.max_tokens = min(params.max_tokens, room)
     params.min_tokens = min(params.min_tokens, params.max_tokens)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +66,17 @@ def http(method: str, url: str, body: dict | bytes | None = None, headers: dict 
             return Reply(resp.status, resp.read(), dict(resp.headers))
     except urllib.error.HTTPError as exc:
         return Reply(exc.code, exc.read(), dict(exc.headers))
+
+
+def send_stalled_body(url: str) -> tuple[bytes, float]:
+    """POST headers and the start of a body to `url`, then stall: the answer's first bytes and the seconds until
+    they came."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"text\"")
+        started = time.monotonic()
+        return sock.recv(65536), time.monotonic() - started
 
 
 class Proc(server_processes.Proc):

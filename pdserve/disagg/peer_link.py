@@ -46,9 +46,9 @@ class PeerLink:
         self.model_config = runner.model_config
         self.pool = pool
         self.device = runner.device
-        self.auth = make_auth(args.disaggregation_secret)
+        self.auth = make_auth(args.disaggregation_secret, args.api_key)
         if self.auth is None:
-            logger.warning("no --disaggregation-secret: the bootstrap server, control channel and KV transfer port "
+            logger.warning("no --disaggregation-secret or --api-key: the bootstrap server, control channel and KV transfer port "
                            "accept any peer that reaches them; they bind %s like the HTTP server", args.host)
         self.engine = make_transfer_engine(
             args.disaggregation_transfer_backend, str(self.device), args.disaggregation_ib_device, host=args.host,

@@ -29,7 +29,7 @@ class Drain:
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
         generation = request.method == "POST" and request.path in GENERATION_PATHS
         if self.draining and (generation or request.path == "/health"):
-            raise ApiError(503, SHUTTING_DOWN, "shutting_down")
+            raise ApiError(503, SHUTTING_DOWN)
         if not generation:
             return await handler(request)
         self.in_flight += 1

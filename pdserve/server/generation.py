@@ -75,8 +75,7 @@ def check_prompt_sizes(tm: TokenizerManager, prompts: list[str | list[int]]) -> 
         if isinstance(prompt, str):
             tm.check_prompt_chars(len(prompt))
         elif prompt is not None and len(prompt) > tm.context_length:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {tm.context_length}",
-                           "context_length_exceeded")
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; the context holds {tm.context_length}")
 
 
 def check_unique_rids(tm: TokenizerManager, requests: list[GenerateRequest]) -> None:

@@ -28,15 +28,10 @@ EXCHANGE_KEY = web.RequestKey("exchange", Exchange)  # on a generation route's r
 PUBLIC_PATHS = frozenset({"/health"})
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    413: "invalid_request_error",
-    503: "service_unavailable",
-}
+# OpenAI's error types by status; any other 4xx is an invalid request and any 5xx a server error. `code` is
+# always the HTTP status, an int, as in SGLang's error responses.
+_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                429: "rate_limit_error"}
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 # The only way a lone surrogate gets into a parsed body (the UTF-8 decoder refuses encoded ones); a body without
@@ -45,11 +40,10 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str):
         super().__init__(message)
         self.status = status
         self.message = message
-        self.code = code
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -61,13 +55,13 @@ def _dumps(data: Any) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def error_body(status: int, message: str, code: str | int | None = None) -> dict:
+def error_body(status: int, message: str) -> dict:
     error_type = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": error_type, "code": code if code is not None else status}}
+    return {"error": {"message": message, "type": error_type, "code": status}}
 
 
-def error_response(status: int, message: str, code: str | int | None = None) -> web.Response:
-    return json_response(error_body(status, message, code), status=status)
+def error_response(status: int, message: str) -> web.Response:
+    return json_response(error_body(status, message), status=status)
 
 
 @web.middleware
@@ -97,7 +91,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     try:
         return await handler(request)
     except (ApiError, RequestRejected) as exc:
-        response = error_response(exc.status, exc.message, exc.code)
+        response = error_response(exc.status, exc.message)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -137,7 +131,7 @@ def auth_middleware(api_key: str) -> Any:
         if request.path not in PUBLIC_PATHS:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
-                raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')", "invalid_api_key")
+                raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')")
         return await handler(request)
 
     return check_api_key
@@ -153,8 +147,7 @@ def router_auth_middleware(auth: ClusterAuth) -> Any:
             try:
                 auth.verify_token(request.headers.get(HEADER), "POST", request.path_qs, await request.read())
             except AuthError as exc:
-                raise ApiError(401, f"PD requests are accepted only from the router ({exc})",
-                               "invalid_cluster_auth") from None
+                raise ApiError(401, f"PD requests are accepted only from the router ({exc})") from None
         return await handler(request)
 
     return check_router_token
@@ -241,7 +234,7 @@ async def stream_sse(
     except ConnectionResetError:
         logger.info("client went away mid-stream; its request was aborted")
     except RequestRejected as exc:  # refused or failed after the stream started: report in-band
-        await send_sse(response, error_body(exc.status, exc.message, exc.code))
+        await send_sse(response, error_body(exc.status, exc.message))
         await send_sse(response, "[DONE]")
     return response
 

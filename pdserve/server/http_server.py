@@ -27,7 +27,7 @@ def create_app(args: Any, tm: TokenizerManager, server_metrics: ServerMetrics) -
     middlewares = [timeline_middleware, error_middleware, drain.middleware,
                    body_timeout_middleware(args.request_body_timeout_s)]
     middlewares += [auth_middleware(args.api_key)] if args.api_key else []
-    cluster = make_auth(args.disaggregation_secret) if args.is_pd else None
+    cluster = make_auth(args.disaggregation_secret, args.api_key) if args.is_pd else None
     if cluster is not None:
         middlewares.append(router_auth_middleware(cluster))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)

@@ -80,8 +80,7 @@ def add_routes(app: web.Application) -> None:
 
 def _check_common(args: Any, body: OpenAIRequestBase) -> None:
     if body.model not in (args.model_name, args.model_path):
-        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {args.model_name!r}",
-                       "model_not_found")
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {args.model_name!r}")
     feature = body.unsupported_feature()
     if feature is not None:
         raise ApiError(400, f"{feature} is not supported by this server")

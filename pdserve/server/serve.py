@@ -148,7 +148,7 @@ async def _drain(drain: Drain, tm: TokenizerManager, timeout_s: float, stop_now:
         await _until_idle(drain, timeout_s, stop_now)
     if drain.in_flight:
         logger.warning("ending %d unfinished requests with an error", drain.in_flight)
-        tm.end_all(RequestRejected(SHUTTING_DOWN, 503, "shutting_down"))
+        tm.end_all(RequestRejected(SHUTTING_DOWN, 503))
         await _until_idle(drain, FINAL_WRITE_SECONDS, asyncio.Event())
 
 

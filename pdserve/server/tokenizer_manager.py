@@ -49,11 +49,10 @@ CONTROL_TIMEOUT_SECONDS = 30.0
 class RequestRejected(Exception):
     """A request the server cannot serve; the HTTP layer answers `status` with `message`."""
 
-    def __init__(self, message: str, status: int = 400, code: str | None = None):
+    def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.message = message
         self.status = status
-        self.code = code
 
 
 @dataclass(slots=True)
@@ -185,7 +184,7 @@ class TokenizerManager:
         if chars > self.max_prompt_chars:
             raise RequestRejected(
                 f"the prompt has {chars} characters; the context of {self.context_length} tokens holds at most "
-                f"{self.max_prompt_chars} with this tokenizer", code="context_length_exceeded",
+                f"{self.max_prompt_chars} with this tokenizer"
             )
 
     async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -231,7 +230,7 @@ class TokenizerManager:
         try:
             check_prompt(input_ids, params, self.vocab_size, self.context_length)
         except PromptError as exc:
-            raise RequestRejected(str(exc), code=exc.code) from exc
+            raise RequestRejected(str(exc)) from exc
 
     # --- requests ------------------------------------------------------------------------------
 

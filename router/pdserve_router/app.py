@@ -223,7 +223,7 @@ class Router:
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         url = request.query.get("url")
-        if url is None and request.can_read_body:
+        if url is None and request.body_exists:
             try:
                 spec = await json_body(request)
             except ValueError:
@@ -265,6 +265,21 @@ async def json_errors_middleware(request: web.Request, handler):
 
 
 @web.middleware
+async def body_timeout_middleware(request: web.Request, handler):
+    """A body slower than --request-body-timeout-s is cut: 408 and the connection closed, so a client that sends
+    headers and stalls holds nothing."""
+    seconds = request.app[ROUTER].config.request_body_timeout_s
+    try:
+        await asyncio.wait_for(request.read(), seconds)  # aiohttp keeps the body for the handler
+    except asyncio.TimeoutError:
+        stalled = error_response(408, f"the request body did not arrive within {seconds:g} s",
+                                 request.headers.get("X-Request-Id"))
+        stalled.force_close()
+        return stalled
+    return await handler(request)
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler):
     key = request.app[ROUTER].config.api_key
     if key and request.path != "/health":
@@ -276,7 +291,7 @@ async def auth_middleware(request: web.Request, handler):
 
 def create_app(config: RouterConfig) -> web.Application:
     router = Router(config)
-    middlewares = [json_errors_middleware, *([auth_middleware] if config.api_key else [])]
+    middlewares = [json_errors_middleware, body_timeout_middleware, *([auth_middleware] if config.api_key else [])]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = router
     app.on_startup.append(router.start)

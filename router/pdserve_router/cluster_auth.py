@@ -1,8 +1,8 @@
 """The router's proof to PD servers that the bootstrap fields of a request come from it.
 
-With a cluster secret (`--disaggregation-secret` or PDSERVE_DISAGGREGATION_SECRET, the one the PD servers have),
-each request to a prefill or decode carries `X-PD-Auth: timestamp.nonce.mac`, an HMAC-SHA256 over the timestamp,
-a nonce, the method, the path and the body; the servers refuse generation requests without a valid one
+With a cluster secret (`--disaggregation-secret`, else PDSERVE_DISAGGREGATION_SECRET, else `--api-key`: the one the
+PD servers have), each request to a prefill or decode carries `X-PD-Auth: timestamp.nonce.mac`, an HMAC-SHA256 over
+the timestamp, a nonce, the method, the path and the body; the servers refuse generation requests without a valid one
 (pdserve.cluster_auth verifies it).
 """
 
@@ -17,8 +17,9 @@ import time
 SECRET_ENV = "PDSERVE_DISAGGREGATION_SECRET"
 
 
-def configured_secret(flag: str | None) -> str | None:
-    return flag or os.environ.get(SECRET_ENV) or None
+def configured_secret(flag: str | None, api_key: str | None = None) -> str | None:
+    """As the servers take theirs: the flag, else the environment, else the API key."""
+    return flag or os.environ.get(SECRET_ENV) or api_key or None
 
 
 class RequestSigner:

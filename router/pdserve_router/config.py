@@ -48,6 +48,7 @@ class RouterConfig:
     load_poll_interval_s: float = 0.25
     # requests
     request_timeout_s: float = 600.0
+    request_body_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
     unreachable_timeout_s: float = 30.0
     max_retries: int = 3
@@ -86,7 +87,8 @@ class RouterConfig:
             raise ConfigError(f"--event-loop must be one of {', '.join(EVENT_LOOPS)}")
         if self.api_key is not None and any(c in self.api_key for c in "\r\n"):
             raise ConfigError("--api-key must be one line")
-        if self.max_retries < 0 or self.request_timeout_s <= 0 or self.health_check_interval_s <= 0:
+        if (self.max_retries < 0 or min(self.request_timeout_s, self.request_body_timeout_s,
+                                        self.health_check_interval_s) <= 0):
             raise ConfigError("--max-retries must be >= 0 and the timeouts/intervals > 0")
         if self.unreachable_timeout_s < 1:
             raise ConfigError("--unreachable-timeout-s must be at least 1 (TCP keep-alive counts whole seconds)")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -24,8 +23,13 @@ class BadRequest(ValueError):
     """The client's request cannot be routed as sent (answered with 400)."""
 
 
+# OpenAI's error types by status, as the servers answer them: any other 4xx is an invalid request, any 5xx a
+# server error; `code` is always the HTTP status, an int.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
 def error_body(status: int, message: str) -> dict:
-    err_type = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    err_type = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
     return {"error": {"message": message, "type": err_type, "code": status}}
 
 

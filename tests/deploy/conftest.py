@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import CONTEXT_LENGTH, MAX_TOTAL_TOKENS, Proc, free_port, start_all, stop_all
-from deploy_util import DECODE_GPU, PREFILL_GPU, SystemdCluster, fill_env_files, unit_command
+from cluster_util import CONTEXT_LENGTH, MAX_TOTAL_TOKENS, free_port, start_all, stop_all
+from deploy_util import DECODE_GPU, PREFILL_GPU, SystemdCluster, fill_env_files, unit_process
 
 from pdserve.tools.make_model import make_model
 
@@ -28,11 +28,14 @@ def systemd_cluster(tmp_path_factory) -> Iterator[SystemdCluster]:
                        "PDSERVE_ROUTER_ARGS": f"--prefill http://127.0.0.1:{prefill_port} --prefill-bootstrap-ports "
                                               f"{bootstrap_port} --decode http://127.0.0.1:{decode_port} "
                                               "--health-check-interval-s 0.5"},
+        "secret.env": {"PDSERVE_DISAGGREGATION_SECRET": "systemd-test-secret"},
     })
     cluster = SystemdCluster(
-        router=Proc("router", unit_command("pdserve-router.service", "", env_dir), f"http://127.0.0.1:{router_port}"),
-        prefill=Proc("prefill", unit_command("pdserve-prefill@.service", PREFILL_GPU, env_dir), f"http://127.0.0.1:{prefill_port}"),
-        decode=Proc("decode", unit_command("pdserve-decode@.service", DECODE_GPU, env_dir), f"http://127.0.0.1:{decode_port}"))
+        router=unit_process("router", "pdserve-router.service", "", env_dir, f"http://127.0.0.1:{router_port}"),
+        prefill=unit_process("prefill", "pdserve-prefill@.service", PREFILL_GPU, env_dir,
+                             f"http://127.0.0.1:{prefill_port}"),
+        decode=unit_process("decode", "pdserve-decode@.service", DECODE_GPU, env_dir,
+                            f"http://127.0.0.1:{decode_port}"))
     procs = start_all([cluster.prefill, cluster.decode, cluster.router])
     try:
         yield cluster

@@ -3,6 +3,7 @@ expansion; the cluster those commands form."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -70,17 +71,27 @@ def installed_script(path: str) -> str:
     return found
 
 
-def unit_command(unit: str, instance: str, env_dir: Path) -> list[str]:
-    """The unit's ExecStart, with the environment its EnvironmentFile lines load (from `env_dir`)."""
-    settings = unit_settings(UNITS / unit)
+def unit_environment(unit: str, instance: str, env_dir: Path) -> dict[str, str]:
+    """The variables the unit's EnvironmentFile lines load (from `env_dir`)."""
     env: dict[str, str] = {}
-    for env_file in settings["EnvironmentFile"]:
+    for env_file in unit_settings(UNITS / unit)["EnvironmentFile"]:
         path = Path(env_file.replace("%i", instance))
         assert path.parent == Path("/etc/pdserve"), env_file
         env.update(read_env_file(env_dir / path.name))
-    (exec_start,) = settings["ExecStart"]
-    argv = expand_command(exec_start, instance, env)
+    return env
+
+
+def unit_command(unit: str, instance: str, env_dir: Path) -> list[str]:
+    """The unit's ExecStart, expanded with its environment."""
+    (exec_start,) = unit_settings(UNITS / unit)["ExecStart"]
+    argv = expand_command(exec_start, instance, unit_environment(unit, instance, env_dir))
     return [installed_script(argv[0]), *argv[1:]]
+
+
+def unit_process(name: str, unit: str, instance: str, env_dir: Path, url: str) -> Proc:
+    """The unit's ExecStart as a process with the unit's environment, as systemd starts it."""
+    env = {**os.environ, **unit_environment(unit, instance, env_dir)}
+    return Proc(name, unit_command(unit, instance, env_dir), url, env=env)
 
 
 def fill_env_files(env_dir: Path, values: dict[str, dict[str, str]]) -> None:

@@ -39,8 +39,12 @@ def test_the_cli_is_compose_v2():
     assert version.stdout.strip().lstrip("v").startswith("2."), version.stdout
 
 
+SECRET = {"PDSERVE_DISAGGREGATION_SECRET": "compose-test-secret"}
+PD_SERVICES = ("prefill", "decode", "router")
+
+
 def test_one_host_file_validates_with_a_gpu_each_and_a_read_only_model():
-    done = compose_config("-f", "docker-compose.yml", env={"PDSERVE_MODEL_DIR": "/srv/models/m"})
+    done = compose_config("-f", "docker-compose.yml", env={"PDSERVE_MODEL_DIR": "/srv/models/m", **SECRET})
     assert done.returncode == 0, done.stderr
     services = json.loads(done.stdout)["services"]
     assert set(services) == {"router", "prefill", "decode", "prometheus", "grafana"}
@@ -54,16 +58,28 @@ def test_one_host_file_validates_with_a_gpu_each_and_a_read_only_model():
 
 
 def test_one_host_file_refuses_to_start_without_a_model():
-    done = compose_config("-f", "docker-compose.yml")
+    done = compose_config("-f", "docker-compose.yml", env=SECRET)
     assert done.returncode != 0 and "PDSERVE_MODEL_DIR" in done.stderr
+
+
+def test_one_host_file_gives_every_pd_process_the_secret_and_refuses_to_start_without_it():
+    done = compose_config("-f", "docker-compose.yml", env={"PDSERVE_MODEL_DIR": "/srv/models/m", **SECRET})
+    services = json.loads(done.stdout)["services"]
+    assert all(services[name]["environment"]["PDSERVE_DISAGGREGATION_SECRET"] == "compose-test-secret"
+               for name in PD_SERVICES)
+    refused = compose_config("-f", "docker-compose.yml", env={"PDSERVE_MODEL_DIR": "/srv/models/m"})
+    assert refused.returncode != 0 and "PDSERVE_DISAGGREGATION_SECRET" in refused.stderr
 
 
 @pytest.mark.parametrize("profile", ["prefill", "decode", "router"])
 def test_two_host_file_validates_for_each_host(profile):
-    done = compose_config("-f", "two-host.yml", "--env-file", "two-host.env", "--profile", profile)
+    refused = compose_config("-f", "two-host.yml", "--env-file", "two-host.env", "--profile", profile)
+    assert refused.returncode != 0 and "PDSERVE_DISAGGREGATION_SECRET" in refused.stderr  # the shipped one is empty
+    done = compose_config("-f", "two-host.yml", "--env-file", "two-host.env", "--profile", profile, env=SECRET)
     assert done.returncode == 0, done.stderr
     services = json.loads(done.stdout)["services"]
     assert list(services) == [profile]
+    assert services[profile]["environment"]["PDSERVE_DISAGGREGATION_SECRET"] == "compose-test-secret"
     if profile == "router":
         command = " ".join(services["router"]["command"])
         assert "--prefill http://10.0.0.11:30000" in command and "--decode http://10.0.0.12:30001" in command

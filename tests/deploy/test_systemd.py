@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 
 import pytest
 from deploy_util import INSTALL_BIN, UNITS, unit_settings
+
+from pdserve.cluster_auth import SECRET_ENV
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 UNIT_FILES = sorted(p.name for p in UNITS.iterdir() if p.suffix in (".service", ".target"))
@@ -20,11 +24,11 @@ def test_units_verify_cleanly(tmp_path):
     any warning (unknown key, bad value, missing executable) fails the test."""
     shutil.copytree("/usr/lib/systemd/system", tmp_path / "usr/lib/systemd/system", symlinks=True)
     shutil.copytree(UNITS, tmp_path / "etc/systemd/system", ignore=shutil.ignore_patterns("env"))
-    bin_dir = tmp_path / INSTALL_BIN.strip("/")
-    bin_dir.mkdir(parents=True)
-    for script in ("pdserve-server", "pdserve-router"):
-        (bin_dir / script).write_text("#!/bin/sh\n")
-        (bin_dir / script).chmod(0o755)
+    for program in (f"{INSTALL_BIN}pdserve-server", f"{INSTALL_BIN}pdserve-router", "/bin/sh"):  # sh: ExecStartPre
+        path = tmp_path / program.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
     names = [name.replace("@.", "@0.") for name in UNIT_FILES]
     done = subprocess.run([SYSTEMD_ANALYZE, "verify", "--man=no", f"--root={tmp_path}", *names],
                           capture_output=True, text=True, timeout=60)
@@ -60,3 +64,15 @@ def test_exec_start_commands_serve_the_readme_request(systemd_cluster):
     assert workers["prefill"]["url"] == systemd_cluster.prefill.url
     assert workers["decode"]["url"] == systemd_cluster.decode.url
     assert [received(server) - b for server, b in zip(servers, before)] == [1, 1]  # both roles took part
+
+
+@pytest.mark.parametrize("unit", ["pdserve-prefill@.service", "pdserve-decode@.service", "pdserve-router.service"])
+def test_units_refuse_to_start_without_the_cluster_secret(unit):
+    settings = unit_settings(UNITS / unit)
+    assert "/etc/pdserve/secret.env" in settings["EnvironmentFile"]
+    (check,) = settings["ExecStartPre"]
+    argv = shlex.split(check)
+    clean = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    refused = subprocess.run(argv, env={**clean, SECRET_ENV: ""}, capture_output=True, text=True, timeout=10)
+    started = subprocess.run(argv, env={**clean, SECRET_ENV: "s"}, capture_output=True, text=True, timeout=10)
+    assert refused.returncode != 0 and "secret.env" in refused.stderr and started.returncode == 0

@@ -20,8 +20,9 @@ from cluster_util import CHILD_ENV, http, live_session_members
 from cluster_util import mooncake_available
 
 from pdserve import SamplingParams
-from pdserve.launch_cluster import (LaunchConfigError, Placement, PortPicker, parse_args, place_servers, plan_cluster,
-                                    server_tp_sizes)
+from pdserve.cluster_auth import SECRET_ENV
+from pdserve.launch_cluster import (Cluster, LaunchConfigError, Placement, PortPicker, parse_args, place_servers,
+                                    plan_cluster, server_tp_sizes)
 from pdserve.server_processes import ClusterError
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
@@ -266,3 +267,14 @@ def test_placements_that_cannot_work_are_refused():
     ns, _ = parse_args(["--prefill", "9", "--decode", "9"])
     with pytest.raises(ClusterError, match="18 servers cannot share one GPU"):
         on_gpus(ns, 1)
+
+
+def test_the_cluster_secret_is_the_given_one_or_generated(monkeypatch, tmp_path):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    generated = [parse_args([])[0].cluster_secret for _ in range(2)]
+    assert len(generated[0]) >= 40 and generated[0] != generated[1]
+    assert parse_args(["--", "--disaggregation-secret", "given"])[0].cluster_secret == "given"
+    assert parse_args(["--", "--api-key", "key"])[0].cluster_secret == "key"
+    monkeypatch.setenv(SECRET_ENV, "from-env")
+    ns = parse_args([])[0]
+    assert Cluster(str(tmp_path), 1.0, ns.cluster_secret).env[SECRET_ENV] == "from-env"  # every child's environment

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from cluster_util import http, send_stalled_body
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve_router.metrics import LATENCY_BUCKETS
@@ -126,12 +127,22 @@ def test_metrics_parse_with_the_prometheus_parser(stubs, start_router):
 
 def test_router_errors_keep_the_error_shape(stubs, start_router):
     p1, d1 = stubs.add("prefill"), stubs.add("decode")
-    router = pd_router(start_router, [p1], [d1])
-    reply = router.post("/generate", b"{not json")
-    assert reply.status == 400 and "malformed JSON" in reply.json()["error"]["message"]
-    assert reply.json()["error"]["code"] == 400
-    assert router.post("/generate", {"text": "x", "rid": 5}).status == 400
-    assert router.post("/v1/chat/completions", {"messages": [], "n": 10**9}).status == 400
+    router = pd_router(start_router, [p1], [d1], "--api-key", "k")
+    key = {"Authorization": "Bearer k"}
+    replies = {
+        "invalid_request_error": [router.post("/generate", b"{not json", headers=key),
+                                  http("GET", router.url + "/generate", headers=key),
+                                  router.post("/generate", {"text": "x", "rid": "r" * 10**6}, headers=key)],
+        "not_found_error": [router.post("/v2/everything", {}, headers=key)],
+        "authentication_error": [router.post("/generate", {"text": "x"})],
+    }
+    assert [r.status for r in replies["invalid_request_error"]] == [400, 405, 400]
+    for error_type, of_type in replies.items():
+        for reply in of_type:
+            assert reply.json()["error"]["type"] == error_type and reply.json()["error"]["code"] == reply.status
+    assert "malformed JSON" in replies["invalid_request_error"][0].json()["error"]["message"]
+    assert router.post("/generate", {"text": "x", "rid": 5}, headers=key).status == 400
+    assert router.post("/v1/chat/completions", {"messages": [], "n": 10**9}, headers=key).status == 400
 
 
 def test_upstream_4xx_is_passed_through_without_retry(stubs, start_router):
@@ -188,3 +199,10 @@ def test_client_fields_and_charsets_reach_the_instances(stubs, start_router):
     assert reply.status == 200 and d1.requests[-1]["body"]["text"] == "café"
     assert router.post("/generate", "{\"text\": \"x\"}".encode("utf-16")).status == 200
     assert d1.requests[-1]["body"]["text"] == "x"
+
+
+def test_a_stalled_body_is_cut_with_408(stubs, start_router):
+    router = start_router("--worker", stubs.add("regular").url, "--request-body-timeout-s", "1")
+    reply, seconds = send_stalled_body(router.url)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert b'"type": "invalid_request_error"' in reply and 0.5 < seconds < 5

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import cluster_util
@@ -41,13 +40,8 @@ def test_a_stalled_body_is_cut_with_408(tiny_model, tmp_path):
                                  log_path=str(tmp_path / "server.log"))
     cluster_util.start_all([server])
     try:
-        host, port = server.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"text\"")
-            started = time.monotonic()
-            reply = sock.recv(65536)
-            assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
-            assert 0.5 < time.monotonic() - started < 5
+        reply, seconds = cluster_util.send_stalled_body(server.url)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert 0.5 < seconds < 5
     finally:
         server.stop()

@@ -327,9 +327,18 @@ def test_bad_requests_get_openai_style_errors(server, name, path, body, status):
     reply = server.post(path, body)
     assert reply.status == status, reply.body
     error = reply.json()["error"]
-    assert error["message"] and error["type"]
-    assert error["code"] == status or error["code"] in ("context_length_exceeded", "model_not_found")
+    assert error["message"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert error["code"] == status
     assert server.get("/health").status == 200
+
+
+def test_wrong_method_and_missing_key_keep_the_error_shape(server):
+    wrong_method = server.request("GET", "/generate")
+    no_key = server.request("GET", "/v1/models", auth=False)
+    assert wrong_method.json()["error"] == {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                            "code": 405}
+    assert no_key.json()["error"]["type"] == "authentication_error" and no_key.json()["error"]["code"] == 401
 
 
 def test_api_key_protects_every_route_but_health(server):
