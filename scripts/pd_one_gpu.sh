@@ -6,8 +6,8 @@
 #   decode    256-512 tokens in, 256-512 out (decode-bound), 8 and 16 req/s
 # Phases (run in the order given):
 #   transfer       raw mooncake writes on one GPU (src and dst on GPU 0): contiguous vs scattered pages
-#   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), then 30 s more at 2 req/s
-#                  (steady), the mix at RATE, the decode load (COLOCATED_DECODE=0 skips it)
+#   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), the same 15 s of requests
+#                  again (steady), the mix at RATE, the decode load (COLOCATED_DECODE=0 skips it)
 #   prefill_alone  a prefill server with the fake transfer backend, served directly: the mix
 #   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
@@ -85,7 +85,7 @@ phase_colocated() {
   wait_ready http://127.0.0.1:7100 || return
   bench colocated_cold http://127.0.0.1:7100 2 15 "${MIX[@]}" --warmup-requests 0
   scrape colocated_after_cold http://127.0.0.1:7100
-  bench colocated_steady http://127.0.0.1:7100 2 30 "${MIX[@]}"
+  bench colocated_steady http://127.0.0.1:7100 2 15 "${MIX[@]}"  # the same 30 request shapes as the cold run
   spy colocated $pid "$SECONDS_PER_RUN"
   bench colocated_mix http://127.0.0.1:7100 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
   if [ "${COLOCATED_DECODE:-1}" = 1 ]; then
