@@ -75,6 +75,16 @@ serve() {  # LOGNAME ARGS... (prints the pid)
   echo $!
 }
 
+alone() {  # ROLE PORT: a server of that PD role on the fake transfer backend, served directly (prints the pid)
+  serve "$1_alone" --port "$2" --disaggregation-mode "$1" --disaggregation-transfer-backend fake \
+    --max-total-tokens 120000
+}
+
+decode_loads() {  # NAME_PREFIX URL: the decode-bound load at 8 and 16 req/s
+  bench "$1_decode8" "$2" 8 30 "${DECODE_LOAD[@]}"
+  bench "$1_decode16" "$2" 16 30 "${DECODE_LOAD[@]}"
+}
+
 phase_transfer() {
   step 120 kv_transfer_1gpu python3 -m pdserve.bench.kv_transfer --backends mooncake --sizes-mib 256 \
     --tokens 4096 --page-sizes 16 --patterns contiguous,scattered --iters 5 --src-gpu 0 --dst-gpu 0 --timeout 90
@@ -88,17 +98,13 @@ phase_colocated() {
   bench colocated_steady http://127.0.0.1:7100 2 15 "${MIX[@]}"  # the same 30 request shapes as the cold run
   spy colocated $pid "$SECONDS_PER_RUN"
   bench colocated_mix http://127.0.0.1:7100 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
-  if [ "${COLOCATED_DECODE:-1}" = 1 ]; then
-    bench colocated_decode8 http://127.0.0.1:7100 8 30 "${DECODE_LOAD[@]}"
-    bench colocated_decode16 http://127.0.0.1:7100 16 30 "${DECODE_LOAD[@]}"
-  fi
+  [ "${COLOCATED_DECODE:-1}" = 1 ] && decode_loads colocated http://127.0.0.1:7100
   scrape colocated http://127.0.0.1:7100
   stop $pid
 }
 
 phase_prefill_alone() {
-  local pid; pid=$(serve prefill_alone --port 7000 --disaggregation-mode prefill \
-    --disaggregation-transfer-backend fake --max-total-tokens 120000)
+  local pid; pid=$(alone prefill 7000)
   wait_ready http://127.0.0.1:7000 || return
   spy prefill_alone $pid "$SECONDS_PER_RUN"
   bench prefill_alone_mix http://127.0.0.1:7000 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
@@ -107,11 +113,9 @@ phase_prefill_alone() {
 }
 
 phase_decode_alone() {
-  local pid; pid=$(serve decode_alone --port 7001 --disaggregation-mode decode \
-    --disaggregation-transfer-backend fake --max-total-tokens 120000)
+  local pid; pid=$(alone decode 7001)
   wait_ready http://127.0.0.1:7001 || return
-  bench decode_alone_decode8 http://127.0.0.1:7001 8 30 "${DECODE_LOAD[@]}"
-  bench decode_alone_decode16 http://127.0.0.1:7001 16 30 "${DECODE_LOAD[@]}"
+  decode_loads decode_alone http://127.0.0.1:7001
   scrape decode_alone http://127.0.0.1:7001
   stop $pid
 }

@@ -4,6 +4,7 @@ option's default."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -20,9 +21,23 @@ def bench_parser(description: str | None, **kwargs) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
 
 
-def engine_bench_parser(description: str | None) -> argparse.ArgumentParser:
-    """A parser for a benchmark of the in-process engine: `--model-path`; the engine's own flags (`--tp-size`,
-    ...) are left to `parse_known_args` and go to `LLM`."""
+def engine_bench_parser(description: str | None, out_help: str, out_default: Path | None = None
+                        ) -> argparse.ArgumentParser:
+    """A parser for a benchmark of the in-process engine: `--model-path` and `--out` (where the results go); the
+    engine's own flags (`--tp-size`, ...) are left to `parse_known_args` and go to `LLM`."""
     parser = bench_parser(description)
     parser.add_argument("--model-path", required=True, help="HF-format model folder")
+    parser.add_argument("--out", type=Path, default=out_default, help=out_help)
     return parser
+
+
+def parse_engine_bench_args(parser: argparse.ArgumentParser, argv: list[str] | None
+                            ) -> tuple[argparse.Namespace, dict]:
+    """The benchmark's own arguments, and the engine flags among `argv` as `LLM` keywords that differ from the
+    defaults (`--max-total-tokens 8192 --disable-cuda-graph` -> {"max_total_tokens": 8192, "disable_cuda_graph": True})."""
+    from pdserve.config import ServerArgs, build_arg_parser
+
+    args, flags = parser.parse_known_args(argv)
+    ns = build_arg_parser().parse_args(["--model-path", "_", *flags])
+    defaults = ServerArgs(model_path="_")
+    return args, {k: v for k, v in vars(ns).items() if k != "model_path" and getattr(defaults, k) != v}

@@ -23,8 +23,7 @@ from pathlib import Path
 from random import Random
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.cli import engine_bench_parser
-from pdserve.bench.offline import parse_engine_flags
+from pdserve.bench.cli import engine_bench_parser, parse_engine_bench_args
 from pdserve.scheduler.request import Req
 
 WARMUP_STEPS = 8
@@ -104,21 +103,20 @@ def summarize(steps: list[tuple[float, float, float]]) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = engine_bench_parser(__doc__)
+    parser = engine_bench_parser(__doc__, "write the result as JSON here")
     parser.add_argument("--batch-size", type=int, default=64, help="requests decoded together")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=64, help="decode steps measured per batch")
     parser.add_argument("--temperature", type=float, default=0.6, help="0 for a greedy batch")
     parser.add_argument("--repeats", type=int, default=3, help="batches measured one after another")
     parser.add_argument("--profile", type=Path, help="write cProfile stats of the measured steps here")
-    parser.add_argument("--out", type=Path, help="write the result as JSON here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args, engine_flags = parser.parse_known_args(argv)
-    llm = LLM(args.model_path, **parse_engine_flags(engine_flags))
+    args, engine_args = parse_engine_bench_args(parser, argv)
+    llm = LLM(args.model_path, **engine_args)
     profiler = cProfile.Profile() if args.profile else None
     runs = [measure(llm, args, seed, profiler) for seed in range(args.repeats)]
     result = {key: statistics.median(r[key] for r in runs) for key in runs[0]}

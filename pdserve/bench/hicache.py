@@ -11,15 +11,13 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from random import Random
 
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.cli import engine_bench_parser
+from pdserve.bench.cli import engine_bench_parser, parse_engine_bench_args
 from pdserve.bench.hicache_copy import copy_ceilings
-from pdserve.bench.offline import parse_engine_flags
 
 
 def _sync() -> None:
@@ -63,18 +61,17 @@ def _load_counters(radix) -> tuple[float, float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = engine_bench_parser(__doc__)
+    parser = engine_bench_parser(__doc__, "write the result as JSON here")
     parser.add_argument("--input-len", type=int, default=16384, help="tokens of the prompt whose KV is reloaded")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per tier")
     parser.add_argument("--warmup", type=int, default=1, help="runs per tier before the timed ones (kernels compile)")
-    parser.add_argument("--out", type=Path, help="write the result as JSON here")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args, engine_flags = parser.parse_known_args(argv)
-    flags = {"enable_hierarchical_cache": True, **parse_engine_flags(engine_flags)}
+    args, engine_args = parse_engine_bench_args(parser, argv)
+    flags = {"enable_hierarchical_cache": True, **engine_args}
     llm = LLM(args.model_path, **flags)
     rng = Random(0)
     vocab = llm.scheduler.model_config.vocab_size

@@ -10,13 +10,12 @@ import argparse
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from random import Random
 
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.cli import engine_bench_parser
+from pdserve.bench.cli import engine_bench_parser, parse_engine_bench_args
 from pdserve.bench.roofline import Ceilings, ModelCost, WorkCounters
 
 
@@ -39,18 +38,16 @@ def roofline(llm: LLM, work: WorkCounters, wall_s: float, ceilings: Ceilings) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = engine_bench_parser(__doc__)
+    parser = engine_bench_parser(__doc__, "write the result as JSON here (default: printed only)")
     parser.add_argument("--num-seqs", type=int, default=256, help="sequences generated in one batch")
     parser.add_argument("--min-len", type=int, default=100, help="shortest prompt and output, tokens")
     parser.add_argument("--max-len", type=int, default=1024, help="longest prompt and output, tokens")
-    parser.add_argument("--out", type=Path, help="write the result as JSON here (default: printed only)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
-    args, engine_flags = parser.parse_known_args(argv)
-    engine_args = parse_engine_flags(engine_flags)
+    args, engine_args = parse_engine_bench_args(parser, argv)
     llm = LLM(args.model_path, **engine_args)
     prompts, params = workload(args.num_seqs, args.min_len, args.max_len, llm.scheduler.model_config.vocab_size)
     llm.generate(["Benchmark warm-up: "], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -83,15 +80,6 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "offline.json").write_text(json.dumps(result, indent=2))
     return result
-
-
-def parse_engine_flags(flags: list[str]) -> dict:
-    """`--max-total-tokens 8192 --disable-cuda-graph` -> {"max_total_tokens": 8192, "disable_cuda_graph": True}."""
-    from pdserve.config import ServerArgs, build_arg_parser
-
-    ns = build_arg_parser().parse_args(["--model-path", "_", *flags])
-    defaults = ServerArgs(model_path="_")
-    return {k: v for k, v in vars(ns).items() if k != "model_path" and getattr(defaults, k) != v}
 
 
 if __name__ == "__main__":

@@ -11,14 +11,12 @@ import itertools
 import json
 import time
 from dataclasses import asdict
-from pathlib import Path
 from random import Random
 
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.cli import engine_bench_parser
-from pdserve.bench.offline import parse_engine_flags
+from pdserve.bench.cli import engine_bench_parser, parse_engine_bench_args
 from pdserve.bench.roofline import Ceilings, ModelCost
 from pdserve.scheduler.request import Req
 
@@ -86,18 +84,17 @@ def decode_gpu_busy(sched, steps: int) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = engine_bench_parser(__doc__)
+    parser = engine_bench_parser(__doc__, "write the rows as JSON here (default: printed only)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64], help="batch sizes measured")
     parser.add_argument("--input-lens", type=int, nargs="+", default=[1024], help="prompt lengths measured")
     parser.add_argument("--output-lens", type=int, nargs="+", default=[64], help="output lengths measured")
-    parser.add_argument("--out", type=Path, help="write the rows as JSON here (default: printed only)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
-    args, engine_flags = parser.parse_known_args(argv)
-    llm = LLM(args.model_path, **parse_engine_flags(engine_flags))
+    args, engine_args = parse_engine_bench_args(parser, argv)
+    llm = LLM(args.model_path, **engine_args)
     run_case(llm, 1, 64, 4, None)  # warm-up
     ceilings = Ceilings.measure() if torch.cuda.is_available() else None
     rows = []

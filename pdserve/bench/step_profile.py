@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.cli import engine_bench_parser
-from pdserve.bench.offline import parse_engine_flags
+from pdserve.bench.cli import engine_bench_parser, parse_engine_bench_args
 from pdserve.bench.one_batch import add_static_batch
 
 # first matching pattern names a kernel's category (names as the CUDA runtime reports them)
@@ -162,23 +161,22 @@ def print_profile(p: StepProfile, top: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = engine_bench_parser(__doc__)
+    parser = engine_bench_parser(__doc__, "folder for the traces and tables", Path("step_profile"))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64], help="decode batch sizes profiled")
     parser.add_argument("--context-len", type=int, default=1024, help="tokens in each request's context")
     parser.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
     parser.add_argument("--prefill-len", type=int, nargs="*", default=[], help="prefill lengths profiled too")
     parser.add_argument("--top", type=int, default=18, help="kernels listed per profile")
-    parser.add_argument("--out", type=Path, default=Path("step_profile"), help="folder for the traces and tables")
     return parser
 
 
 def main(argv: list[str] | None = None) -> list[StepProfile]:
     parser = build_parser()
-    args, engine_flags = parser.parse_known_args(argv)
+    args, engine_args = parse_engine_bench_args(parser, argv)
     if not torch.cuda.is_available():
         raise SystemExit("step_profile needs a CUDA device")
     args.out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(args.model_path, **parse_engine_flags(engine_flags))
+    llm = LLM(args.model_path, **engine_args)
     llm.generate(["Profile warm-up: "], SamplingParams(max_tokens=8), use_tqdm=False)
     profiles = [profile_decode(llm, bs, args.context_len, args.steps, args.out) for bs in args.batch_sizes]
     profiles += [profile_prefill(llm, n, args.out) for n in args.prefill_len]

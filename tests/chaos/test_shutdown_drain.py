@@ -71,17 +71,23 @@ def check_clean_exit(proc: Proc) -> None:
     assert "Traceback" not in log and "InvalidStateError" not in log, log
 
 
+def check_drain_and_cut(patient: Proc, hasty: Proc) -> None:
+    """A long stream on each, then SIGINT to both: the patient one finishes its stream, the hasty one (a short
+    drain) ends its endless stream in-band; both refuse new requests while draining and exit cleanly."""
+    drained, cut = stream(patient, LONG_OUTPUT), stream(hasty, ENDLESS_OUTPUT)
+    for proc in (patient, hasty):
+        interrupt_and_check_refusal(proc)
+    check_completed(drained)
+    check_ended_in_band(cut)
+    for proc in (patient, hasty):
+        check_clean_exit(proc)
+
+
 def test_server_drains_then_ends_the_rest_in_band(tiny_model):
     patient, hasty = slow_server(tiny_model, "server-patient"), slow_server(tiny_model, "server-hasty", *SHORT_DRAIN)
     start_all([patient, hasty])
     try:
-        drained, cut = stream(patient, LONG_OUTPUT), stream(hasty, ENDLESS_OUTPUT)
-        for proc in (patient, hasty):
-            interrupt_and_check_refusal(proc)
-        check_completed(drained)
-        check_ended_in_band(cut)
-        for proc in (patient, hasty):
-            check_clean_exit(proc)
+        check_drain_and_cut(patient, hasty)
     finally:
         stop_all([patient, hasty])
 
@@ -92,13 +98,7 @@ def test_router_drains_then_ends_the_rest_in_band(tiny_model):
     patient, hasty = regular_router(worker, "router-patient"), regular_router(worker, "router-hasty", *SHORT_DRAIN)
     try:
         start_all([patient, hasty])
-        drained, cut = stream(patient, LONG_OUTPUT), stream(hasty, ENDLESS_OUTPUT)
-        for proc in (patient, hasty):
-            interrupt_and_check_refusal(proc)
-        check_completed(drained)
-        check_ended_in_band(cut)
-        for proc in (patient, hasty):
-            check_clean_exit(proc)
+        check_drain_and_cut(patient, hasty)
     finally:
         stop_all([patient, hasty, worker])
 

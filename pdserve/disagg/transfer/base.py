@@ -106,6 +106,14 @@ class TransferEngine(ABC):
     def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
         """Copy each local [src, src+len) into the peer's [dst, dst+len); raises TransferError."""
 
+    def has_spans_to_write(self, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> bool:
+        """Whether a write batch moves anything, once its lists match and every source span lies in memory
+        registered here (a bad pointer fails here, never as a read of someone else's memory)."""
+        check_batch(src_ptrs, dst_ptrs, lengths)
+        for ptr, n in zip(src_ptrs, lengths):
+            self.regions.find(ptr, n)
+        return bool(lengths)
+
     @abstractmethod
     def transport(self) -> str:
         """The wire actually used: "rdma", "nvlink_intra", "nvlink", "tcp", "nccl" or "fake"."""

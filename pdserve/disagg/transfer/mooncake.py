@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Mapping
 
 from pdserve.disagg.addressing import is_wildcard
-from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
+from pdserve.disagg.transfer.base import TransferEngine, TransferError
 from pdserve.disagg.transfer.listen_filter import listening_fds, restrict_new_listeners
 
 logger = logging.getLogger(__name__)
@@ -136,11 +136,8 @@ class MooncakeTransferEngine(TransferEngine):
             raise TransferError(f"mooncake register_memory({ptr:#x}, {length}) on {device} failed ({self._transport})")
 
     def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
-        check_batch(src_ptrs, dst_ptrs, lengths)
-        if not lengths:
+        if not self.has_spans_to_write(src_ptrs, dst_ptrs, lengths):
             return
-        for ptr, n in zip(src_ptrs, lengths):
-            self.regions.find(ptr, n)
         for start in range(0, len(lengths), MAX_SPANS_PER_BATCH):
             end = start + MAX_SPANS_PER_BATCH
             rc = self._engine.batch_transfer_sync_write(peer_session, src_ptrs[start:end], dst_ptrs[start:end],

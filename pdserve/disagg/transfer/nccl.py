@@ -26,7 +26,7 @@ from typing import Mapping
 
 import torch
 
-from pdserve.disagg.transfer.base import TransferEngine, TransferError, check_batch
+from pdserve.disagg.transfer.base import TransferEngine, TransferError
 from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.control_transport import ControlServer, PeerClients, parse_spans
 
@@ -205,11 +205,8 @@ class NcclTransferEngine(TransferEngine):
             raise
 
     def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
-        check_batch(src_ptrs, dst_ptrs, lengths)
-        if not lengths:
+        if not self.has_spans_to_write(src_ptrs, dst_ptrs, lengths):
             return
-        for ptr, n in zip(src_ptrs, lengths):
-            self.regions.find(ptr, n)
         self.connect(peer_session)
         comm = self._send_comms[peer_session]
         client = self._peers.get(peer_session)

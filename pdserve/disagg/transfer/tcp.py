@@ -22,7 +22,6 @@ from pdserve.disagg.transfer.base import (
     MemoryRegion,
     TransferEngine,
     TransferError,
-    check_batch,
     host_view,
     region_tensor,
 )
@@ -58,8 +57,7 @@ class TcpTransferEngine(TransferEngine):
         self._peers.get(peer_session)
 
     def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
-        check_batch(src_ptrs, dst_ptrs, lengths)
-        if not lengths:
+        if not self.has_spans_to_write(src_ptrs, dst_ptrs, lengths):
             return
         blocks = strided_blocks(src_ptrs, dst_ptrs, lengths, FOLD_BELOW_BYTES)
         payload = self._read_local(blocks)
