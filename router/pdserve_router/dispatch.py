@@ -29,7 +29,7 @@ from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
                       bootstrap_fields, check_short_fields, encode_body, error_body, error_response, merge_json_response,
-                      prefill_items_by_index, routing_key)
+                      prefill_items_by_index, prompt_only, routing_key)
 from .policies import make_policy
 from .sse import WholeEvents
 from .timeline import DISPATCHED, FIRST_BYTE, StageClock, TimelineRecorder
@@ -134,6 +134,7 @@ class RequestContext:
     stream: bool
     batch: int | None
     return_logprob: bool
+    prompt_only: bool  # no new token: the decode server runs it alone, as colocated
     response: web.StreamResponse | None = None
     events: WholeEvents | None = None  # a stream's events as relayed to the client
     excluded: set[str] = field(default_factory=set)
@@ -197,7 +198,8 @@ class Dispatcher:
             body, raw = {k: v for k, v in body.items() if k not in BOOTSTRAP_KEYS}, None
         ctx = RequestContext(request, path, body, raw, request_id, started, StageClock(request_id, started),
                              bool(body.get("stream")),
-                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
+                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")),
+                             prompt_only(path, body))
         self.in_flight[id(ctx)] = ctx
         self.idle.clear()
         try:
@@ -274,7 +276,7 @@ class Dispatcher:
         side = None
         if self.config.mode == "pd":
             prefills = self.registry.available("prefill", excluded)
-            local = self.prefill_locally(ctx, key, prefills)
+            local = ctx.prompt_only or self.prefill_locally(ctx, key, prefills)
             side = None if local else self.policies["prefill"].select(prefills, key)
             self.metrics.prefills.labels(path="local" if local else "remote").inc()
         rid = attempt_rid(ctx.request_id, number)

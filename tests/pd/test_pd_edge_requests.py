@@ -1,0 +1,74 @@
+"""Requests at the edges, through real routers (colocated and PD) and servers: a request for no new token gets the
+colocated answer through PD, a huge request id a fast 400, and a client that closes right after `[DONE]` is no
+"went away" in any log."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+from cluster_util import PDCluster, Proc, http, regular_router, router, start_all, stop_all, wait_kv_free
+
+pytestmark = pytest.mark.timeout(900)  # the first test also pays for starting the servers
+
+PROMPT = "The capital of France is"
+PROMPT_ONLY = {"text": PROMPT, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
+               "sampling_params": {"temperature": 0, "max_new_tokens": 0}}
+HUGE_RIDS = {"1 MB": "r" * (1 << 20), "long": "r" * 600}
+WENT_AWAY = "went away"
+
+
+@pytest.fixture(scope="module")
+def routers(session_servers, tcp_cluster: PDCluster) -> Iterator[dict[str, Proc]]:
+    """Routers logging at info: one in front of the colocated server, one in front of the tcp PD pair."""
+    colocated_router = regular_router([session_servers["colocated"]], "--log-level", "info")
+    pd_router = router([(tcp_cluster.prefill, tcp_cluster.bootstrap_port)], [tcp_cluster.decode],
+                       "--log-level", "info", name="router-pd-info")
+    start_all([colocated_router, pd_router])
+    yield {"colocated": colocated_router, "pd": pd_router}
+    stop_all([colocated_router, pd_router])
+
+
+@pytest.fixture(autouse=True)
+def pools_free_after(session_servers, tcp_cluster: PDCluster):
+    yield
+    wait_kv_free([session_servers["colocated"], *tcp_cluster.servers])
+
+
+def prompt_only_answer(proc: Proc, **fields) -> dict:
+    reply = proc.post("/generate", {**PROMPT_ONLY, **fields})
+    assert reply.status == 200, reply.body
+    return reply.json()
+
+
+def test_no_new_token_through_pd_answers_as_colocated(tcp_cluster: PDCluster, colocated: Proc):
+    expected, answer = prompt_only_answer(colocated), prompt_only_answer(tcp_cluster.router)
+    assert answer["output_ids"] == expected["output_ids"] == [] and answer["text"] == ""
+    meta, expected_meta = answer["meta_info"], expected["meta_info"]
+    assert meta["finish_reason"] == expected_meta["finish_reason"] == {"type": "length"}
+    assert meta["prompt_tokens"] == expected_meta["prompt_tokens"] > 1 and meta["completion_tokens"] == 0
+    assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
+    assert meta["input_token_logprobs"] == expected_meta["input_token_logprobs"]
+    assert meta["input_top_logprobs"] == expected_meta["input_top_logprobs"]
+
+
+def test_no_new_token_batch_through_pd_answers_as_colocated(tcp_cluster: PDCluster, colocated: Proc):
+    batch = {"text": [PROMPT, "Once upon a time"]}
+    answers, expected = prompt_only_answer(tcp_cluster.router, **batch), prompt_only_answer(colocated, **batch)
+    assert [a["meta_info"]["input_token_logprobs"] for a in answers] == \
+        [e["meta_info"]["input_token_logprobs"] for e in expected]
+    assert [a["output_ids"] for a in answers] == [[], []]
+
+
+@pytest.mark.parametrize("size", HUGE_RIDS)
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_a_huge_rid_gets_a_fast_400_from_a_real_router(routers, mode, size):
+    body = {"text": PROMPT, "rid": HUGE_RIDS[size], "sampling_params": {"max_new_tokens": 4}}
+    started = time.monotonic()
+    reply = http("POST", routers[mode].url + "/generate", body, timeout=5)
+    assert time.monotonic() - started < 5
+    assert reply.status == 400, reply.body[:300]
+    assert "'rid' is longer than" in reply.json()["error"]["message"]
