@@ -4,6 +4,7 @@ colocated answer through PD, a huge request id a fast 400, and a client that clo
 
 from __future__ import annotations
 
+import json
 import socket
 import struct
 import time
@@ -72,3 +73,43 @@ def test_a_huge_rid_gets_a_fast_400_from_a_real_router(routers, mode, size):
     assert time.monotonic() - started < 5
     assert reply.status == 400, reply.body[:300]
     assert "'rid' is longer than" in reply.json()["error"]["message"]
+
+
+def stream_and_reset(url: str, rid: str, until: bytes, max_new_tokens: int) -> None:
+    """A raw client streams a /generate from `url`, reads up to `until` and resets the connection at once."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"text": PROMPT, "rid": rid, "stream": True,
+                       "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: %s\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (rid.encode(), len(body), body))
+        received = b""
+        while until not in received:
+            chunk = sock.recv(65536)
+            assert chunk, received[-300:]
+            received += chunk
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+
+
+def went_away_lines(proc: Proc) -> list[str]:
+    return [line for line in proc.log().splitlines() if WENT_AWAY in line]
+
+
+def test_a_client_that_closes_right_after_done_is_not_logged_as_gone(routers, colocated: Proc, tcp_cluster):
+    servers = [colocated, tcp_cluster.decode]
+    before = {proc.name: went_away_lines(proc) for proc in servers}
+    targets = {"server": colocated, **routers}
+    for mode, target in targets.items():
+        stream_and_reset(target.url, f"done-{mode}", b"data: [DONE]", 4)
+    time.sleep(0.5)  # the end of each stream and any log line it would bring
+    assert {proc.name: went_away_lines(proc) for proc in servers} == before
+    assert [line for r in routers.values() for line in went_away_lines(r) if "done-" in line] == []
+
+
+@pytest.mark.parametrize("mode", ["colocated", "pd"])
+def test_a_client_that_leaves_mid_stream_is_logged_as_gone(routers, mode):
+    stream_and_reset(routers[mode].url, f"gone-{mode}", b"data: {", 200)
+    deadline = time.monotonic() + 10
+    while not [line for line in went_away_lines(routers[mode]) if f"gone-{mode}" in line]:
+        assert time.monotonic() < deadline, routers[mode].log()[-2000:]
+        time.sleep(0.1)
