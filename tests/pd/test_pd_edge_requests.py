@@ -64,6 +64,17 @@ def test_no_new_token_batch_through_pd_answers_as_colocated(tcp_cluster: PDClust
     assert [a["output_ids"] for a in answers] == [[], []]
 
 
+def test_no_new_token_streamed_through_pd_ends_as_colocated(tcp_cluster: PDCluster, colocated: Proc):
+    def last_event(proc: Proc) -> dict:
+        reply = proc.post("/generate", {**PROMPT_ONLY, "stream": True})
+        assert reply.status == 200, reply.body
+        return reply.events()[-1]
+
+    answer, expected = last_event(tcp_cluster.router), last_event(colocated)
+    assert answer["output_ids"] == [] and answer["meta_info"]["finish_reason"] == {"type": "length"}
+    assert answer["meta_info"]["input_token_logprobs"] == expected["meta_info"]["input_token_logprobs"]
+
+
 @pytest.mark.parametrize("size", HUGE_RIDS)
 @pytest.mark.parametrize("mode", ["colocated", "pd"])
 def test_a_huge_rid_gets_a_fast_400_from_a_real_router(routers, mode, size):
