@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from pdserve.config import ServerArgs
@@ -25,3 +26,44 @@ def chat_template_text(template: str) -> str:
         with open(template, encoding="utf-8") as file:
             return file.read()
     return template
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet inverted (`bytes_to_unicode`): the character each byte is written as in a
+    token string → that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(shifted)}
+    return {char: byte for byte, char in chars.items()}
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenBytes:
+    """A token's raw bytes, as OpenAI's logprob `bytes`: a byte-level BPE token's string mapped back through the
+    byte alphabet, a SentencePiece byte token's byte, else the UTF-8 of its text. Its text alone may be U+FFFD
+    where the token is part of a multi-byte character; its bytes never are."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.byte_level = _is_byte_level(tokenizer)
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str):
+            return text.encode()
+        if self.byte_level and all(char in BYTE_LEVEL_ALPHABET for char in piece):
+            return bytes(BYTE_LEVEL_ALPHABET[char] for char in piece)
+        byte_token = _BYTE_FALLBACK.fullmatch(piece)
+        return bytes([int(byte_token[1], 16)]) if byte_token else text.encode()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """A fast tokenizer whose decoder is (or holds) ByteLevel, or a slow one with a byte decoder (GPT-2's)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is not None:
+        return b'"ByteLevel"' in decoder.__getstate__()
+    return hasattr(tokenizer, "byte_decoder")

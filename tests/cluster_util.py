@@ -121,6 +121,14 @@ def router(prefills: list[tuple[Proc, int]], decodes: list[Proc], *extra: str, n
     return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
 
 
+def regular_router(workers: list[Proc], *extra: str, name: str = "router-regular") -> Proc:
+    """A router in front of colocated servers."""
+    port = free_port()
+    worker_flags = [flag for w in workers for flag in ("--worker", w.url)]
+    argv = server_processes.router_argv(port, "--log-level", "warning", *worker_flags, *extra)
+    return Proc(name, argv, f"http://127.0.0.1:{port}", env=CHILD_ENV)
+
+
 def scheduler_stats(proc: Proc) -> dict:
     reply = proc.get("/get_server_info")
     assert reply.status == 200, reply.body

@@ -89,9 +89,14 @@ def is_local_prefill(req: Req) -> bool:
 
 
 def validate_pd_request(req: Req, handoffs: dict[int, Handoff], allow_local: bool = False) -> None:
+    """A decode server (`allow_local`) prefills a request without bootstrap fields itself, as colocated; every
+    other request is half of a KV handoff, which needs a first token to hand over."""
+    if allow_local and is_local_prefill(req):
+        return
     if req.sampling_params.max_tokens < 1:
-        raise ValueError("max_new_tokens must be at least 1 on a PD cluster")
-    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or (allow_local and is_local_prefill(req)):
+        raise ValueError("max_new_tokens 0 has no KV handoff: send it to a decode server without bootstrap fields "
+                         "(the router does)")
+    if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
         return
     if req.bootstrap_room is None or req.bootstrap_host is None or req.bootstrap_port is None:
         raise ValueError("this is a PD server: requests need bootstrap_host, bootstrap_port and bootstrap_room "

@@ -222,7 +222,8 @@ async def send_sse(response: web.StreamResponse, payload: dict | str) -> None:
 async def stream_sse(
     request: web.Request, events: AsyncIterator[dict], first: dict | None = None
 ) -> web.StreamResponse:
-    """Send `first` then every event of `events` as SSE, then `[DONE]`; a vanished client just ends it."""
+    """Send `first` then every event of `events` as SSE, then `[DONE]`; a vanished client just ends it. aiohttp
+    ends the stream after the handler, quietly when a client that had its `[DONE]` has already closed."""
     response = await open_sse(request)
     try:
         if first is not None:
@@ -230,7 +231,6 @@ async def stream_sse(
         async for event in events:
             await send_sse(response, event)
         await send_sse(response, "[DONE]")
-        await response.write_eof()
     except ConnectionResetError:
         logger.info("client went away mid-stream; its request was aborted")
     except RequestRejected as exc:  # refused or failed after the stream started: report in-band

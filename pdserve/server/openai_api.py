@@ -28,6 +28,7 @@ from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
+from pdserve.tokenizer import TokenBytes
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -56,7 +57,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     key = chat_routing_key(body.messages)
     requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
-    return await _respond(request, body, requests, ChatFormat(args.model_name, requests))
+    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tm.token_bytes))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -211,10 +212,15 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, model: str, requests: list[GenerateRequest], token_bytes: TokenBytes):
+        super().__init__(model, requests)
+        self.token_bytes = token_bytes
+
     def choice(self, index: int, generation: Generation) -> dict:
         logprobs = None
         if self.logprobs:
-            logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs)}
+            logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs,
+                                                     self.token_bytes)}
         return {"index": index, "message": {"role": "assistant", "content": generation.text},
                 "logprobs": logprobs, "finish_reason": _finish_reason(generation.finish_reason)}
 
@@ -227,7 +233,7 @@ class ChatFormat(ResponseFormat):
         if out.text or delta.finished or out.output_logprobs:
             logprobs = None
             if out.output_logprobs:
-                logprobs = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs)}
+                logprobs = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs, self.token_bytes)}
             delta = {"content": out.text} if out.text else {}
             choices.append({"index": index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out.finish_reason)})
@@ -248,12 +254,14 @@ def completion_logprobs(entries: list[list], top: list[list[list]], text_offset:
     }
 
 
-def chat_logprobs(entries: list[list], top: list[list[list]]) -> list[dict]:
+def chat_logprobs(entries: list[list], top: list[list[list]], token_bytes: TokenBytes) -> list[dict]:
+    """OpenAI's chat logprobs from [logprob, token id, text] entries; `bytes` are the token's own bytes."""
     content = []
-    for position, (logprob, _, token) in enumerate(entries):
+    for position, (logprob, token_id, token) in enumerate(entries):
         alternatives = top[position] if position < len(top) else []
         content.append({
-            "token": token, "logprob": logprob, "bytes": list(token.encode()),
-            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for lp, _, t in alternatives],
+            "token": token, "logprob": logprob, "bytes": list(token_bytes(token_id, token)),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(token_bytes(tid, t))}
+                             for lp, tid, t in alternatives],
         })
     return content

@@ -39,6 +39,7 @@ from pdserve.messages import (
 )
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.prefix_digest import PrefixDigest
+from pdserve.tokenizer import TokenBytes
 from pdserve.timeline import DETOKENIZED, SENT, TOKENIZED, Arrival, RequestTimeline, TimelineSink, server_role
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class TokenizerManager:
         self.args = args
         self.metrics = metrics
         self.tokenizer = tokenizer
+        self.token_bytes = TokenBytes(tokenizer)
         # Tokenization runs on its own thread (the Rust tokenizer releases the GIL), so a big prompt or batch
         # never stalls the event loop; one thread, so the tokenizer is never used by two at once.
         self._tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")

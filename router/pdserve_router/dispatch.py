@@ -29,7 +29,7 @@ from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
                       bootstrap_fields, check_short_fields, encode_body, error_body, error_response, merge_json_response,
-                      prefill_items_by_index, routing_key)
+                      prefill_items_by_index, prompt_only, routing_key)
 from .policies import make_policy
 from .sse import WholeEvents
 from .timeline import DISPATCHED, FIRST_BYTE, StageClock, TimelineRecorder
@@ -134,10 +134,17 @@ class RequestContext:
     stream: bool
     batch: int | None
     return_logprob: bool
+    prompt_only: bool  # no new token: the decode server runs it alone, as colocated
     response: web.StreamResponse | None = None
+    events: WholeEvents | None = None  # a stream's events as relayed to the client
     excluded: set[str] = field(default_factory=set)
     deadline: asyncio.Timeout | None = None  # the request timeout, brought forward to end it at shutdown
     shutting_down: bool = False
+
+    @property
+    def answered(self) -> bool:
+        """The client has had a whole answer: a stream's `[DONE]` went out (a plain answer is never cancelled)."""
+        return self.events is not None and self.events.done
 
 
 @dataclass(slots=True)
@@ -191,7 +198,8 @@ class Dispatcher:
             body, raw = {k: v for k, v in body.items() if k not in BOOTSTRAP_KEYS}, None
         ctx = RequestContext(request, path, body, raw, request_id, started, StageClock(request_id, started),
                              bool(body.get("stream")),
-                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")))
+                             batch_size(path, body), path == "/generate" and bool(body.get("return_logprob")),
+                             prompt_only(path, body))
         self.in_flight[id(ctx)] = ctx
         self.idle.clear()
         try:
@@ -204,8 +212,9 @@ class Dispatcher:
             await self.end_stream_with_error(ctx, status, message)
             return ctx.response
         except asyncio.CancelledError:
-            self.metrics.errors.labels(kind="client_disconnect").inc()
-            log.info("rid=%s client went away before the answer", ctx.request_id)
+            if not ctx.answered:  # a client that closes right after its [DONE] is no failure
+                self.metrics.errors.labels(kind="client_disconnect").inc()
+                log.info("rid=%s client went away before the answer", ctx.request_id)
             raise
         finally:
             del self.in_flight[id(ctx)]
@@ -267,7 +276,7 @@ class Dispatcher:
         side = None
         if self.config.mode == "pd":
             prefills = self.registry.available("prefill", excluded)
-            local = self.prefill_locally(ctx, key, prefills)
+            local = ctx.prompt_only or self.prefill_locally(ctx, key, prefills)
             side = None if local else self.policies["prefill"].select(prefills, key)
             self.metrics.prefills.labels(path="local" if local else "remote").inc()
         rid = attempt_rid(ctx.request_id, number)
@@ -397,7 +406,7 @@ class Dispatcher:
         await response.prepare(ctx.request)
         ctx.response = response
         merger = FirstEventMerger(prefill_items) if prefill_items else None
-        events = WholeEvents()
+        ctx.events = events = WholeEvents()
         first = events.cut(first)  # an empty write still sends the head, which relay_sink() needs out
         if await self.write_client(attempt, merger.feed(first) if merger else first):
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
@@ -429,9 +438,9 @@ class Dispatcher:
         rest = events.finish()
         if merger:
             rest = merger.feed(rest) + merger.flush()
-        if rest and not await self.write_client(attempt, rest):
-            return
-        await attempt.ctx.response.write_eof()
+        if rest:
+            await self.write_client(attempt, rest)
+        # aiohttp ends the response after the handler, quietly when the client has already closed
 
     async def write_client(self, attempt: Attempt, data: bytes) -> bool:
         """Sends bytes to the client; when the client has gone away, aborts both halves and returns False."""
@@ -454,7 +463,7 @@ class Dispatcher:
     def abort_pair(self, attempt: Attempt, cause: BaseException) -> None:
         """Aborts every half of a failed attempt that is still running and was not itself the failure."""
         failed = cause.worker if isinstance(cause, UpstreamError) else None
-        if not attempt.main_done and failed is not attempt.main:
+        if not attempt.main_done and not attempt.ctx.answered and failed is not attempt.main:
             self.send_abort(attempt.main, attempt)
         side_ex = attempt.side_ex
         if side_ex is not None and not side_ex.head.done():

@@ -49,6 +49,22 @@ def check_short_fields(request_id: str, body: dict) -> None:
             raise BadRequest(f"'{key}' is longer than {MAX_ID_CHARS} characters")
 
 
+def prompt_only(path: str, body: dict) -> bool:
+    """A request for no new token (prompt logprobs at most): with nothing to hand over, one server runs it whole.
+    /generate's nested `max_new_tokens` wins over its top-level one, per item of a batch."""
+    if path != "/generate":
+        limit = body.get("max_completion_tokens") if path == "/v1/chat/completions" else None
+        return _is_zero(body.get("max_tokens") if limit is None else limit)
+    params = body.get("sampling_params")
+    items = params if isinstance(params, list) else [params]
+    return all(_is_zero(p.get("max_new_tokens", body.get("max_new_tokens")) if isinstance(p, dict)
+                        else body.get("max_new_tokens")) for p in items)
+
+
+def _is_zero(value: Any) -> bool:
+    return type(value) is int and value == 0
+
+
 def batch_size(path: str, body: dict) -> int | None:
     """Items in a batched /generate, or for OpenAI routes `n` times the prompts (several only in /v1/completions);
     None for a single request."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 EVENT_END = b"\n\n"
+DONE_EVENT = b"data: [DONE]\n\n"
 # An event longer than this is passed on in pieces as it comes rather than held whole (memory stays bounded).
 MAX_HELD_BYTES = 16 * 1024 * 1024
 
@@ -12,15 +13,23 @@ class WholeEvents:
     and holds the incomplete event after it until its end arrives. The client's stream then always stops on a
     boundary, so an error event written after a broken upstream parses; `finish()` hands over what is held at a
     normal end of the stream, and a broken stream simply drops it. The bytes relayed are the upstream's, unchanged
-    and in order; a chunk that ends on a boundary with nothing held passes through without a copy."""
+    and in order; a chunk that ends on a boundary with nothing held passes through without a copy. `done`: the last
+    whole event let through is `[DONE]`."""
 
-    __slots__ = ("held", "held_bytes")
+    __slots__ = ("held", "held_bytes", "done")
 
     def __init__(self) -> None:
         self.held: list[bytes] = []
         self.held_bytes = 0
+        self.done = False
 
     def cut(self, data: bytes) -> bytes:
+        complete = self._cut(data)
+        if complete:
+            self.done = complete.endswith(DONE_EVENT)
+        return complete
+
+    def _cut(self, data: bytes) -> bytes:
         held = self.held
         if not held and data.endswith(EVENT_END):
             return data

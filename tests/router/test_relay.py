@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import struct
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -32,24 +35,41 @@ def http_chunks(data: bytes) -> list[bytes]:
         pos = eol + 4 + size
 
 
-async def stream_through_router(worker: StubServer, slow: bool = False) -> list[bytes]:
-    """Starts `worker` and a router in front of it, streams one /generate through the router with a raw HTTP/1.1
-    client (with `slow`, one that takes its time) and returns the chunks of the router's answer."""
+@asynccontextmanager
+async def router_in_front_of(worker: StubServer):
+    """Starts `worker` and a router in front of it; yields the router's port."""
     await worker.start()
     app = create_app(parse_config(["--worker", worker.url, "--port", "0"]))
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
-    port = runner.addresses[0][1]
     try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+        await worker.stop()
+
+
+async def open_stream(port: int, slow: bool = False) -> socket.socket:
+    """A raw HTTP/1.1 client's streamed /generate (with `slow`, a small receive buffer)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    if slow:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    body = json.dumps({"text": "hi", "stream": True}).encode()
+    await loop.sock_sendall(sock, b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    return sock
+
+
+async def stream_through_router(worker: StubServer, slow: bool = False) -> list[bytes]:
+    """Streams one /generate through a router in front of `worker` with a raw HTTP/1.1 client (with `slow`, one
+    that takes its time) and returns the chunks of the router's answer."""
+    async with router_in_front_of(worker) as port:
         loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that takes its time
-        sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", port))
-        body = json.dumps({"text": "hi", "stream": True}).encode()
-        await loop.sock_sendall(sock, b"POST /generate HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-                                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock = await open_stream(port, slow)
         received = bytearray()
         async with timeout(20):
             while not received.endswith(b"\r\n0\r\n\r\n"):
@@ -62,9 +82,6 @@ async def stream_through_router(worker: StubServer, slow: bool = False) -> list[
         head, _, rest = bytes(received).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200") and b"Transfer-Encoding: chunked" in head
         return http_chunks(rest)
-    finally:
-        await runner.cleanup()
-        await worker.stop()
 
 
 async def relay_through_router(monkeypatch, tokens: int, pad: int, slow: bool,
@@ -171,3 +188,32 @@ def test_whole_events_pass_an_aligned_chunk_through_uncopied_and_drop_nothing_he
     assert events.cut(STREAM) is STREAM
     assert events.cut(b"data: {") == b"" and events.cut(b'"a": 1}\n') == b""
     assert events.finish() == b'data: {"a": 1}\n' and events.finish() == b""
+
+
+async def stream_and_reset(marker: bytes) -> None:
+    """Streams EVENTS through a router, the upstream pausing after each, and resets the connection once the
+    client has read up to `marker`; the router's handler then ends (the upstream's end follows 10 ms later)."""
+    async with router_in_front_of(ScriptedUpstream("regular", Fabric(), pieces=tuple(EVENTS))) as port:
+        loop = asyncio.get_running_loop()
+        sock = await open_stream(port)
+        received = b""
+        async with timeout(20):
+            while marker not in received:
+                received += await loop.sock_recv(sock, 16384)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+        sock.close()
+        await asyncio.sleep(0.2)
+
+
+def router_went_away_lines(caplog, marker: bytes) -> list[str]:
+    with caplog.at_level(logging.INFO, logger=dispatch.log.name):
+        asyncio.run(stream_and_reset(marker))
+    return [r.getMessage() for r in caplog.records if "went away" in r.getMessage()]
+
+
+def test_a_client_that_closes_right_after_done_is_not_logged_as_gone(caplog):
+    assert router_went_away_lines(caplog, b"[DONE]") == []
+
+
+def test_a_client_that_leaves_mid_stream_is_logged_as_gone(caplog):
+    assert router_went_away_lines(caplog, b"t0 ")

@@ -94,6 +94,23 @@ def test_batch_size_counts_every_completion_item():
     assert batch_size("/v1/chat/completions", {"messages": [], "n": 2}) == 2
 
 
+@pytest.mark.parametrize(("path", "body", "expected"), [
+    ("/generate", {"sampling_params": {"max_new_tokens": 0}}, True),
+    ("/generate", {"max_new_tokens": 0}, True),
+    ("/generate", {"max_new_tokens": 0, "sampling_params": {"max_new_tokens": 3}}, False),  # the nested one wins
+    ("/generate", {"sampling_params": [{"max_new_tokens": 0}, {"max_new_tokens": 1}]}, False),
+    ("/generate", {"sampling_params": {"max_new_tokens": False}}, False),
+    ("/generate", {}, False),
+    ("/v1/completions", {"max_tokens": 0}, True),
+    ("/v1/chat/completions", {"max_tokens": 5, "max_completion_tokens": 0}, True),
+    ("/v1/chat/completions", {"max_tokens": 0, "max_completion_tokens": 5}, False),
+])
+def test_prompt_only_requests_are_those_for_no_new_token(path, body, expected):
+    from pdserve_router.payload import prompt_only
+
+    assert prompt_only(path, body) is expected
+
+
 def test_encode_body_appends_fields_to_the_client_bytes():
     from pdserve_router.payload import encode_body, spliceable
 

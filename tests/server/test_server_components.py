@@ -12,6 +12,7 @@ from pdserve.config import ServerArgs
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.detokenizer.process import IncrementalDetokenizer
 from pdserve.server.generation import settle_bootstrap
+from pdserve.server.openai_api import chat_logprobs
 from pdserve.server.http_common import ApiError
 from pdserve.messages import (
     BatchTokenOut,
@@ -27,6 +28,7 @@ from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
 from pdserve.server.schemas import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest
+from pdserve.tokenizer import TokenBytes
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,28 @@ def test_logprob_entries_carry_token_text(tokenizer):
     assert [e[1] for e in result.output_logprobs] == ids
     assert "".join(e[2] for e in result.output_logprobs) == "hello world"
     assert result.output_top_logprobs[0] == [[-0.1, ids[0], tokenizer.decode([ids[0]])]]
+
+
+def partial_character_token(tokenizer) -> int:
+    """A token of "中" (three UTF-8 bytes) that holds only part of the character."""
+    ids = tokenizer.encode("中", add_special_tokens=False)
+    assert len(ids) > 1
+    return ids[0]
+
+
+def test_a_token_holding_part_of_a_character_has_its_real_bytes(tokenizer):
+    token_id = partial_character_token(tokenizer)
+    token_bytes = TokenBytes(tokenizer)
+    assert token_bytes(token_id, tokenizer.decode([token_id])) == "中".encode()[:2]
+    whole = tokenizer.encode("é 中", add_special_tokens=False)
+    assert b"".join(token_bytes(t, tokenizer.decode([t])) for t in whole) == "é 中".encode()
+
+
+def test_chat_logprobs_carry_bytes_not_the_replacement_character(tokenizer):
+    token_id = partial_character_token(tokenizer)
+    content = chat_logprobs([[-0.5, token_id, "\ufffd"]], [[[-0.5, token_id, "\ufffd"]]], TokenBytes(tokenizer))
+    assert content[0]["token"] == "\ufffd"
+    assert content[0]["bytes"] == content[0]["top_logprobs"][0]["bytes"] == list("中".encode()[:2])
 
 
 # --- metrics --------------------------------------------------------------------------------------
