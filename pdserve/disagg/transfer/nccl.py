@@ -26,9 +26,10 @@ from typing import Mapping
 
 import torch
 
-from pdserve.disagg.transfer.base import TransferEngine, TransferError
+from pdserve.disagg.transfer.base import TransferError
+from pdserve.disagg.transfer.channel_engine import ChannelEngine
 from pdserve.cluster_auth import ClusterAuth
-from pdserve.disagg.control_transport import ControlServer, PeerClients, parse_spans
+from pdserve.disagg.control_transport import parse_spans
 
 logger = logging.getLogger(__name__)
 
@@ -154,12 +155,11 @@ class _PendingComm:
         self.error: str | None = None
 
 
-class NcclTransferEngine(TransferEngine):
+class NcclTransferEngine(ChannelEngine):
     name = "nccl"
 
     def __init__(self, device: str, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  library: NcclLibrary | None = None, auth: ClusterAuth | None = None):
-        super().__init__()
         self.device = torch.device(device)
         if self.device.type != "cuda":
             raise TransferError(f"the nccl transfer backend needs the KV cache on CUDA, not {device}")
@@ -171,14 +171,9 @@ class NcclTransferEngine(TransferEngine):
         self._recv_stream = torch.cuda.Stream(self.device)
         self._send_comms: dict[str, int] = {}  # peer session -> comm (we are rank 0)
         self._recv_comms: dict[str, _PendingComm] = {}  # sender session -> comm (we are rank 1)
-        self._peers = PeerClients(timeout_s, auth)
-        self._server = ControlServer(host, port, self._handle, "nccl", auth)
-        self._closed = False
+        super().__init__(host, port, timeout_s, auth, self._handle)  # last: its server calls _handle at once
         logger.info("nccl transfer engine %s on %s (%s, version %d)", self.session_id(), self.device,
                     self._nccl.path, self._nccl.version)
-
-    def session_id(self) -> str:
-        return self._server.endpoint
 
     def transport(self) -> str:
         return "nccl"
@@ -279,12 +274,7 @@ class NcclTransferEngine(TransferEngine):
             raise TransferError(f"nccl receive from {sender} did not finish within {self.timeout_s:.0f}s")
         reply({"ok": True, "phase": "done"})
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._server.close()
-        self._peers.close()
+    def release(self) -> None:
         # abort, not destroy: local and never blocks on a peer that is already gone
         for comm in self._send_comms.values():
             self._nccl.abort(comm)

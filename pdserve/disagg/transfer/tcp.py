@@ -20,12 +20,11 @@ import zmq
 from pdserve.cluster_auth import ClusterAuth
 from pdserve.disagg.transfer.base import (
     MemoryRegion,
-    TransferEngine,
     TransferError,
     host_view,
     region_tensor,
 )
-from pdserve.disagg.control_transport import ControlServer, PeerClients
+from pdserve.disagg.transfer.channel_engine import ChannelEngine
 from pdserve.disagg.transfer.strided import StridedBlock, block_to_wire, host_block, parse_blocks, strided_blocks
 
 
@@ -35,20 +34,14 @@ from pdserve.disagg.transfer.strided import StridedBlock, block_to_wire, host_bl
 FOLD_BELOW_BYTES = 64 << 10
 
 
-class TcpTransferEngine(TransferEngine):
+class TcpTransferEngine(ChannelEngine):
     name = "tcp"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
                  auth: ClusterAuth | None = None):
-        super().__init__()
         self._lock = threading.Lock()  # guards the region-tensor cache shared by both threads
         self._region_tensors: dict[int, torch.Tensor] = {}
-        self._peers = PeerClients(timeout_s, auth)
-        self._server = ControlServer(host, port, self._handle, "tcp", auth)
-        self._closed = False
-
-    def session_id(self) -> str:
-        return self._server.endpoint
+        super().__init__(host, port, timeout_s, auth, self._handle)  # last: its server calls _handle at once
 
     def transport(self) -> str:
         return "tcp"
@@ -148,10 +141,5 @@ class TcpTransferEngine(TransferEngine):
                 t = self._region_tensors[region.ptr] = region_tensor(region)
             return t
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._server.close()
-        self._peers.close()
+    def release(self) -> None:
         self._region_tensors.clear()
