@@ -28,6 +28,7 @@ from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
+from pdserve.server.tool_calls import ToolChoice, parse_tool_calls
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -52,11 +53,22 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     check_batch_size(args, body.n)
-    input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.chat_template_kwargs)
+    tool_choice = _tool_choice(body)
+    input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.template_kwargs())
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     key = chat_routing_key(body.messages)
     requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
-    return await _respond(request, body, requests, ChatFormat(args.model_name, requests))
+    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tool_choice))
+
+
+def _tool_choice(body: ChatCompletionRequest) -> ToolChoice:
+    try:
+        choice = body.tool_choice_spec
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    if body.stream and choice.mode != "none":
+        raise ApiError(400, "streaming tool calls are not supported by this server; send tools with stream: false")
+    return choice
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -211,12 +223,21 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice):
+        super().__init__(model, requests)
+        self.tool_choice = tool_choice
+
     def choice(self, index: int, generation: Generation) -> dict:
         logprobs = None
         if self.logprobs:
             logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs)}
-        return {"index": index, "message": {"role": "assistant", "content": generation.text},
-                "logprobs": logprobs, "finish_reason": _finish_reason(generation.finish_reason)}
+        finish_reason = _finish_reason(generation.finish_reason)
+        content, tool_calls = parse_tool_calls(generation.text, self.tool_choice)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
         out = delta.out
