@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 from typing import Literal
+
+import aiohttp
 
 import jsonschema
 import pytest
@@ -145,3 +149,21 @@ def test_bad_structured_chat_requests_are_400(server, body, message):
 def test_tools_on_completions_are_refused(server):
     reply = server.post("/v1/completions", {"model": model_name(server), "prompt": "x", "tools": [WEATHER]})
     assert reply.status == 400 and "tools is not supported" in reply.body.decode()
+
+
+def test_an_abort_mid_constrained_stream_frees_the_pool(server):
+    async def read_a_little_then_leave() -> None:
+        body = {"text": "hello", "stream": True,
+                "sampling_params": {"max_new_tokens": 200, "regex": "[a-z]{190}", "temperature": 1.0}}
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {API_KEY}"}) as session:
+            async with session.post(f"{server.url}/generate", json=body) as response:
+                assert response.status == 200
+                for _ in range(3):
+                    await response.content.readuntil(b"\n\n")
+
+    asyncio.run(read_a_little_then_leave())
+    deadline = time.monotonic() + 15
+    while not (stats := server.get("/get_server_info").json()["scheduler"])["kv_pool_fully_free"] \
+            or stats["num_running"] or stats["grammar_waiting"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
