@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from threading import Lock
@@ -53,6 +54,7 @@ class GrammarCompiler:
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = Lock()
         self.num_compiles = self.num_cache_hits = 0
+        self.compile_seconds = 0.0  # summed over compiles, failed ones included
 
     def submit(self, spec: GrammarSpec) -> Future:
         """The future compiled grammar of `spec`; it raises GrammarError when the grammar is bad."""
@@ -74,12 +76,14 @@ class GrammarCompiler:
         return forget
 
     def compile(self, spec: GrammarSpec) -> Any:
+        started = time.perf_counter()
         try:
             return getattr(self, f"_compile_{spec.kind}")(spec.text)
-        except GrammarError:
-            raise
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the reason
             raise GrammarError(f"invalid {spec.kind}: {_reason(exc)}") from exc
+        finally:
+            with self.lock:
+                self.compile_seconds += time.perf_counter() - started
 
     def _compile_json_schema(self, text: str) -> Any:
         return self.compiler.compile_json_schema(strict_json_schema(text), any_whitespace=self.any_whitespace)

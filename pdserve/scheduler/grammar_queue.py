@@ -44,6 +44,7 @@ class GrammarQueue:
         self.load_tokenizer = load_tokenizer
         self.compiler: GrammarCompiler | None = None  # built on the first grammar
         self.pending: list[PendingGrammar] = []
+        self.num_submitted = 0
         self.wake_fd, self._wake_write_fd = os.pipe()
         os.set_blocking(self.wake_fd, False)
         os.set_blocking(self._wake_write_fd, False)
@@ -57,6 +58,7 @@ class GrammarQueue:
             wait([future], timeout=timeout)
         future.add_done_callback(self._wake)
         self.pending.append(PendingGrammar(req, future, time.monotonic() + timeout))
+        self.num_submitted += 1
 
     def _compiler(self) -> GrammarCompiler:
         if self.args.grammar_backend == "none":
@@ -97,8 +99,10 @@ class GrammarQueue:
 
     def stats(self) -> dict:
         compiler = self.compiler
-        return {"grammar_compiles": compiler.num_compiles if compiler else 0,
+        return {"constrained_requests": self.num_submitted,
+                "grammar_compiles": compiler.num_compiles if compiler else 0,
                 "grammar_cache_hits": compiler.num_cache_hits if compiler else 0,
+                "grammar_compile_seconds": round(compiler.compile_seconds, 6) if compiler else 0.0,
                 "grammar_waiting": len(self.pending)}
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
+        self.num_masked_rows = 0  # sampled rows a grammar masked
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
@@ -190,12 +191,14 @@ class Scheduler:
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
             **self.grammar_queue.stats(),
+            "grammar_masked_rows": self.num_masked_rows,
             **self.role.stats(),
         }
 
     def reset_stats(self) -> None:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
+        self.num_masked_rows = 0
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
@@ -488,8 +491,10 @@ class Scheduler:
                         r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
-        if any(r.grammar is not None for r in reqs):
-            logits = mask_logits(logits, [r.grammar for r in reqs])
+        grammars = [r.grammar for r in reqs]
+        if any(grammars):
+            logits = mask_logits(logits, grammars)
+            self.num_masked_rows += sum(g is not None for g in grammars)
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:

@@ -14,7 +14,7 @@ import aiohttp
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from server_util import API_KEY
+from server_util import API_KEY, parse_prometheus
 
 openai = pytest.importorskip("openai")  # the GPU image has no openai client; CI installs it
 
@@ -167,3 +167,14 @@ def test_an_abort_mid_constrained_stream_frees_the_pool(server):
             or stats["num_running"] or stats["grammar_waiting"]:
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
+
+
+def test_grammar_metrics(server):
+    before = parse_prometheus(server.get("/metrics").body.decode())
+    generate(server, regex="[0-9]{5}")
+    generate(server, regex="[0-9]{5}")
+    after = parse_prometheus(server.get("/metrics").body.decode())
+    assert after["pdserve_constrained_requests_total"] == before.get("pdserve_constrained_requests_total", 0) + 2
+    assert after["pdserve_grammar_cache_hits_total"] >= before.get("pdserve_grammar_cache_hits_total", 0) + 1
+    assert after["pdserve_grammar_masked_rows_total"] >= before.get("pdserve_grammar_masked_rows_total", 0) + 12
+    assert after["pdserve_grammar_compile_seconds_total"] > 0 and after["pdserve_grammar_waiting_reqs"] == 0
