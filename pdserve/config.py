@@ -307,9 +307,9 @@ _HELP: dict[str, tuple[str, str]] = {
     "attention_backend": ("kernels", "auto, flash_attn, sdpa, triton or torch_native. auto: flash_attn (FlashAttention-4 prefill, Triton decode) on a Hopper or newer GPU where flash-attn-4 is installed, else sdpa on CUDA, torch_native elsewhere; a backend that cannot serve the model falls back to torch_native with a log line naming why."),
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
-    "grammar_backend": ("structured", "Constrained decoding (json_schema, regex, ebnf, structural_tag, response_format, "
-                                      "tool_choice required/named): xgrammar (needs the xgrammar package) or none "
-                                      "(such requests get a 400)."),
+    "grammar_backend": ("structured", "Constrained decoding (json_schema, regex, ebnf, structural_tag, "
+                                      "response_format, tool_choice required/named): xgrammar (needs the xgrammar "
+                                      "package) or none (such requests get a 400)."),
     "grammar_compile_timeout_s": ("structured", "A request whose grammar takes longer to compile fails with a 400."),
     "grammar_any_whitespace": ("structured", "Let JSON output put any whitespace between tokens (default: one "
                                              "fixed separator, so a weak model cannot fill max_tokens with blanks)."),

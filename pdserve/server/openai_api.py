@@ -63,12 +63,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _tool_choice(body: ChatCompletionRequest) -> ToolChoice:
     try:
-        choice = body.tool_choice_spec
+        return body.tool_choice_spec
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    if body.stream and choice.mode != "none":
-        raise ApiError(400, "streaming tool calls are not supported by this server; send tools with stream: false")
-    return choice
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -226,6 +223,7 @@ class ChatFormat(ResponseFormat):
     def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice):
         super().__init__(model, requests)
         self.tool_choice = tool_choice
+        self._held: dict[int, list[str]] = {}  # streamed with tools: each choice's text until it ends
 
     def choice(self, index: int, generation: Generation) -> dict:
         logprobs = None
@@ -240,11 +238,28 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
+        choices = [_role_chunk(index)] if is_first else []
+        if self.tool_choice.mode == "none":
+            return choices + self._content_choices(index, delta)
+        return choices + self._tool_call_choices(index, delta)
+
+    def _tool_call_choices(self, index: int, delta: OutputDelta) -> list[dict]:
+        """With tools a choice's text is held back until it ends; then one delta carries its content and its tool
+        calls, each with its whole arguments."""
+        self._held.setdefault(index, []).append(delta.out.text)
+        if not delta.finished:
+            return []
+        content, calls = parse_tool_calls("".join(self._held.pop(index)), self.tool_choice)
+        finish_reason = _finish_reason(delta.out.finish_reason)
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return [{"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}]
+
+    def _content_choices(self, index: int, delta: OutputDelta) -> list[dict]:
         out = delta.out
         choices = []
-        if is_first:
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
         if out.text or delta.finished or out.output_logprobs:
             logprobs = None
             if out.output_logprobs:
@@ -253,6 +268,10 @@ class ChatFormat(ResponseFormat):
             choices.append({"index": index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out.finish_reason)})
         return choices
+
+
+def _role_chunk(index: int) -> dict:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 def completion_logprobs(entries: list[list], top: list[list[list]], text_offset: int) -> dict:

@@ -23,10 +23,9 @@ PERSON = {
         "home": {"$ref": "#/$defs/place"},
     },
     "required": ["name", "age", "role", "tags", "home"],
-    "$defs": {"place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
-                                                          "zip": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99999},
-                                                                    {"type": "null"}]}},
-                        "required": ["city", "zip"]}},
+    "$defs": {"place": {"type": "object", "required": ["city", "zip"], "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "zip": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99999}, {"type": "null"}]}}}},
 }
 PROMPTS = ["hello world", "the quick brown fox", "a", "json please"]
 

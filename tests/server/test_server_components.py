@@ -206,7 +206,8 @@ def test_batch_size_detection():
 def test_openai_unsupported_features_are_named():
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest.model_validate(base).unsupported_feature() is None
-    assert ChatCompletionRequest.model_validate({**base, "functions": [{"name": "f"}]}).unsupported_feature() == "functions"
+    functions = {**base, "functions": [{"name": "f"}]}
+    assert ChatCompletionRequest.model_validate(functions).unsupported_feature() == "functions"
     completion = {"model": "m", "prompt": "hi", "tools": [{"type": "function"}]}
     assert CompletionRequest.model_validate(completion).unsupported_feature() == "tools"
     assert ChatCompletionRequest.model_validate({**base, "logit_bias": None}).unsupported_feature() is None

@@ -123,6 +123,21 @@ def test_named_tool_choice_calls_that_function(server, client):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_streamed_tool_calls_match_the_blocking_answer(server, client, n):
+    request = dict(model=model_name(server), messages=MESSAGES, tools=[WEATHER, CLOCK], temperature=0, n=n,
+                   tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=60)
+    blocking = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    for index in range(n):
+        (end,) = [c.choices[0] for c in chunks
+                  if c.choices and c.choices[0].index == index and c.choices[0].delta.tool_calls]
+        (call,) = end.delta.tool_calls
+        expected = blocking.choices[index].message.tool_calls[0]
+        assert (call.index, call.function.name, call.function.arguments) == (0, "get_time", expected.function.arguments)
+        assert end.finish_reason == "tool_calls"
+
+
 def test_a_tool_call_answer_goes_back_through_the_template(server, client):
     earlier = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}]}
@@ -135,7 +150,6 @@ def test_a_tool_call_answer_goes_back_through_the_template(server, client):
 @pytest.mark.parametrize("body, message", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tool_choice": "required"}, "needs tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "streaming tool calls are not supported"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "invalid json_schema"),
