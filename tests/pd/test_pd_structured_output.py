@@ -4,9 +4,11 @@ colocated server's token for token; a bad grammar is a 400 on both sides with bo
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
+import aiohttp
 import jsonschema
 import pytest
 from cluster_util import PDCluster, Proc, wait_kv_free
@@ -23,6 +25,19 @@ SCHEMAS = [
     {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 2, "maxItems": 4},
 ]
 PROMPTS = ["The capital of France is", "Once upon a time,", "1, 2, 3,"]
+MORE_SCHEMAS = [
+    {"type": "object", "required": ["kind", "x"],
+     "properties": {"kind": {"const": "point"}, "x": {"type": "number", "minimum": -1, "maximum": 1}}},
+    {"type": "object", "properties": {"on": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+     "required": ["on", "level"]},
+    {"type": "object", "properties": {"who": {"$ref": "#/$defs/person"}}, "required": ["who"],
+     "$defs": {"person": {"type": "object", "properties": {"first": {"type": "string", "maxLength": 5}},
+                          "required": ["first"]}}},
+    {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
+                                                      {"type": "string", "maxLength": 3}]}}, "required": ["v"]},
+    {"type": "array", "items": {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]},
+     "minItems": 1, "maxItems": 2},
+]
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +91,27 @@ def test_tool_choice_required_through_pd(pd: PDCluster):
     assert choice["finish_reason"] == "tool_calls"
     for call in choice["message"]["tool_calls"]:
         assert call["function"]["name"] == "lookup" and json.loads(call["function"]["arguments"])["q"] in "xy"
+
+
+async def _many(url: str, bodies: list[dict]) -> list[dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def one(body: dict) -> dict:
+            async with session.post(f"{url}/generate", json=body) as response:
+                assert response.status == 200, await response.text()
+                return await response.json()
+        return await asyncio.gather(*(one(body) for body in bodies))
+
+
+@pytest.mark.parametrize("target", ["colocated", "pd"])
+def test_200_sampled_requests_over_8_schemas_validate(session_servers, target):
+    proc = session_servers["colocated"] if target == "colocated" else session_servers["clusters"]["tcp"].router
+    schemas = (SCHEMAS + MORE_SCHEMAS) * 25
+    bodies = [{"text": PROMPTS[i % 3], "sampling_params": {"temperature": 1.0, "max_new_tokens": 96,
+                                                            "json_schema": json.dumps(schema)}}
+              for i, schema in enumerate(schemas)]
+    outs = asyncio.run(_many(proc.url, bodies))
+    finished = [(out, schema) for out, schema in zip(outs, schemas)
+                if out["meta_info"]["finish_reason"]["type"] == "stop"]
+    assert len(finished) >= 190  # bounded schemas: nearly every output ends within max_new_tokens
+    for out, schema in finished:
+        jsonschema.validate(json.loads(out["text"]), schema)
