@@ -43,7 +43,6 @@ NEUTRAL_VALUES = {
 REFUSED = {
     "YAML config files (pass the flags on the command line)": "config",
     "reasoning-content parsing": "reasoning-parser",
-    "tool calls": "tool-call-parser",
     "LoRA adapters": """
         enable-lora lora-paths enable-lora-overlap-loading experts-shared-outer-loras lora-backend lora-drain-wait-threshold
         lora-eviction-policy lora-strict-loading lora-target-modules lora-use-virtual-experts max-loaded-loras

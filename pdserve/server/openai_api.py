@@ -28,7 +28,7 @@ from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
-from pdserve.server.tool_calls import ToolChoice, parse_tool_calls
+from pdserve.server.tool_calls import ToolChoice, parse_tool_calls, pick_tool_call_parser
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -58,7 +58,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     key = chat_routing_key(body.messages)
     requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
-    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tool_choice))
+    parser = pick_tool_call_parser(args.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
+    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tool_choice, parser))
 
 
 def _tool_choice(body: ChatCompletionRequest) -> ToolChoice:
@@ -220,9 +221,10 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice):
+    def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice, tool_call_parser: str):
         super().__init__(model, requests)
         self.tool_choice = tool_choice
+        self.tool_call_parser = tool_call_parser
         self._held: dict[int, list[str]] = {}  # streamed with tools: each choice's text until it ends
 
     def choice(self, index: int, generation: Generation) -> dict:
@@ -230,7 +232,7 @@ class ChatFormat(ResponseFormat):
         if self.logprobs:
             logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs)}
         finish_reason = _finish_reason(generation.finish_reason)
-        content, tool_calls = parse_tool_calls(generation.text, self.tool_choice)
+        content, tool_calls = parse_tool_calls(generation.text, self.tool_choice, self.tool_call_parser)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
@@ -249,7 +251,7 @@ class ChatFormat(ResponseFormat):
         self._held.setdefault(index, []).append(delta.out.text)
         if not delta.finished:
             return []
-        content, calls = parse_tool_calls("".join(self._held.pop(index)), self.tool_choice)
+        content, calls = parse_tool_calls("".join(self._held.pop(index)), self.tool_choice, self.tool_call_parser)
         finish_reason = _finish_reason(delta.out.finish_reason)
         message: dict[str, Any] = {"content": content} if content else {}
         if calls:

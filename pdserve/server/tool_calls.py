@@ -6,9 +6,11 @@ turned into a JSON-schema constraint, and tool calls parsed back out of the outp
   entry per call (exactly one when `parallel_tool_calls` is false), each name one of the tools and its arguments
   that tool's `parameters` schema.
 - a named function: the output is constrained to that function's `parameters` schema: the arguments of one call.
-- `"auto"`: the output is free; tool calls are parsed where the model wrote them in the Qwen 2.5 / Hermes
-  convention, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the text outside the blocks is the
-  message's content). `"none"`: tools are neither offered to the chat template nor parsed.
+- `"auto"`: the output is free; tool calls are parsed where the model wrote them in its family's convention
+  (`--tool-call-parser`): `qwen25` (Qwen 2.5/3, Hermes) `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  blocks, the text outside them the message's content; `llama3` (Llama 3.1+) an output that is nothing but JSON
+  calls `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`, several separated by `;`).
+  `"none"`: tools are neither offered to the chat template nor parsed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from dataclasses import dataclass
 from typing import Any
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+LLAMA3_PYTHON_TAG = "<|python_tag|>"
 ANY_OBJECT = '{"type": "object"}'
+
+
+def pick_tool_call_parser(configured: str | None, chat_template: str | None) -> str:
+    """`--tool-call-parser`, else llama3 for a chat template that uses Llama 3's python tag, else qwen25."""
+    if configured is not None:
+        return configured
+    return "llama3" if chat_template and LLAMA3_PYTHON_TAG in chat_template else "qwen25"
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,13 +86,12 @@ def tool_call_schema(choice: ToolChoice, tools: list[dict], parallel: bool) -> s
     return json.dumps(array)
 
 
-def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, choice: ToolChoice, parser: str = "qwen25") -> tuple[str | None, list[dict]]:
     """(the message's content, its OpenAI tool_calls) from the output `text`; no calls where none parse."""
     if choice.mode == "none":
         return text, []
     if choice.mode == "auto":
-        calls = [call for block in TOOL_CALL_BLOCK.findall(text) for call in _calls_in(block)]
-        return (TOOL_CALL_BLOCK.sub("", text).strip() or None, calls) if calls else (text, [])
+        return _llama3_calls(text) if parser == "llama3" else _qwen25_calls(text)
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -92,14 +101,38 @@ def parse_tool_calls(text: str, choice: ToolChoice) -> tuple[str | None, list[di
     return None, [_openai_call(item["name"], item["arguments"]) for item in value]
 
 
+def _qwen25_calls(text: str) -> tuple[str | None, list[dict]]:
+    calls = [call for block in TOOL_CALL_BLOCK.findall(text) for call in _calls_in(block)]
+    return (TOOL_CALL_BLOCK.sub("", text).strip() or None, calls) if calls else (text, [])
+
+
+def _llama3_calls(text: str) -> tuple[str | None, list[dict]]:
+    """Calls only where the whole output is JSON calls (else it is content, as Llama 3 answers in prose)."""
+    rest, values, decoder = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip(), [], json.JSONDecoder()
+    while rest:
+        try:
+            value, end = decoder.raw_decode(rest)
+        except json.JSONDecodeError:
+            return text, []
+        values.append(value)
+        rest = rest[end:].strip().removeprefix(";").strip()
+    calls = [_call_of(value) for value in values]
+    return (None, calls) if calls and all(calls) else (text, [])
+
+
 def _calls_in(block: str) -> list[dict]:
     try:
-        value = json.loads(block)
+        call = _call_of(json.loads(block))
     except json.JSONDecodeError:
         return []
+    return [call] if call else []
+
+
+def _call_of(value: Any) -> dict | None:
+    """The OpenAI call of a parsed `{"name", "arguments" or "parameters"}` object, None for anything else."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return []
-    return [_openai_call(value["name"], value.get("arguments", value.get("parameters", {})))]
+        return None
+    return _openai_call(value["name"], value.get("arguments", value.get("parameters", {})))
 
 
 def _openai_call(name: str, arguments: Any) -> dict:

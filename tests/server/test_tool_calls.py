@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pdserve.server.tool_calls import (ToolChoice, parse_tool_calls, response_format_schema, tool_call_schema,
-                                       tool_choice_of)
+from pdserve.server.tool_calls import (ToolChoice, parse_tool_calls, pick_tool_call_parser, response_format_schema,
+                                       tool_call_schema, tool_choice_of)
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
@@ -29,6 +29,23 @@ def test_auto_parses_qwen_hermes_blocks_and_keeps_the_rest_as_content():
                                   '<tool_call>{"name": "add"'])
 def test_auto_without_a_parseable_call_is_plain_content(text):
     assert parse_tool_calls(text, ToolChoice("auto")) == (text, [])
+
+
+def test_auto_with_llama3_parses_json_calls():
+    text = '<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}'
+    content, calls = parse_tool_calls(text, ToolChoice("auto"), "llama3")
+    assert content is None and names_and_arguments(calls) == [("add", {"a": 1}), ("add", {"a": 2})]
+
+
+@pytest.mark.parametrize("text", ["The answer is 3.", '{"name": "add"} and then prose', '{"a": 1}', "[1, 2]"])
+def test_auto_with_llama3_leaves_prose_as_content(text):
+    assert parse_tool_calls(text, ToolChoice("auto"), "llama3") == (text, [])
+
+
+def test_the_parser_follows_the_flag_else_the_chat_template():
+    assert pick_tool_call_parser("qwen25", "... <|python_tag|> ...") == "qwen25"
+    assert pick_tool_call_parser(None, "{{ '<|python_tag|>' }}") == "llama3"
+    assert pick_tool_call_parser(None, "<|im_start|>") == "qwen25" and pick_tool_call_parser(None, None) == "qwen25"
 
 
 def test_required_and_named_outputs_parse_into_calls():
