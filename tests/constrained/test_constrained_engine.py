@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from pdserve import LLM, SamplingParams
+from pdserve.scheduler.request import Req
 
 PERSON = {
     "type": "object",
@@ -138,3 +139,14 @@ def test_a_slow_compile_times_out_with_400(llm, monkeypatch):
 def test_two_grammars_in_one_request_are_refused():
     with pytest.raises(ValueError, match="at most one of json_schema, regex, ebnf, structural_tag"):
         SamplingParams(regex="a", ebnf='root ::= "a"')
+
+
+def test_an_abort_while_the_grammar_compiles_ends_the_request(llm, monkeypatch):
+    queue, sched = llm.scheduler.grammar_queue, llm.scheduler
+    queue._compiler()
+    monkeypatch.setattr(queue.compiler, "compile", lambda spec: time.sleep(0.3))
+    sched.add_request(Req.of("waits", [5, 6, 7], SamplingParams(regex="abort[0-9]")))
+    sched.abort_request("waits")
+    (out,) = sched.step()
+    assert out.rid == "waits" and out.finish_reason["type"] == "abort"
+    assert not queue.pending and not sched.has_work() and sched.kv_pool_is_fully_free()
