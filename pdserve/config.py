@@ -63,6 +63,11 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     skip_server_warmup: bool = False
+    # structured output
+    grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
+    grammar_compile_timeout_s: float = 30.0
+    grammar_any_whitespace: bool = False
+    tool_call_parser: str | None = None  # qwen25 or llama3; None: picked from the chat template
     # parallelism
     tp_size: int = 1
     base_gpu_id: int = 0
@@ -154,6 +159,12 @@ class ServerArgs:
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 0..65535")
         self._validate_hicache()
+        if self.grammar_backend not in ("xgrammar", "none"):
+            raise ConfigError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
+        if self.tool_call_parser not in (None, "qwen25", "llama3"):
+            raise ConfigError(f"--tool-call-parser must be qwen25 or llama3, got {self.tool_call_parser!r}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ConfigError("--grammar-compile-timeout-s must be > 0")
 
     def _validate_hicache(self) -> None:
         choices = {
@@ -299,6 +310,17 @@ _HELP: dict[str, tuple[str, str]] = {
     "attention_backend": ("kernels", "auto, flash_attn, sdpa, triton or torch_native. auto: flash_attn (FlashAttention-4 prefill, Triton decode) on a Hopper or newer GPU where flash-attn-4 is installed, else sdpa on CUDA, torch_native elsewhere; a backend that cannot serve the model falls back to torch_native with a log line naming why."),
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
+    "grammar_backend": ("structured", "Constrained decoding (json_schema, regex, ebnf, structural_tag, "
+                                      "response_format, tool_choice required/named): xgrammar (needs the xgrammar "
+                                      "package) or none (such requests get a 400)."),
+    "grammar_compile_timeout_s": ("structured", "A request whose grammar takes longer to compile fails with a 400."),
+    "grammar_any_whitespace": ("structured", "Let JSON output put any whitespace between tokens (default: one "
+                                             "fixed separator, so a weak model cannot fill max_tokens with blanks)."),
+    "tool_call_parser": ("structured", "How tool_choice auto finds tool calls in the output: qwen25 "
+                                       "(<tool_call>{...}</tool_call> blocks, Qwen 2.5/3 and Hermes) or llama3 (the "
+                                       "output is JSON calls, {\"name\", \"parameters\"}, after an optional "
+                                       "<|python_tag|>); default: llama3 where the chat template uses <|python_tag|>, "
+                                       "else qwen25."),
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
     "skip_server_warmup": ("kernels", "Report ready without the warm-up pass that compiles (or loads from the on-disk cache) the kernels of the prompt-length buckets and the samplers."),
     "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),

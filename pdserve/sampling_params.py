@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's names of an output constraint
 MAX_INT32 = 2**31 - 1
 
 
@@ -38,6 +39,11 @@ class SamplingParams:
     logprobs: int | None = None  # n-best logprobs per output token (0 = only the sampled one)
     prompt_logprobs: int | None = None  # n-best logprobs per prompt token
     logprob_start_len: int = -1  # first prompt position whose logprob is returned (-1: none)
+    # an output constraint (at most one; `pdserve/constrained/`): its text as SGLang takes it
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -60,6 +66,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output constraint, or None for free output."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -88,6 +103,11 @@ class SamplingParams:
             (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative ints"),
             (self.seed is None or 0 <= self.seed < 2**63, f"seed must be in [0, 2^63), got {self.seed}"),
+        ]
+        grammars = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        checks += [
+            (len(grammars) <= 1, f"at most one of {', '.join(GRAMMAR_KINDS)} may be given, got {', '.join(grammars)}"),
+            (all(isinstance(getattr(self, k), str) for k in grammars), "a grammar (json_schema, ...) must be a string"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

@@ -34,7 +34,6 @@ NEUTRAL_VALUES = {
     "node-rank": (("0",), "one server spanning several machines"),
     "kv-cache-dtype": (("auto",), "a KV cache in another dtype than the model's (KV-cache quantization)"),
     "quantization": (("none",), "quantized weights"),
-    "grammar-backend": (("none",), "structured output (json_schema, regex, ebnf)"),
     "schedule-policy": (("fcfs",), "scheduling policies other than first-come first-served"),
     "tokenizer-worker-num": (("1",), "several tokenizer processes"),
     "detokenizer-worker-num": (("1",), "several detokenizer processes"),
@@ -44,7 +43,6 @@ NEUTRAL_VALUES = {
 REFUSED = {
     "YAML config files (pass the flags on the command line)": "config",
     "reasoning-content parsing": "reasoning-parser",
-    "tool calls": "tool-call-parser",
     "LoRA adapters": """
         enable-lora lora-paths enable-lora-overlap-loading experts-shared-outer-loras lora-backend lora-drain-wait-threshold
         lora-eviction-policy lora-strict-loading lora-target-modules lora-use-virtual-experts max-loaded-loras

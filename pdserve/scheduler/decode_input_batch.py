@@ -39,7 +39,8 @@ class DecodeInputBatch:
         return reqs == self.reqs and all(r.pages is p for r, p in zip(reqs, self._pages))
 
     def device_sampling_only(self) -> bool:
-        """No request needs host-side sampling state at this step (penalties, a seed, logprobs, pending min_tokens):
+        """No request needs host-side sampling state at this step (penalties, a seed, logprobs, pending min_tokens,
+        a grammar's token mask):
         `sampling` alone samples the batch, so its tokens can stay on the device."""
         if self._before_min_tokens:
             self._before_min_tokens = [r for r in self._before_min_tokens
@@ -94,4 +95,4 @@ class DecodeInputBatch:
 
 def _needs_host_sampling(req: Req) -> bool:
     p = req.sampling_params
-    return p.has_penalties or req.return_logprob or (p.seed is not None and not p.is_greedy)
+    return p.has_penalties or req.return_logprob or (p.seed is not None and not p.is_greedy) or req.grammar is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdserve.constrained.matcher import RequestGrammar
 from pdserve.sampling_params import SamplingParams
 from pdserve.timeline import StageMarks
 
@@ -70,6 +71,7 @@ class Req:
     finish_reason: FinishReason | None = None
     num_reported: int = 0  # output tokens already reported in a TokenOut
     stop_criteria: StopCriteria | None = None  # resolved by the StopChecker at the first check
+    grammar: RequestGrammar | None = None  # the output constraint's matcher, once compiled
     stage_marks: StageMarks = field(default_factory=StageMarks)  # the scheduler's and its role's timeline marks
 
     @classmethod

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.constrained.matcher import mask_logits
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
 from pdserve.forward_batch import ForwardBatch
@@ -23,12 +24,14 @@ from pdserve.mem_cache.factory import create_prefix_cache
 from pdserve.mem_cache.kv_pool import PageAllocator
 from pdserve.messages import TokenOut
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
+from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.decode_input_batch import DecodeInputBatch
 from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.role import Role
 from pdserve.scheduler.stop import StopChecker
+from pdserve.tokenizer import load_tokenizer
 from pdserve.timeline import (ADMITTED, FIRST_TOKEN_EMITTED, FIRST_TOKEN_SAMPLED, OUTPUT_TOKEN, PREFILL_CHUNK_END,
                               PREFILL_CHUNK_START, QUEUED)
 
@@ -50,6 +53,8 @@ class Scheduler:
         self.radix = create_prefix_cache(args, self.allocator, runner.pool)  # a NullPrefixCache when disabled
         self.sampler = runner.sampler
         self.stop_checker = StopChecker(args, self.model_config, tokenizer)
+        self.grammar_queue = GrammarQueue(args, self.model_config,
+                                          lambda: tokenizer if tokenizer is not None else load_tokenizer(args))
         self.decode_reserve_ratio = min(1.0, 0.7 * args.schedule_conservativeness)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None
@@ -58,6 +63,7 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
+        self.num_masked_rows = 0  # sampled rows a grammar masked
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
@@ -89,10 +95,23 @@ class Scheduler:
         }
 
     def add_request(self, req: Req) -> None:
+        """Validate req and hand it to the role; a request with a grammar first waits for its compile."""
         self.validate(req)
+        if req.sampling_params.grammar is not None:
+            self.grammar_queue.submit(req)  # a GrammarError (a ValueError) when no grammar can be compiled here
         self.reqs[req.rid] = req
         self.radix.prefetch(req.rid, req.input_ids)
-        self.role.accept(req)
+        if req.sampling_params.grammar is None:
+            self.role.accept(req)
+
+    def _accept_compiled_grammars(self) -> None:
+        """Requests whose grammar compiled go on to their role; those whose compile failed end with a 400."""
+        for outcome in self.grammar_queue.poll():
+            if outcome.error is not None:
+                self.finish(outcome.req, FinishReason("abort", message=outcome.error, status_code=400))
+                continue
+            outcome.req.grammar = outcome.grammar
+            self.role.accept(outcome.req)
 
     def validate(self, req: Req) -> None:
         """What only the scheduler knows; the prompt itself was checked where it entered (`check_prompt`)."""
@@ -112,6 +131,7 @@ class Scheduler:
         self.end(req, FinishReason("abort", message=message))
 
     def step(self) -> list[TokenOut]:
+        self._accept_compiled_grammars()
         if not self.role.prepare_step():
             return self._collect_outputs()
         items = self.role.plan_extend()
@@ -127,8 +147,9 @@ class Scheduler:
         return self._collect_outputs()
 
     def has_work(self) -> bool:
-        """Any request not finished yet (the PD roles add those waiting for a message from their peer)."""
-        return self.can_step() or self.role.has_work()
+        """Any request not finished yet (the PD roles add those waiting for a message from their peer, the grammar
+        queue those waiting for a compile)."""
+        return self.can_step() or self.role.has_work() or bool(self.grammar_queue.pending)
 
     def can_step(self) -> bool:
         """The next step makes progress without waiting for a request, a wake-up fd or a deadline."""
@@ -139,7 +160,7 @@ class Scheduler:
         return self.role.idle_poll_ms()
 
     def wakeup_fds(self) -> list[int]:
-        return self.role.wakeup_fds()
+        return [*self.role.wakeup_fds(), self.grammar_queue.wake_fd]
 
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.chunked or self.inflight:
@@ -169,12 +190,15 @@ class Scheduler:
             **self.radix.tier_stats(),
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
+            **self.grammar_queue.stats(),
+            "grammar_masked_rows": self.num_masked_rows,
             **self.role.stats(),
         }
 
     def reset_stats(self) -> None:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
+        self.num_masked_rows = 0
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
@@ -187,6 +211,7 @@ class Scheduler:
         return queued + self.role.queued_prefill_tokens()
 
     def close(self) -> None:
+        self.grammar_queue.close()
         self.role.close()
 
     # ---- for the roles ----------------------------------------------------------------------------------------
@@ -207,6 +232,10 @@ class Scheduler:
 
     def add_token(self, req: Req, token: int, logprob: float | None = None, top_logprobs: list | None = None) -> None:
         """Append req's next token (and its logprobs when req asked for them); finish req if it stops there."""
+        if req.grammar is not None and not req.grammar.accept(token):
+            self.end(req, FinishReason("abort", message=f"token {token} breaks the request's grammar (the prefill "
+                                       "and decode sides disagree)", status_code=500))
+            return
         req.output_ids.append(token)
         req.stage_marks.mark(OUTPUT_TOKEN)
         if logprob is not None and req.return_logprob:
@@ -227,6 +256,7 @@ class Scheduler:
             self.waiting.remove(req)
         if req is self.chunked:
             self.chunked = None
+        self.grammar_queue.remove(req)
         if req in self.running:
             self.running.remove(req)
         if not req.finished:
@@ -461,6 +491,10 @@ class Scheduler:
                         r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
+        grammars = [r.grammar for r in reqs]
+        if any(grammars):
+            logits = mask_logits(logits, grammars)
+            self.num_masked_rows += sum(g is not None for g in grammars)
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:

@@ -36,6 +36,8 @@ class StopChecker:
     def check(self, req: Req) -> FinishReason | None:
         c = req.stop_criteria or self.criteria(req)
         n = len(req.output_ids)
+        if req.grammar is not None and req.grammar.terminated:  # ignore_eos or not: nothing more may follow
+            return FinishReason("stop", matched=req.output_ids[-1])
         if n >= c.min_tokens:
             token = req.output_ids[-1]
             if token in c.stop_ids:

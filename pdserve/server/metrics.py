@@ -46,9 +46,26 @@ class _ScrapeState:
             CounterMetricFamily(PREFIX + "compiles_after_ready", "Kernels compiled (or loaded from the on-disk cache) "
                                 "after the server reported ready: variants the warm-up missed.",
                                 stats.get("compiles_after_ready", 0)),
+            *_grammar_metrics(stats),
             *_hicache_counters(stats.get("hicache", {})),
             *_kv_transfer_metrics(stats.get("kv_transfer")),
         ]
+
+
+def _grammar_metrics(stats: dict) -> list[Metric]:
+    """Structured output: requests with a grammar, compiles and their time, cache hits, masked rows, waiting ones."""
+    counters = {
+        "constrained_requests": "Requests that asked for a grammar (json_schema, regex, ebnf, ...).",
+        "grammar_compiles": "Grammars compiled (one per distinct grammar; the others hit the cache).",
+        "grammar_cache_hits": "Grammar requests served by an already compiled (or compiling) grammar.",
+        "grammar_compile_seconds": "Time spent compiling grammars, in seconds.",
+        "grammar_masked_rows": "Sampled rows whose logits a grammar's token bitmask masked.",
+    }
+    families: list[Metric] = [CounterMetricFamily(PREFIX + name, text, stats.get(name, 0))
+                              for name, text in counters.items()]
+    families.append(_gauge("grammar_waiting_reqs", "Requests waiting for their grammar's compile.",
+                           stats.get("grammar_waiting", 0)))
+    return families
 
 
 def _hicache_counters(counters: dict[str, dict[str, float]]) -> list[Metric]:

@@ -28,6 +28,7 @@ from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
+from pdserve.server.tool_calls import ToolChoice, parse_tool_calls, pick_tool_call_parser
 from pdserve.tokenizer import TokenBytes
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -53,11 +54,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true")
     check_batch_size(args, body.n)
-    input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.chat_template_kwargs)
+    tool_choice = _tool_choice(body)
+    input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.template_kwargs())
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     key = chat_routing_key(body.messages)
     requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
-    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tm.token_bytes))
+    parser = pick_tool_call_parser(args.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
+    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tool_choice, parser, tm.token_bytes))
+
+
+def _tool_choice(body: ChatCompletionRequest) -> ToolChoice:
+    try:
+        return body.tool_choice_spec
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -212,24 +222,50 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, model: str, requests: list[GenerateRequest], token_bytes: TokenBytes):
+    def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice, tool_call_parser: str,
+                 token_bytes: TokenBytes):
         super().__init__(model, requests)
+        self.tool_choice = tool_choice
+        self.tool_call_parser = tool_call_parser
         self.token_bytes = token_bytes
+        self._held: dict[int, list[str]] = {}  # streamed with tools: each choice's text until it ends
 
     def choice(self, index: int, generation: Generation) -> dict:
         logprobs = None
         if self.logprobs:
             logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs,
                                                      self.token_bytes)}
-        return {"index": index, "message": {"role": "assistant", "content": generation.text},
-                "logprobs": logprobs, "finish_reason": _finish_reason(generation.finish_reason)}
+        finish_reason = _finish_reason(generation.finish_reason)
+        content, tool_calls = parse_tool_calls(generation.text, self.tool_choice, self.tool_call_parser)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
+        choices = [_role_chunk(index)] if is_first else []
+        if self.tool_choice.mode == "none":
+            return choices + self._content_choices(index, delta)
+        return choices + self._tool_call_choices(index, delta)
+
+    def _tool_call_choices(self, index: int, delta: OutputDelta) -> list[dict]:
+        """With tools a choice's text is held back until it ends; then one delta carries its content and its tool
+        calls, each with its whole arguments."""
+        self._held.setdefault(index, []).append(delta.out.text)
+        if not delta.finished:
+            return []
+        content, calls = parse_tool_calls("".join(self._held.pop(index)), self.tool_choice, self.tool_call_parser)
+        finish_reason = _finish_reason(delta.out.finish_reason)
+        message: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return [{"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}]
+
+    def _content_choices(self, index: int, delta: OutputDelta) -> list[dict]:
         out = delta.out
         choices = []
-        if is_first:
-            choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None})
         if out.text or delta.finished or out.output_logprobs:
             logprobs = None
             if out.output_logprobs:
@@ -238,6 +274,10 @@ class ChatFormat(ResponseFormat):
             choices.append({"index": index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": _finish_reason(out.finish_reason)})
         return choices
+
+
+def _role_chunk(index: int) -> dict:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 def completion_logprobs(entries: list[list], top: list[list[list]], text_offset: int) -> dict:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, create_model
 
 from pdserve.sampling_params import MAX_INT32, MAX_TOP_LOGPROBS, SamplingParams
+from pdserve.server.tool_calls import ToolChoice, response_format_schema, tool_call_schema, tool_choice_of
 
 MAX_N = 16
 MAX_ROOM = 2**63 - 1
@@ -51,12 +52,16 @@ class EngineSamplingFields(BaseModel):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 # sampling_params fields of SGLang that pdserve does not implement, with the test of a value that asks for nothing
 NEUTRAL_SGLANG_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
-    **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "logit_bias", "custom_params",
-                     "no_stop_trim", "watermark", "ebnf_full_assistant"), _absent),
+    **dict.fromkeys(("stop_regex", "logit_bias", "custom_params", "no_stop_trim", "watermark", "ebnf_full_assistant"),
+                    _absent),
     "n": lambda value: value in (None, 1),
     "beam_width": lambda value: value in (None, 1),
     "spaces_between_special_tokens": lambda value: value in (None, True),
@@ -66,10 +71,6 @@ NEUTRAL_SGLANG_SAMPLING_FIELDS: dict[str, Callable[[Any], bool]] = {
 class SamplingFields(EngineSamplingFields):
     """SGLang's whole sampling_params object."""
 
-    json_schema: Any = None
-    regex: Any = None
-    ebnf: Any = None
-    structural_tag: Any = None
     stop_regex: Any = None
     logit_bias: Any = None
     custom_params: Any = None
@@ -204,23 +205,23 @@ class OpenAIRequestBase(BootstrapFields):
     skip_special_tokens: bool | None = None
     stop_token_ids: list[int] | None = None
     rid: ShortStr | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported_feature(self) -> str | None:
         """The first requested OpenAI feature this server does not implement, if any."""
         extra = self.model_extra or {}
-        for name in ("tools", "functions", "logit_bias", "suffix", "audio", "prediction"):
+        for name in ("functions", "logit_bias", "suffix", "audio", "prediction"):
             if extra.get(name):
                 return name
         if extra.get("echo"):
             return "echo"
         if (extra.get("best_of") or 1) != 1:
             return "best_of"
-        response_format = extra.get("response_format")
-        if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-            return "response_format"
-        if extra.get("tool_choice") not in (None, "none"):
-            return "tool_choice"
         return None
+
+    def output_schema(self) -> str | None:
+        """The JSON schema text the output is constrained to (ValueError for a bad response_format)."""
+        return response_format_schema(self.response_format)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
         values: dict[str, Any] = {
@@ -237,6 +238,9 @@ class OpenAIRequestBase(BootstrapFields):
             values["seed"] = (self.seed + seed_offset) % 2**63
         if logprobs is not None:
             values["logprobs"] = logprobs
+        schema = self.output_schema()
+        if schema is not None:
+            values["json_schema"] = schema
         return SamplingParams(**values)
 
 
@@ -244,6 +248,13 @@ class CompletionRequest(OpenAIRequestBase):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=0)  # OpenAI's default for completions
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def unsupported_feature(self) -> str | None:
+        extra = self.model_extra or {}
+        for name in ("tools", "tool_choice"):  # tools are a chat feature
+            if extra.get(name):
+                return name
+        return super().unsupported_feature()
 
 
 class ContentPart(BaseModel):
@@ -257,6 +268,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def to_template(self) -> dict[str, Any]:
         content = self.content
@@ -264,9 +277,24 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
-        if self.name:
-            message["name"] = self.name
+        for field in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, field):
+                message[field] = getattr(self, field)
         return message
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: ShortStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
 
 
 class ChatCompletionRequest(OpenAIRequestBase):
@@ -275,6 +303,29 @@ class ChatCompletionRequest(OpenAIRequestBase):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    @property
+    def tool_choice_spec(self) -> ToolChoice:
+        """ValueError for a tool_choice that does not fit the tools."""
+        return tool_choice_of(self.tool_choice, self.tool_dicts)
+
+    def output_schema(self) -> str | None:
+        schema = tool_call_schema(self.tool_choice_spec, self.tool_dicts, self.parallel_tool_calls)
+        if schema is not None and self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError("give either response_format or a tool_choice that forces a call, not both")
+        return schema if schema is not None else super().output_schema()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra arguments: the tools (unless tool_choice is none), then the client's own."""
+        offered = {"tools": self.tool_dicts} if self.tools and self.tool_choice_spec.mode != "none" else {}
+        return {**offered, **(self.chat_template_kwargs or {})}
 
     @property
     def output_limit(self) -> int | None:

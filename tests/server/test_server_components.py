@@ -26,7 +26,8 @@ from pdserve.messages import (
 )
 from pdserve.disagg.transfer_stats import TransferStats
 from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
-from pdserve.server.schemas import ChatCompletionRequest, GenerateReqInput, bootstrap_for, sglang_sampling_params
+from pdserve.server.schemas import (ChatCompletionRequest, CompletionRequest, GenerateReqInput, bootstrap_for,
+                                    sglang_sampling_params)
 from pdserve.server.tokenizer_manager import GenerateRequest
 from pdserve.tokenizer import TokenBytes
 
@@ -229,7 +230,10 @@ def test_batch_size_detection():
 def test_openai_unsupported_features_are_named():
     base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     assert ChatCompletionRequest.model_validate(base).unsupported_feature() is None
-    assert ChatCompletionRequest.model_validate({**base, "tools": [{"type": "function"}]}).unsupported_feature() == "tools"
+    functions = {**base, "functions": [{"name": "f"}]}
+    assert ChatCompletionRequest.model_validate(functions).unsupported_feature() == "functions"
+    completion = {"model": "m", "prompt": "hi", "tools": [{"type": "function"}]}
+    assert CompletionRequest.model_validate(completion).unsupported_feature() == "tools"
     assert ChatCompletionRequest.model_validate({**base, "logit_bias": None}).unsupported_feature() is None
 
 
@@ -268,8 +272,8 @@ def test_sglang_fields_asking_for_a_missing_feature_are_named(field, value):
 
 
 def test_sglang_sampling_fields_asking_for_a_missing_feature_are_named():
-    body = GenerateReqInput.model_validate({"text": "a", "sampling_params": [{}, {"regex": "[ab]+"}]})
-    assert body.unsupported_feature() == "regex='[ab]+'"
+    body = GenerateReqInput.model_validate({"text": "a", "sampling_params": [{}, {"stop_regex": "[ab]+"}]})
+    assert body.unsupported_feature() == "stop_regex='[ab]+'"
     assert GenerateReqInput.model_validate({"text": "a", "sampling_params": {"n": 2}}).unsupported_feature() == "n=2"
 
 

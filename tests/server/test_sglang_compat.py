@@ -69,11 +69,23 @@ def test_no_sglang_flag_is_unrecognized(flag):
 
 
 def test_flags_pdserve_already_obeys_are_accepted_with_a_note():
-    args = _parse("--enable-metrics", "--dp-size", "1", "--kv-cache-dtype=auto", "--grammar-backend", "none")
+    args = _parse("--enable-metrics", "--dp-size", "1", "--kv-cache-dtype=auto")
     assert args.sglang_flag_notes == (
         "--enable-metrics: accepted, metrics are always on at /metrics",
-        "--dp-size 1: accepted, pdserve behaves so", "--kv-cache-dtype auto: accepted, pdserve behaves so",
-        "--grammar-backend none: accepted, pdserve behaves so")
+        "--dp-size 1: accepted, pdserve behaves so", "--kv-cache-dtype auto: accepted, pdserve behaves so")
+
+
+def test_tool_call_parser_is_a_real_flag():
+    assert _parse("--tool-call-parser", "llama3").tool_call_parser == "llama3"
+    with pytest.raises(ConfigError, match="--tool-call-parser must be qwen25 or llama3"):
+        _parse("--tool-call-parser", "mistral")
+
+
+def test_grammar_backend_is_a_real_flag():
+    assert _parse("--grammar-backend", "none").grammar_backend == "none"
+    assert _parse().grammar_backend == "xgrammar"
+    with pytest.raises(ConfigError, match="--grammar-backend must be xgrammar or none"):
+        _parse("--grammar-backend", "outlines")
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -1,0 +1,66 @@
+"""Where a server cannot compile grammars at all, a grammar request is refused at once, naming why."""
+
+from __future__ import annotations
+
+import builtins
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.config import ServerArgs
+from pdserve.constrained.compiler import GrammarError
+from pdserve.sampling_params import SamplingParams
+from pdserve.scheduler.grammar_queue import GrammarQueue
+from pdserve.scheduler.request import Req
+
+MODEL = SimpleNamespace(vocab_size=1280, eos_token_ids=(1279,))
+
+
+def queue(tiny_model, **args) -> GrammarQueue:
+    from pdserve.tokenizer import load_tokenizer
+
+    server_args = ServerArgs(model_path=tiny_model, device="cpu", **args)
+    return GrammarQueue(server_args, MODEL, lambda: load_tokenizer(server_args))
+
+
+def regex_req() -> Req:
+    return Req.of("r", [1, 2], SamplingParams(regex="[0-9]+"))
+
+
+def test_grammar_backend_none_refuses_grammars(tiny_model):
+    q = queue(tiny_model, grammar_backend="none")
+    with pytest.raises(GrammarError, match="--grammar-backend none"):
+        q.submit(regex_req())
+    assert not q.pending
+    q.close()
+
+
+def test_without_xgrammar_the_message_names_the_package(tiny_model, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_xgrammar(name, *args, **kwargs):
+        if name == "xgrammar":
+            raise ImportError("No module named 'xgrammar'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_xgrammar)
+    q = queue(tiny_model)
+    with pytest.raises(GrammarError, match=r"needs the xgrammar package \(pip install 'xgrammar==0.2.8'\)"):
+        q.submit(regex_req())
+    q.close()
+
+
+def test_a_compiled_grammar_is_handed_on_and_shared(tiny_model):
+    q = queue(tiny_model)
+    first, second = regex_req(), regex_req()
+    q.submit(first)
+    q.submit(second)
+    q.pending[0].compiled.result(timeout=30)
+    outcomes = q.poll()
+    assert [o.req for o in outcomes] == [first, second] and all(o.grammar is not None for o in outcomes)
+    stats = q.stats()
+    assert stats["grammar_compile_seconds"] > 0
+    assert stats | {"grammar_compile_seconds": 0} == {"constrained_requests": 2, "grammar_compiles": 1,
+                                                       "grammar_cache_hits": 1, "grammar_compile_seconds": 0,
+                                                       "grammar_waiting": 0}
+    q.close()
