@@ -137,14 +137,25 @@ async def collect(streams: list[AsyncIterator[OutputDelta]]) -> list[Generation]
 
 def output_stream(tm: TokenizerManager, request: GenerateRequest, streamed: bool,
                   exchange: Exchange | None) -> AsyncIterator[OutputDelta]:
-    """The request's outputs: logged with --log-requests and, when streamed, grouped by --stream-interval tokens;
-    `exchange` is the HTTP exchange it came in (its timeline lives there)."""
+    """The request's outputs: logged with --log-requests and, when streamed, grouped by the request's
+    stream_interval or else --stream-interval tokens; `exchange` is the HTTP exchange it came in (its timeline
+    lives there)."""
     stream = tm.generate(request, exchange)
     if tm.args.log_requests:
         stream = _logged(stream, request, tm)
-    if streamed and tm.args.stream_interval > 1:
-        stream = _every_n_tokens(stream, tm.args.stream_interval)
+    interval = request.stream_interval or tm.args.stream_interval
+    if streamed and interval > 1:
+        stream = _every_n_tokens(stream, interval)
     return stream
+
+
+def stream_interval_of(top_level: Any, nested: Any) -> int | None:
+    """SGLang's per-request stream_interval (inside sampling_params, or beside it); None: the server's."""
+    value = getattr(nested, "stream_interval", None)
+    value = top_level.stream_interval if value is None else value
+    if value is not None and value < 1:
+        raise ApiError(400, f"stream_interval must be at least 1, got {value}")
+    return value
 
 
 async def _every_n_tokens(stream: AsyncIterator[OutputDelta], tokens: int) -> AsyncIterator[OutputDelta]:

@@ -15,7 +15,7 @@ from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.generation import Generation, check_batch_size, settle_bootstrap, check_prompt_sizes
 from pdserve.server.generation import check_unique_rids, collect
-from pdserve.server.generation import new_rid, output_stream, sampling_error, with_logprobs
+from pdserve.server.generation import new_rid, output_stream, sampling_error, stream_interval_of, with_logprobs
 from pdserve.server.http_common import ARGS_KEY, EXCHANGE_KEY, METRICS_KEY, TM_KEY, ApiError, json_response
 from pdserve.server.http_common import parse_body
 from pdserve.server.http_common import stream_with_early_errors
@@ -82,7 +82,8 @@ async def build_generate_requests(
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
         req = GenerateRequest(rids[index] or new_rid(), input_ids, params, bootstrap_host=host,
-                              bootstrap_port=port, bootstrap_room=room, routing_key=prompts[index])
+                              bootstrap_port=port, bootstrap_room=room, routing_key=prompts[index],
+                              stream_interval=stream_interval_of(body, nested[index]))
         with_logprobs(req, bool(body.return_logprob), body.top_logprobs_num or 0,
                       -1 if body.logprob_start_len is None else body.logprob_start_len)
         settle_bootstrap(args, req)

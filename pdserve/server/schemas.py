@@ -80,7 +80,7 @@ class SamplingFields(EngineSamplingFields):
     watermark: Any = None
     ebnf_full_assistant: Any = None
     spaces_between_special_tokens: Any = None
-    stream_interval: int | None = None  # streaming cadence: pdserve streams every token
+    stream_interval: int | None = None  # streaming cadence in tokens; None: the server's --stream-interval
 
     def unsupported_feature(self) -> str | None:
         return first_unsupported(self, NEUTRAL_SGLANG_SAMPLING_FIELDS)

@@ -68,6 +68,7 @@ class GenerateRequest:
     bootstrap_room: int | None = None
     routing_key: str | list[int] | None = None  # what the router hashes for cache-aware routing (prefix_digest)
     meta_note: dict = field(default_factory=dict)  # entries added to the answer's meta_info (a role served alone)
+    stream_interval: int | None = None  # SGLang's per-request streaming cadence; None: the server's --stream-interval
 
 
 @dataclass(slots=True)

@@ -16,7 +16,8 @@ import pytest
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser, parse_server_cli
 from pdserve.messages import StrOut
 from pdserve.sampling_params import SamplingParams
-from pdserve.server.generation import output_stream
+from pdserve.server.generation import output_stream, stream_interval_of
+from pdserve.server.http_common import ApiError
 from pdserve.server.schemas import GenerateReqInput, sglang_sampling_params
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta
 from pdserve.tokenizer import chat_template_text, load_tokenizer
@@ -145,8 +146,8 @@ def _outs(tokens: int) -> list[StrOut]:
     return [StrOut("r", f"t{i} ", [i], finish if i == tokens - 1 else None, 2, i + 1, 0) for i in range(tokens)]
 
 
-async def _deltas(tm, streamed: bool) -> list[OutputDelta]:
-    request = GenerateRequest("r", [5, 6], SamplingParams())
+async def _deltas(tm, streamed: bool, stream_interval: int | None = None) -> list[OutputDelta]:
+    request = GenerateRequest("r", [5, 6], SamplingParams(), stream_interval=stream_interval)
     return [delta async for delta in output_stream(tm, request, streamed, None)]
 
 
@@ -156,6 +157,20 @@ def test_stream_interval_groups_tokens_and_flushes_at_the_end():
     assert [d.out.new_token_ids for d in deltas] == [[0, 1, 2], [3, 4, 5], [6]]
     assert deltas[0].out.text == "t0 t1 t2 " and deltas[-1].finished
     assert len(asyncio.run(_deltas(tm, streamed=False))) == 7  # a whole response is not grouped
+
+
+def test_a_request_s_stream_interval_overrides_the_server_s():
+    tm = _fake_manager(ServerArgs(model_path="m", stream_interval=3), _outs(5))
+    deltas = asyncio.run(_deltas(tm, streamed=True, stream_interval=2))
+    assert [d.out.new_token_ids for d in deltas] == [[0, 1], [2, 3], [4]]
+
+
+def test_stream_interval_is_read_from_sampling_params_or_beside_them():
+    body = GenerateReqInput.model_validate({"text": "a", "stream_interval": 4, "sampling_params": {"stream_interval": 2}})
+    assert stream_interval_of(body, body.sampling_params) == 2
+    assert stream_interval_of(body, None) == 4
+    with pytest.raises(ApiError, match="at least 1"):
+        stream_interval_of(GenerateReqInput.model_validate({"text": "a", "stream_interval": 0}), None)
 
 
 def test_log_requests_logs_id_counts_and_text_by_level(caplog):
