@@ -130,13 +130,17 @@ def test_outputs_cut_by_length_are_prefixes_the_grammar_accepts(pair, colocated)
         assert_valid_prefix(pair[1], schema, through_pd["ids"])
 
 
-def test_a_compile_timing_out_on_the_decode_only_fails_cleanly_and_pd_keeps_serving(model, monkeypatch):
-    """The prefill compiles the grammar, the decode's compile outlasts its --grammar-compile-timeout-s: the decode
-    answers 400 at once, the prefill gives the unclaimed room up after its bootstrap timeout (or at once, when the
-    router aborts it), both pools end free, and the pair serves the next constrained request."""
-    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=1.0)
+@pytest.mark.parametrize("slow_side", [1, 0], ids=["decode", "prefill"])
+def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_serving(model, monkeypatch, slow_side):
+    """One side compiles the grammar, the other's compile outlasts its --grammar-compile-timeout-s: that side
+    answers 400 at once, the other gives the request up after its 1 s bootstrap (prefill) or waiting (decode)
+    timeout, or at once when the router aborts it; both pools end free, and the pair serves the next constrained
+    request."""
+    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=1.0, disaggregation_waiting_timeout=1.0)
+    scheds = [prefill, decode]
+    slow, other = scheds[slow_side], scheds[1 - slow_side]
     try:
-        queue = decode.grammar_queue
+        queue = slow.grammar_queue
         monkeypatch.setattr(queue, "args", queue.args.replace(grammar_compile_timeout_s=0.05))
         compile_ = queue._compiler().compile
 
@@ -150,22 +154,22 @@ def test_a_compile_timing_out_on_the_decode_only_fails_cleanly_and_pd_keeps_serv
             # a regex of its own: a compile that timed out still ends, and the next request would find it cached
             params = SamplingParams(temperature=0, max_tokens=8, regex=f"slow{rid}[0-9]")
             started = time.monotonic()
-            for s in (prefill, decode):
+            for s in scheds:
                 s.add_request(req(rid, prompt(5, 20), params, port, room))
             finish = None
             while finish is None:
-                assert time.monotonic() - started < 5, "the decode never answered"
-                prefill.step()
-                finish = next((o.finish_reason for o in decode.step() if o.rid == rid), None)
+                assert time.monotonic() - started < 5, "the slow side never answered"
+                other.step()
+                finish = next((o.finish_reason for o in slow.step() if o.rid == rid and o.finish_reason), None)
             assert finish.get("status_code") == 400 and "did not compile within 0.05 s" in finish["message"], finish
             if router_aborts:
-                prefill.abort_request(rid)
-            outs = run([prefill, decode], timeout=10)
-            if not router_aborts:
-                assert "no decode server claimed bootstrap_room" in outs[(0, rid)]["finish"]["message"]
+                other.abort_request(rid)
+            outs = run(scheds, timeout=10)
+            assert outs[(1 - slow_side, rid)]["finish"]["type"] == "abort"
+            assert time.monotonic() - started < 5
             assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
             assert not prefill.has_work() and not decode.has_work()
-        monkeypatch.undo()  # the decode's usual timeout: a first JSON schema compile may take longer than 0.05 s
+        monkeypatch.undo()  # the usual timeout: a first JSON schema compile may take longer than 0.05 s
         got = serve_pd((prefill, decode, port), "next", prompt(6, 20), constrained(40), room=402)
         assert got["finish"]["type"] == "stop", got
         jsonschema.validate(json.loads(text_of(decode, got["ids"])), SCHEMA)
