@@ -1,13 +1,16 @@
 """Conditional disaggregation end to end: the router sends a short prompt to the decode server alone, which
 prefills it itself (in chunks, alternating with the decode steps of a request running beside it); the output is
-token-identical to a colocated server's and the router counts local and remote prefills."""
+token-identical to a colocated server's (under a JSON schema too) and the router counts local and remote
+prefills."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from collections.abc import Iterator
 
+import jsonschema
 import pytest
 from cluster_util import Proc, decode_server, free_port, prefill_server, router, scheduler_stats, start_all, \
     stop_all, wait_kv_free
@@ -79,3 +82,20 @@ def test_decode_server_refuses_half_a_bootstrap(conditional_cluster):
     reply = conditional_cluster["decode"].post("/generate", {"input_ids": SHORT_IDS, "sampling_params": GREEDY,
                                                              "bootstrap_host": "127.0.0.1"})
     assert reply.status == 400 and "bootstrap_room" in reply.json()["error"]["message"]
+
+
+def test_a_json_schema_request_prefilled_on_the_decode_validates_and_matches_colocated(conditional_cluster, colocated):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    body = {"input_ids": SHORT_IDS, "sampling_params": {"temperature": 0, "max_new_tokens": 40,
+                                                        "json_schema": json.dumps(schema)}}
+    front, local = conditional_cluster["router"], '{path="local"}'
+    shown = f'pdserve_router_prefill_total{local}' in front.get("/metrics").body.decode()  # after a local prefill
+    local_before = counter(front, "pdserve_router_prefill_total", local) if shown else 0
+    got, expected = front.post("/generate", body), colocated.post("/generate", body)
+    assert got.status == expected.status == 200, (got.body, expected.body)
+    assert counter(front, "pdserve_router_prefill_total", local) == local_before + 1
+    assert got.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    jsonschema.validate(json.loads(got.json()["text"]), schema)
+    assert got.json()["output_ids"] == expected.json()["output_ids"]
+    wait_kv_free([conditional_cluster["prefill"], conditional_cluster["decode"]])
