@@ -13,14 +13,8 @@ from pdserve.engine.model_runner import use_compute_stream
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def device():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return torch.device("cuda", 0)
-
-
-def test_a_legacy_stream_copy_does_not_wait_for_queued_forwards(device):
+def test_a_legacy_stream_copy_does_not_wait_for_queued_forwards():
+    device = torch.device("cuda", 0)
     previous = torch.cuda.current_stream(device)
     stream = use_compute_stream(device)
     try:
