@@ -15,6 +15,7 @@ from threading import Lock
 from typing import Any
 
 from pdserve.constrained.json_schema import strict_json_schema
+from pdserve.constrained.utf8_guard import Utf8Guard
 
 _NATIVE_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " prefix
 MISSING_PACKAGE = "structured output needs the xgrammar package (pip install 'xgrammar==0.2.8')"
@@ -49,6 +50,8 @@ class GrammarCompiler:
         self.xgr = import_xgrammar()
         info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self.compiler = self.xgr.GrammarCompiler(info, max_threads=max_workers)
+        self.token_bytes: list[bytes] = info.decoded_vocab
+        self.utf8_guard = Utf8Guard(self.token_bytes)
         self.any_whitespace = any_whitespace
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self.cache: dict[GrammarSpec, Future] = {}

@@ -11,20 +11,27 @@ from typing import Any
 
 import torch
 
+from pdserve.constrained.utf8_guard import Utf8Guard
+
 
 class RequestGrammar:
     """The matcher of one request: which tokens may come next, and whether the grammar has ended."""
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "guard", "after_surrogate_lead")
 
-    def __init__(self, compiled: Any):
+    def __init__(self, compiled: Any, guard: Utf8Guard):
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
+        self.guard = guard
+        self.after_surrogate_lead = False  # the last accepted token ended with the byte ED
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False if the grammar does not allow it (the matcher is then unchanged)."""
-        return self.matcher.accept_token(token)
+        if not self.guard.allows(token, self.after_surrogate_lead) or not self.matcher.accept_token(token):
+            return False
+        self.after_surrogate_lead = token in self.guard.ends_with_lead
+        return True
 
     @property
     def terminated(self) -> bool:
@@ -33,6 +40,7 @@ class RequestGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.guard.restrict(bitmask[row], self.after_surrogate_lead)
 
 
 def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:

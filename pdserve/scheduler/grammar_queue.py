@@ -82,7 +82,7 @@ class GrammarQueue:
             return []
         now, outcomes, still = time.monotonic(), [], []
         for item in self.pending:
-            outcome = _outcome(item, now, self.args.grammar_compile_timeout_s)
+            outcome = _outcome(item, now, self.args.grammar_compile_timeout_s, self.compiler)
             (still if outcome is None else outcomes).append(item if outcome is None else outcome)
         self.pending = still
         return outcomes
@@ -112,12 +112,12 @@ class GrammarQueue:
         os.close(self._wake_write_fd)
 
 
-def _outcome(item: PendingGrammar, now: float, timeout: float) -> GrammarOutcome | None:
+def _outcome(item: PendingGrammar, now: float, timeout: float, compiler: GrammarCompiler) -> GrammarOutcome | None:
     if item.compiled.done():
         error = item.compiled.exception()
         if error is not None:
             return GrammarOutcome(item.req, None, str(error))
-        return GrammarOutcome(item.req, RequestGrammar(item.compiled.result()), None)
+        return GrammarOutcome(item.req, RequestGrammar(item.compiled.result(), compiler.utf8_guard), None)
     if now >= item.deadline:
         return GrammarOutcome(item.req, None, f"the grammar did not compile within {timeout:g} s "
                                               "(--grammar-compile-timeout-s)")
