@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from pdserve.sglang_compat import UnsupportedFlag, check_sglang_flags
 
 DisaggMode = Literal["null", "prefill", "decode"]
+KV_CACHE_DTYPE_CHOICES = ("auto", "bf16", "bfloat16", "fp8_e4m3", "fp8_e5m2")  # pdserve.mem_cache.kv_quant's
 TransferBackendName = Literal["auto", "mooncake", "nccl", "tcp", "fake"]
 
 
@@ -44,6 +46,8 @@ class ServerArgs:
     max_running_requests: int = 256
     max_prefill_tokens: int = 16384
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str | None = None
     disable_radix_cache: bool = False
     schedule_conservativeness: float = 1.0
     # hierarchical KV cache
@@ -159,12 +163,26 @@ class ServerArgs:
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 0..65535")
         self._validate_hicache()
+        self._validate_kv_cache_dtype()
         if self.grammar_backend not in ("xgrammar", "none"):
             raise ConfigError(f"--grammar-backend must be xgrammar or none, got {self.grammar_backend!r}")
         if self.tool_call_parser not in (None, "qwen25", "llama3"):
             raise ConfigError(f"--tool-call-parser must be qwen25 or llama3, got {self.tool_call_parser!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError("--grammar-compile-timeout-s must be > 0")
+
+    def _validate_kv_cache_dtype(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ConfigError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                              f"got {self.kv_cache_dtype!r}")
+        fp8 = self.kv_cache_dtype.startswith("fp8")
+        if fp8 and self.attention_backend == "flash_attn":
+            raise ConfigError(f"--attention-backend flash_attn cannot read a KV cache in {self.kv_cache_dtype} "
+                              "(FlashAttention-4 reads K and V in the model's dtype); use auto, sdpa or triton")
+        if self.kv_cache_scales is not None and not fp8:
+            raise ConfigError("--kv-cache-scales needs --kv-cache-dtype fp8_e4m3 or fp8_e5m2")
+        if self.kv_cache_scales is not None and not os.path.isfile(self.kv_cache_scales):
+            raise ConfigError(f"--kv-cache-scales {self.kv_cache_scales}: no such file")
 
     def _validate_hicache(self) -> None:
         choices = {
@@ -295,6 +313,12 @@ _HELP: dict[str, tuple[str, str]] = {
     "max_running_requests": ("memory", "Most requests decoding at once."),
     "max_prefill_tokens": ("memory", "Token budget of one prefill batch."),
     "page_size": ("memory", "Tokens per KV-cache page."),
+    "kv_cache_dtype": ("memory", "KV-cache storage: auto (the model's dtype), bf16 / bfloat16, or fp8_e4m3 / "
+                                 "fp8_e5m2 (one byte per value: twice the tokens in the same memory, half the bytes "
+                                 "per PD handoff), quantized with per-layer K and V scales: the checkpoint's "
+                                 "k_scale/v_scale tensors, else --kv-cache-scales, else 1.0."),
+    "kv_cache_scales": ("memory", "JSON file of per-layer FP8 KV scales, written by python -m "
+                                  "pdserve.tools.calibrate_kv_scales; used where the checkpoint has none."),
     "disable_radix_cache": ("memory", "Turn off prefix reuse through the radix cache."),
     "schedule_conservativeness": ("memory", "Scale of the decode-token reservation used at admission (>1 admits fewer)."),
     "enable_hierarchical_cache": ("hicache", "Keep KV pages evicted from the device in host memory (and storage) and load them back on a prefix hit (off with --disable-radix-cache and on the decode role)."),

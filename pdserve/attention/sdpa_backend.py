@@ -15,6 +15,7 @@ from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.attention.triton_backend import TritonAttnBackend
 from pdserve.kernels.attention import extend_attention
 from pdserve.mem_cache.kv_pool import KVPool
+from pdserve.mem_cache.kv_quant import is_fp8, round_trip
 
 SDPA_MIN_LEN = 1024
 
@@ -57,11 +58,14 @@ class SdpaAttnBackend(AttentionBackend):
             return self.triton.forward(q, k, v, layer_id, pool, scaling)
         meta, split = self.triton.metadata, self.split
         k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        k_scale, v_scale = pool.k_scale(layer_id), pool.v_scale(layer_id)
         out = torch.empty_like(q)
         extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.prefix_lens, split.short_extend_lens, meta.extend_start_loc,
-            split.max_short_len, out, scaling, self.triton.page_size,
+            split.max_short_len, out, scaling, self.triton.page_size, k_scale=k_scale, v_scale=v_scale,
         )
+        if is_fp8(k_cache.dtype):  # attend to what the cache holds, as every other path does
+            k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
         for start, length in split.long_rows:
             rows = slice(start, start + length)
             o = F.scaled_dot_product_attention(

@@ -9,7 +9,9 @@ one log line naming why.
 in float16 or bfloat16: measured on H200 (2026-11-23, `benchmarks/results/2026-11-23/issue15/fa4_probe_h200.json`)
 it is the fastest prefill at every shape tried (one 8k prompt 690 TFLOP/s against SDPA/cuDNN's 526; 16 prompts of
 512 tokens 230 against the Triton extend kernel's 169; 2048 tokens after a 6144-token cached prefix 458 against
-Triton's 333), and its decode is the Triton kernel's. Otherwise `sdpa` on CUDA, `torch_native` elsewhere.
+Triton's 333), and its decode is the Triton kernel's. Otherwise `sdpa` on CUDA, `torch_native` elsewhere. A KV cache
+in another dtype than the model's (`--kv-cache-dtype fp8_e4m3`) rules FlashAttention-4 out: its kernels read K and V
+in q's dtype only, where the Triton kernels, SDPA's (which round-trip K and V) and torch_native read FP8 pages.
 """
 
 from __future__ import annotations
@@ -30,26 +32,29 @@ FLASH_ATTN_INSTALL = "pip install 'pdserve[flash-attn]'"
 
 
 def unsupported_reason(name: str, head_dim: int, page_size: int, device_type: str = "cuda",
-                       capability: tuple[int, int] | None = None, dtype: str | None = None) -> str | None:
+                       capability: tuple[int, int] | None = None, dtype: str | None = None,
+                       kv_dtype: str | None = None) -> str | None:
     """Why backend `name` cannot serve a model with this head size and KV page size on this device (CUDA compute
-    capability as (major, minor), None when unknown) in this dtype (torch's name: "bfloat16"), or None when it
-    can."""
-    if name == "flash_attn" and (reason := flash_attn_reason(head_dim, device_type, capability, dtype)) is not None:
+    capability as (major, minor), None when unknown) in this dtype (torch's name: "bfloat16") with a KV cache in
+    `kv_dtype` (None: the model's), or None when it can."""
+    if name == "flash_attn" and (reason := flash_attn_reason(head_dim, device_type, capability, dtype,
+                                                             kv_dtype)) is not None:
         return reason
     return triton_reason(head_dim, page_size) if name in TRITON_BACKENDS else None
 
 
 def flash_attn_reason(head_dim: int, device_type: str, capability: tuple[int, int] | None,
-                      dtype: str | None) -> str | None:
+                      dtype: str | None, kv_dtype: str | None = None) -> str | None:
     """What FlashAttention-4 itself needs (the decode on the Triton kernels is checked apart)."""
-    reason = flash_attn_platform_reason(device_type, capability, dtype)
+    reason = flash_attn_platform_reason(device_type, capability, dtype, kv_dtype)
     if reason is None and head_dim not in FLASH_ATTN_HEAD_DIMS:
         return f"FlashAttention-4 supports head_dim multiples of 8 from 8 to 256, the model has {head_dim}"
     return reason
 
 
-def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | None, dtype: str | None) -> str | None:
-    """Why FlashAttention-4 cannot run here in this dtype, whatever the model's shapes, or None."""
+def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | None, dtype: str | None,
+                               kv_dtype: str | None = None) -> str | None:
+    """Why FlashAttention-4 cannot run here in this dtype and KV dtype, whatever the model's shapes, or None."""
     if device_type != "cuda":
         return f"FlashAttention-4 runs on CUDA GPUs only, the device is {device_type}"
     if capability is None:
@@ -59,6 +64,8 @@ def flash_attn_platform_reason(device_type: str, capability: tuple[int, int] | N
         return f"FlashAttention-4 needs compute capability {need} or newer, the GPU has {have}"
     if dtype not in FLASH_ATTN_DTYPES:
         return f"FlashAttention-4 computes in {' or '.join(FLASH_ATTN_DTYPES)}, the model runs in {dtype}"
+    if kv_dtype not in (None, dtype):
+        return f"FlashAttention-4 reads the KV cache in the model's dtype ({dtype}), not {kv_dtype}"
     return flash_attn_import_error()
 
 
@@ -96,21 +103,24 @@ def flash_attn_import_error() -> str | None:
     return None
 
 
-def auto_backend(device_type: str, capability: tuple[int, int] | None, dtype: str | None) -> str:
+def auto_backend(device_type: str, capability: tuple[int, int] | None, dtype: str | None,
+                 kv_dtype: str | None = None) -> str:
     if device_type != "cuda":
         return FALLBACK
-    return "flash_attn" if flash_attn_platform_reason(device_type, capability, dtype) is None else "sdpa"
+    return "flash_attn" if flash_attn_platform_reason(device_type, capability, dtype, kv_dtype) is None else "sdpa"
 
 
 def resolve_backend_name(name: str, device_type: str, head_dim: int, page_size: int,
-                         capability: tuple[int, int] | None = None, dtype: str | None = None) -> str:
+                         capability: tuple[int, int] | None = None, dtype: str | None = None,
+                         kv_dtype: str | None = None) -> str:
     """The backend to build for `--attention-backend name` on a device of `device_type` (with its CUDA compute
-    capability) for a model running in `dtype`: `auto` as the module says; a backend whose kernels cannot serve
-    the model falls back to torch_native (logged once)."""
+    capability) for a model running in `dtype` with its KV cache in `kv_dtype` (torch's name; None: `dtype`):
+    `auto` as the module says; a backend whose kernels cannot serve the model falls back to torch_native (logged
+    once)."""
     if name != "auto" and name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(BACKENDS)}")
-    chosen = name if name != "auto" else auto_backend(device_type, capability, dtype)
-    reason = unsupported_reason(chosen, head_dim, page_size, device_type, capability, dtype)
+    chosen = name if name != "auto" else auto_backend(device_type, capability, dtype, kv_dtype)
+    reason = unsupported_reason(chosen, head_dim, page_size, device_type, capability, dtype, kv_dtype)
     if reason is None:
         return chosen
     logger.warning("attention backend %s cannot serve this model (%s); using %s", chosen, reason, FALLBACK)

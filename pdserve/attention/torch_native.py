@@ -1,4 +1,5 @@
-"""Reference attention backend: gathers each request's KV from the paged pool and runs plain torch math."""
+"""Reference attention backend: gathers each request's KV from the paged pool (FP8 pages dequantized) and runs
+plain torch math in float32."""
 
 from __future__ import annotations
 
@@ -30,21 +31,20 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id: int, pool: KVPool, scaling: float) -> torch.Tensor:
         batch = self.batch
-        k_all, v_all = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
         out = torch.empty_like(q)
         start = 0
         for b, extend in enumerate(batch.extend_lens_cpu):
             prefix = batch.prefix_lens_cpu[b]
-            slots = self.slots[b]
-            out[start : start + extend] = _attend(q[start : start + extend], k_all[slots], v_all[slots], prefix, self.group, scaling)
+            k, v = pool.read(layer_id, self.slots[b])
+            out[start : start + extend] = _attend(q[start : start + extend], k, v, prefix, self.group, scaling)
             start += extend
         return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, group: int, scaling: float) -> torch.Tensor:
-    """q [E, Hq, D] at positions prefix..prefix+E-1; k, v [S, Hkv, D] for positions 0..S-1."""
-    k = k.float().repeat_interleave(group, dim=1)
-    v = v.float().repeat_interleave(group, dim=1)
+    """q [E, Hq, D] at positions prefix..prefix+E-1; k, v [S, Hkv, D] float32 for positions 0..S-1."""
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("ehd,shd->hes", q.float(), k) * scaling
     q_pos = torch.arange(prefix, prefix + q.shape[0], device=q.device)[:, None]
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]

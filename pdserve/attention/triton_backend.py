@@ -89,15 +89,16 @@ class TritonAttnBackend(AttentionBackend):
                 scaling: float) -> torch.Tensor:
         meta = self.metadata
         k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        scales = dict(k_scale=pool.k_scale(layer_id), v_scale=pool.v_scale(layer_id))  # floats: fixed in graphs
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(meta, DecodeMetadata):
             return decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, scaling, self.page_size,
-                meta.max_splits, meta.partial_o, meta.partial_lse,
+                meta.max_splits, meta.partial_o, meta.partial_lse, **scales,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
-            meta.max_extend_len, out, scaling, self.page_size,
+            meta.max_extend_len, out, scaling, self.page_size, **scales,
         )
 
     # ------------------------------------------------------------------------------------ CUDA graphs

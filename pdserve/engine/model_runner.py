@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -17,7 +19,9 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
-from pdserve.models.loader import load_model
+from pdserve.mem_cache.kv_quant import KVScales, is_fp8, kv_cache_dtype
+from pdserve.models.kv_scales import resolve_kv_scales
+from pdserve.models.loader import checkpoint_files, load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -52,10 +56,12 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy",
                                 self.tp)
+        self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.pool = KVPool(self._kv_layout(), self.device)
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         self.backend_name = resolve_backend_name(args.attention_backend, self.device.type, model_config.head_dim,
-                                                 args.page_size, capability, str(self.dtype).removeprefix("torch."))
+                                                 args.page_size, capability, dtype_name(self.dtype),
+                                                 dtype_name(self.kv_dtype))
         self.backend = create_backend(
             self.backend_name,
             num_heads=model_config.num_heads // args.tp_size, num_kv_heads=self.num_kv_heads,
@@ -74,9 +80,9 @@ class ModelRunner:
                                                 self.device, self.sampler.sample_temperature_only)
             self.sampler.reseed(args.random_seed)  # the capture's warm-up runs drew
         logger.info(
-            "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens in pages of %d",
-            args.tp_rank, args.tp_size, model_config.architecture, self.device, str(self.dtype).removeprefix("torch."), self.backend_name,
-            self.pool.layout.num_slots, args.page_size,
+            "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens (%s) in pages of %d",
+            args.tp_rank, args.tp_size, model_config.architecture, self.device, dtype_name(self.dtype),
+            self.backend_name, self.pool.layout.num_slots, dtype_name(self.kv_dtype), args.page_size,
         )
 
     def _linear_weights(self) -> list[torch.Tensor]:
@@ -88,16 +94,23 @@ class ModelRunner:
         """KV heads of this rank's pool."""
         return kv_heads_per_rank(self.model_config.num_kv_heads, self.args.tp_size)
 
+    def _kv_scales(self) -> KVScales | None:
+        """An FP8 pool's per-layer scales (models/kv_scales.py says where they come from); None for any other."""
+        if not is_fp8(self.kv_dtype):
+            return None
+        args = self.args
+        checkpoint = [] if args.load_format == "dummy" else checkpoint_files(Path(args.model_path))
+        return resolve_kv_scales(self.model_config.num_layers, checkpoint, args.kv_cache_scales, args.kv_cache_dtype)
+
     def _kv_layout(self) -> KVLayout:
         cfg, ps = self.model_config, self.args.page_size
-        layout = KVLayout(cfg.num_layers, self.num_kv_heads, cfg.head_dim, ps, 2, self.dtype)
-        bytes_per_token = 2 * cfg.num_layers * layout.token_bytes
+        layout = KVLayout(cfg.num_layers, self.num_kv_heads, cfg.head_dim, ps, 2, self.kv_dtype, self._kv_scales())
         if self.args.max_total_tokens is not None:
             tokens = self.args.max_total_tokens
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * self.args.mem_fraction_static - (total - free)
-            tokens = self.tp.min_over_ranks(int(budget // bytes_per_token))
+            tokens = self.tp.min_over_ranks(tokens_in_budget(budget, layout))
             if tokens < 16 * ps:
                 raise RuntimeError(
                     f"--mem-fraction-static {self.args.mem_fraction_static} leaves room for only {max(tokens, 0)} "
@@ -106,7 +119,7 @@ class ModelRunner:
         else:
             tokens = CPU_DEFAULT_KV_TOKENS
         num_pages = tokens // ps + 1  # + the reserved padding page 0
-        return KVLayout(cfg.num_layers, self.num_kv_heads, cfg.head_dim, ps, num_pages, self.dtype)
+        return dataclasses.replace(layout, num_pages=num_pages)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -140,6 +153,16 @@ class ModelRunner:
     def _run_model(self, batch: ForwardBatch, on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         self.backend.init_forward_metadata(batch)
         return self.model(ForwardContext(batch, self.backend, self.pool, on_layer_done))
+
+
+def tokens_in_budget(budget_bytes: float, layout: KVLayout) -> int:
+    """KV tokens (every layer's K and V) that `budget_bytes` hold in `layout`'s dtype: twice as many in FP8 as in
+    bf16."""
+    return int(budget_bytes // (2 * layout.num_layers * layout.token_bytes))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def use_compute_stream(device: torch.device) -> torch.cuda.Stream:

@@ -3,6 +3,10 @@
 Paged KV layout (pdserve.mem_cache.kv_pool): one layer's K (or V) is `[num_slots, H_kv, D]`; token position `pos`
 of request `b` lives in slot `page_table[b, pos // page_size] * page_size + pos % page_size`.
 Every launcher works on any device Triton can run on (CUDA, or CPU tensors under TRITON_INTERPRET=1).
+
+An FP8 cache (`pdserve.mem_cache.kv_quant`) is read in the kernels: K and V tiles load as FP8 and are cast to q's
+dtype (exact: every FP8 value is a bf16 and an fp16), the layer's K scale is folded into the softmax scale and its V
+scale into the output, so dequantizing costs no extra pass over the cache.
 """
 
 from __future__ import annotations
@@ -110,7 +114,7 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
 ):
@@ -131,7 +135,6 @@ def _decode_split_kernel(
     heads = kvh * GROUP + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
-    q = q.to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -143,18 +146,18 @@ def _decode_split_kernel(
         page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        qk = tl.dot(q, k) * sm_scale_log2
+        qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * v_scale
     if MAX_SPLITS == 1:
         o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None])
@@ -199,14 +202,14 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scaling: float, page_size: int, max_splits: int,
     partial_o: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged decode attention: request b's single query attends to KV positions 0..seq_lens[b]-1.
 
     q: [B, H_q, D] (head_dim contiguous), k_cache/v_cache: [num_slots, H_kv, D], page_table: [B, >=pages] int32,
     seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
     max_splits: power of 2 (see decode_num_splits); partial_o/partial_lse from decode_workspace when it is > 1.
-    config: block shape (default decode_config(B)).
+    config: block shape (default decode_config(B)). k_scale, v_scale: the layer's scales of an FP8 cache (1 else).
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
     batch, num_heads, head_dim = q.shape
@@ -221,7 +224,7 @@ def decode_attention(
         q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
-        scaling * LOG2E,
+        scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -243,6 +246,8 @@ def _extend_block(
     stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
+    """One KV block of the online softmax; K and V tiles are cast to q's dtype (FP8 caches: scales applied by the
+    caller)."""
     offs_d = tl.arange(0, HEAD_DIM)
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -253,11 +258,11 @@ def _extend_block(
     slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
     if MASKED:
         k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
-        qk = tl.dot(q, k) * sm_scale_log2
+        qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
         qk = tl.where((pos[None, :] <= q_pos[:, None]) & mask_n[None, :], qk, float("-inf"))
     else:
         k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None])
-        qk = tl.dot(q, k) * sm_scale_log2
+        qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -266,7 +271,7 @@ def _extend_block(
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
     else:
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :])
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
     return acc, m_new, l_i
 
 
@@ -274,7 +279,7 @@ def _extend_block(
 def _extend_kernel(
     Q, K, V, Out, PageTable, PrefixLens, ExtendLens, ExtendStart,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ot, stride_oh,
-    sm_scale_log2,
+    sm_scale_log2, v_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -293,7 +298,6 @@ def _extend_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m[:, None], other=0.0)
-    q = q.to(K.dtype.element_ty)
     q_pos = prefix_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -313,7 +317,7 @@ def _extend_kernel(
             acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
         )
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=mask_m[:, None])
 
@@ -328,7 +332,8 @@ def extend_config(head_dim: int, device: torch.device) -> dict:
 def extend_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
     prefix_lens: torch.Tensor, extend_lens: torch.Tensor, extend_start_loc: torch.Tensor, max_extend_len: int,
-    out: torch.Tensor, scaling: float, page_size: int, config: dict | None = None,
+    out: torch.Tensor, scaling: float, page_size: int, config: dict | None = None, k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged extend (prefill on top of a cached prefix) attention; the new tokens' K/V must already be stored.
 
@@ -336,7 +341,8 @@ def extend_attention(
     sits at position prefix_lens[b] + i and attends to KV positions 0 .. prefix_lens[b] + i, read from
     k_cache/v_cache [num_slots, H_kv, D] through page_table [B, >=pages] int32. prefix_lens, extend_lens,
     extend_start_loc: [B] int32; max_extend_len: host int >= max(extend_lens). out: [T, H_q, D] written in
-    place and returned. Rows of q outside every request are left unwritten.
+    place and returned. Rows of q outside every request are left unwritten. k_scale, v_scale: the layer's scales
+    of an FP8 cache (1 else).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[1]
@@ -349,7 +355,7 @@ def extend_attention(
         q, k_cache, v_cache, out, page_table, prefix_lens, extend_lens, extend_start_loc,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
-        scaling * LOG2E,
+        scaling * LOG2E * k_scale, v_scale,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, **cfg,
     )
     return out

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.mem_cache.kv_quant import float32, fp8_max, is_fp8
+
 
 @triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _rmsnorm_kernel(
@@ -119,14 +121,24 @@ def _norm_rope_heads(X, NormW, t, cos, sin, partner, first_half, rotates, stride
 
 
 @triton.jit
+def _to_cache(x, inv_scale, Cache, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Heads as the cache stores them: cast, or for an FP8 cache x * inv_scale clamped to the format's range."""
+    if QUANT:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    return x.to(Cache.dtype.element_ty)
+
+
+@triton.jit
 def _qk_norm_rope_store_kv_kernel(
     Pos, Loc, Q, K, V, Cache, QNormW, KNormW, KCache, VCache,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_ct, eps,
+    k_inv_scale, v_inv_scale,
     HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """Program (t, part): part 0 normalizes and rotates token t's q heads, part 1 its k heads and stores them
-    into KCache, part 2 copies its v heads into VCache."""
+    into KCache, part 2 copies its v heads into VCache (an FP8 cache: quantized at the layer's scales)."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -135,7 +147,7 @@ def _qk_norm_rope_store_kv_kernel(
     cache_offs = tl.load(Loc + t).to(tl.int64) * stride_ct + kv_heads[:, None] * D + offs_d[None, :]
     if part == 2:
         v = tl.load(V + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
-        tl.store(VCache + cache_offs, v.to(VCache.dtype.element_ty), mask=kv_mask)
+        tl.store(VCache + cache_offs, _to_cache(v, v_inv_scale, VCache, QUANT, FP8_MAX), mask=kv_mask)
     else:
         first_half = offs_d < HALF
         rotates = offs_d < 2 * HALF
@@ -150,11 +162,11 @@ def _qk_norm_rope_store_kv_kernel(
         else:
             k = _norm_rope_heads(K, KNormW, t, cos, sin, partner, first_half, rotates, stride_kt, stride_kh, eps,
                                  HK, BLOCK_HK, D, BLOCK_D, HAS_NORM)
-            tl.store(KCache + cache_offs, k.to(KCache.dtype.element_ty), mask=kv_mask)
+            tl.store(KCache + cache_offs, _to_cache(k, k_inv_scale, KCache, QUANT, FP8_MAX), mask=kv_mask)
 
 
 def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight=None,
-                          k_norm_weight=None, eps=0.0) -> None:
+                          k_norm_weight=None, eps=0.0, k_scale=1.0, v_scale=1.0) -> None:
     num_tokens, num_kv_heads, dim = k.shape
     assert q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1 and cos_sin_cache.stride(1) == 1
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.stride(0) == num_kv_heads * dim
@@ -162,13 +174,15 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
     if num_tokens == 0:
         return
     has_norm = q_norm_weight is not None
+    quant = is_fp8(k_cache.dtype)
     block_hq, block_d = triton.next_power_of_2(q.shape[1]), triton.next_power_of_2(dim)
     _qk_norm_rope_store_kv_kernel[(num_tokens, 3)](
         positions, loc, q, k, v, cos_sin_cache, q_norm_weight if has_norm else q, k_norm_weight if has_norm else k,
         k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cos_sin_cache.stride(0), k_cache.stride(0), eps,
+        cos_sin_cache.stride(0), k_cache.stride(0), eps, float32(1.0 / k_scale), float32(1.0 / v_scale),
         HQ=q.shape[1], HK=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         D=dim, BLOCK_D=block_d, HALF=cos_sin_cache.shape[1] // 2, HAS_NORM=has_norm,
+        QUANT=quant, FP8_MAX=fp8_max(k_cache.dtype) if quant else 0.0,
         num_warps=4 if block_hq * block_d <= 4096 else 8,
     )
 

@@ -10,6 +10,8 @@ import importlib.util
 
 import torch
 
+from pdserve.mem_cache.kv_quant import write_slots
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -74,20 +76,20 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
 def qk_norm_rope_store_kv_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     if q_norm_weight is not None:
         q.copy_(rmsnorm_ref(q, q_norm_weight, eps))
         k.copy_(rmsnorm_ref(k, k_norm_weight, eps))
     apply_rotary_ref(positions, q, k, cos_sin_cache)
-    k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
+    write_slots(k_cache, loc, k, k_scale)
+    write_slots(v_cache, loc, v, v_scale)
 
 
 def qk_norm_rope_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+    k_norm_weight: torch.Tensor | None = None, eps: float = 0.0, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """A layer's new q, k, v in one pass: per-head RMSNorm of q and k (when the norm weights are given), neox
     rotary of q and k IN PLACE, then k_cache[loc[t]] = k[t] (normed and rotated) and v_cache[loc[t]] = v[t].
@@ -96,17 +98,19 @@ def qk_norm_rope_store_kv(
     strides); positions, loc: [T] int64; cos_sin_cache: [max_pos, R] fp32 with R <= D (see apply_rotary);
     k_cache, v_cache: [num_slots, H_kv, D] contiguous (one layer of the KVPool); q_norm_weight, k_norm_weight:
     [D], both or neither. The same numbers as rmsnorm per head, then apply_rotary, then the store: fp32 math,
-    rounded to q's dtype after the norm and after the rotation. Returns None.
+    rounded to q's dtype after the norm and after the rotation. An FP8 cache stores k and v quantized at the
+    layer's k_scale and v_scale (`mem_cache.kv_quant.quantize`: the same numbers in both paths). Returns None.
     """
     assert (q_norm_weight is None) == (k_norm_weight is None), "q and k norm weights come together"
     if _use_triton(q):
         from pdserve.kernels import fused
 
         return fused.qk_norm_rope_store_kv(
-            positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps
+            positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps, k_scale,
+            v_scale,
         )
     return qk_norm_rope_store_kv_ref(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight, k_norm_weight, eps, k_scale, v_scale
     )
 
 

@@ -4,6 +4,8 @@ Layout: `buffer[2, num_layers, num_slots, num_kv_heads, head_dim]`, `num_slots =
 Page `p` covers slots `[p * page_size, (p + 1) * page_size)`. Each layer's K (and V) is contiguous, so a
 transfer engine registers the whole buffer once and addresses a page run of one layer by byte offset.
 Page 0 is never handed out: padded slots of CUDA-graph batches write there.
+An FP8 pool (`--kv-cache-dtype fp8_e4m3|fp8_e5m2`) holds one byte per element and per-layer K and V scales
+(`kv_quant.KVScales`, part of the layout: PD peers and storage keys compare them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.mem_cache.kv_quant import KVScales, dequantize, is_fp8, write_slots
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -22,7 +26,14 @@ class KVLayout:
     head_dim: int
     page_size: int
     num_pages: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the storage dtype: the model's, or FP8
+    scales: KVScales | None = None  # FP8 only (None: every scale is 1)
+
+    def __post_init__(self) -> None:
+        if self.scales is not None and not is_fp8(self.dtype):
+            raise ValueError(f"KV scales need an FP8 KV dtype, not {self.dtype}")
+        if self.scales is not None and self.scales.num_layers != self.num_layers:
+            raise ValueError(f"{self.scales.num_layers} layers of KV scales for {self.num_layers} layers")
 
     @property
     def num_slots(self) -> int:
@@ -50,7 +61,14 @@ class KVLayout:
         """Byte offset of layer `layer`'s K (kv=0) or V (kv=1) inside the buffer."""
         return (kv * self.num_layers + layer) * self.layer_bytes
 
+    def k_scale(self, layer: int) -> float:
+        return 1.0 if self.scales is None else self.scales.k[layer]
+
+    def v_scale(self, layer: int) -> float:
+        return 1.0 if self.scales is None else self.scales.v[layer]
+
     def describe(self) -> dict:
+        """The layout as JSON: what PD peers compare and storage keys hash (an FP8 layout's scales included)."""
         return {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -58,6 +76,7 @@ class KVLayout:
             "page_size": self.page_size,
             "num_pages": self.num_pages,
             "dtype": str(self.dtype).removeprefix("torch."),
+            **(self.scales.describe() if self.scales is not None else {}),
         }
 
 
@@ -73,9 +92,23 @@ class KVPool:
     def v_buffer(self, layer: int) -> torch.Tensor:
         return self.buffer[1, layer]
 
+    def k_scale(self, layer: int) -> float:
+        return self.layout.k_scale(layer)
+
+    def v_scale(self, layer: int) -> float:
+        return self.layout.v_scale(layer)
+
     def store(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.buffer[0, layer].index_copy_(0, loc, k.to(self.layout.dtype))
-        self.buffer[1, layer].index_copy_(0, loc, v.to(self.layout.dtype))
+        """Write new tokens' K and V at slots `loc` (quantized in an FP8 pool)."""
+        write_slots(self.buffer[0, layer], loc, k, self.k_scale(layer))
+        write_slots(self.buffer[1, layer], loc, v, self.v_scale(layer))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` in float32, FP8 pages dequantized."""
+        k, v = self.buffer[0, layer][slots], self.buffer[1, layer][slots]
+        if not is_fp8(self.layout.dtype):
+            return k.float(), v.float()
+        return dequantize(k, self.k_scale(layer)), dequantize(v, self.v_scale(layer))
 
     @property
     def data_ptr(self) -> int:

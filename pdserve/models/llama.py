@@ -39,9 +39,10 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        pool, layer = ctx.pool, self.layer_id
         qk_norm_rope_store_kv(
-            positions, q, k, v, self.rotary.cos_sin_cache, ctx.pool.k_buffer(self.layer_id),
-            ctx.pool.v_buffer(self.layer_id), ctx.backend.out_cache_loc, **self._qk_norm_args(),
+            positions, q, k, v, self.rotary.cos_sin_cache, pool.k_buffer(layer), pool.v_buffer(layer),
+            ctx.backend.out_cache_loc, **self._qk_norm_args(), k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
         )
         out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
         return self.o_proj(out.view(-1, self.q_size))

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from pdserve.distributed.tensor_parallel import TPGroup
 from pdserve.models import model_class
+from pdserve.models.kv_scales import kv_scale_target
 from pdserve.models.llama import LlamaForCausalLM
 from pdserve.models.model_config import ModelConfig
 
@@ -58,7 +59,7 @@ def load_weights(model: LlamaForCausalLM, model_path: Path, show_progress: bool 
         with safe_open(str(file), framework="pt", device=device) as f:
             for hf_name in f.keys():
                 name = _param_name(hf_name)
-                if "rotary_emb" in name:
+                if "rotary_emb" in name or kv_scale_target(name) is not None:  # KV scales: models/kv_scales.py
                     continue
                 if model.config.tie_word_embeddings and name == "lm_head.weight":
                     continue

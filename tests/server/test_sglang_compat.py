@@ -70,10 +70,10 @@ def test_no_sglang_flag_is_unrecognized(flag):
 
 
 def test_flags_pdserve_already_obeys_are_accepted_with_a_note():
-    args = _parse("--enable-metrics", "--dp-size", "1", "--kv-cache-dtype=auto")
+    args = _parse("--enable-metrics", "--dp-size", "1", "--pp-size=1")
     assert args.sglang_flag_notes == (
         "--enable-metrics: accepted, metrics are always on at /metrics",
-        "--dp-size 1: accepted, pdserve behaves so", "--kv-cache-dtype auto: accepted, pdserve behaves so")
+        "--dp-size 1: accepted, pdserve behaves so", "--pp-size 1: accepted, pdserve behaves so")
 
 
 def test_tool_call_parser_is_a_real_flag():
