@@ -29,6 +29,7 @@ from pdserve.cluster_auth import HEADER, AuthError, ClusterAuth
 from pdserve.distributed.tensor_parallel import kv_heads_per_rank
 
 _LAYOUT_KEYS = ("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size")  # equal on both sides
+_SCALE_KEYS = ("k_scales", "v_scales")  # an FP8 layout's per-layer scales: equal on both sides too
 _RANK_LAYOUT_KEYS = (*_LAYOUT_KEYS, "num_kv_heads")  # num_kv_heads: the rank's own, which depends on its TP size
 _TOPOLOGY_KEYS = ("model", "transfer_backend")
 
@@ -201,11 +202,27 @@ def _pairing_problem(prefill: dict, decode: dict, sides: tuple[str, str]) -> str
     for key in _LAYOUT_KEYS:
         if pl.get(key) != dl.get(key):
             return f"{key} mismatch: {a} has {pl.get(key)}, {b} has {dl.get(key)}"
+    for key in _SCALE_KEYS:
+        if (problem := scales_problem(key, pl.get(key), dl.get(key), sides)) is not None:
+            return problem
     for name, side in ((a, prefill), (b, decode)):
         problem = heads_problem(side)
         if problem:
             return f"{name}'s KV heads do not map to its ranks: {problem}"
     return None
+
+
+def scales_problem(key: str, prefill: object, decode: object, sides: tuple[str, str]) -> str | None:
+    """Why one side's FP8 KV scales `key` are not the other's (None when equal): the first layer that differs, or
+    the whole lists when they are not lists of one length. FP8 pages quantized at one scale and read at another
+    would decode wrong numbers silently."""
+    if prefill == decode:
+        return None
+    a, b = sides
+    if isinstance(prefill, list) and isinstance(decode, list) and len(prefill) == len(decode):
+        layer = next(i for i, (p, d) in enumerate(zip(prefill, decode)) if p != d)
+        return f"{key} mismatch at layer {layer}: {a} has {prefill[layer]!r}, {b} has {decode[layer]!r}"
+    return f"{key} mismatch: {a} has {prefill!r}, {b} has {decode!r}"
 
 
 def heads_problem(side: dict) -> str | None:

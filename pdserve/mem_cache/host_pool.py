@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool, PageAllocator
+from pdserve.mem_cache.kv_quant import copyable
 
 MemLayout = Literal["layer_first", "page_first"]
 MEM_LAYOUTS: tuple[MemLayout, ...] = ("page_first", "layer_first")
@@ -67,7 +68,7 @@ class HostKVPool:
                 for staged, host in self._run_slices(staging, offset, first, count):
                     staged.copy_(host, non_blocking=True)
             index = _device_index(device_pages[start : start + len(hosts)], staging.device)
-            _pages_view(device).index_copy_(2, index, self._staged(staging, len(hosts)))
+            copyable(_pages_view(device)).index_copy_(2, index, copyable(self._staged(staging, len(hosts))))
 
     def read_page(self, host_page: int) -> bytes:
         """One page as a storage block payload, `[2, layers, page_size, kv_heads, head_dim]`, in either layout."""
