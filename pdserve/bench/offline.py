@@ -29,7 +29,8 @@ def workload(num_seqs: int, min_len: int, max_len: int, vocab: int, seed: int = 
 
 def roofline(llm: LLM, work: WorkCounters, wall_s: float, ceilings: Ceilings) -> dict:
     """Ideal time = decode bytes / HBM bandwidth + prefill FLOPs / matmul rate, over the measured wall time."""
-    cost = ModelCost.of(llm.scheduler.model_config, itemsize=llm.scheduler.runner.pool.layout.itemsize)
+    cost = ModelCost.of(llm.scheduler.model_config, itemsize=llm.scheduler.runner.dtype.itemsize,
+                        kv_itemsize=llm.scheduler.runner.pool.layout.itemsize)
     decode_bytes = work.decode_steps * cost.weight_bytes + work.decode_kv_tokens_read * cost.kv_bytes_per_token
     prefill_flops = cost.prefill_flops(work.extend_tokens, work.extend_attention_pairs)
     ideal_s = decode_bytes / (ceilings.hbm_gbps * 1e9) + prefill_flops / (ceilings.matmul_tflops * 1e12)

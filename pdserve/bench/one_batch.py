@@ -56,7 +56,8 @@ def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceili
            "output_tok_per_s": bs * output_len / total, "prefill_tok_per_s": bs * input_len / ttft,
            "decode_gpu_busy": gpu_busy}
     if ceilings is not None:
-        cost = ModelCost.of(sched.model_config, itemsize=sched.runner.pool.layout.itemsize)
+        cost = ModelCost.of(sched.model_config, itemsize=sched.runner.dtype.itemsize,
+                            kv_itemsize=sched.runner.pool.layout.itemsize)
         pairs = bs * input_len * (input_len + 1) // 2
         row["prefill_ideal_s"] = cost.prefill_flops(bs * input_len, pairs) / (ceilings.matmul_tflops * 1e12)
         row["prefill_mfu"] = row["prefill_ideal_s"] / ttft

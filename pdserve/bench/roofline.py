@@ -50,7 +50,8 @@ class ModelCost:
     attn_flops_per_pair: int  # QK^T and PV for one (query token, key position) pair, all layers
 
     @classmethod
-    def of(cls, cfg: ModelConfig, itemsize: int = 2) -> "ModelCost":
+    def of(cls, cfg: ModelConfig, itemsize: int = 2, kv_itemsize: int | None = None) -> "ModelCost":
+        """itemsize: bytes per weight; kv_itemsize: per KV value (default itemsize; 1 for an FP8 KV cache)."""
         h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
@@ -59,7 +60,7 @@ class ModelCost:
         return cls(
             weight_bytes=(layers * per_layer + embed) * itemsize,
             layer_params=layers * per_layer,
-            kv_bytes_per_token=2 * layers * kv * itemsize,
+            kv_bytes_per_token=2 * layers * kv * (kv_itemsize or itemsize),
             attn_flops_per_pair=4 * layers * q,
         )
 
