@@ -147,3 +147,39 @@ def test_triton_and_torch_native_generate_the_round_trip_reference(interpreted, 
     assert tokens(attention_backend="torch_native", **fp8) == reference
     assert tokens(attention_backend="triton", **fp8) == reference
     assert reference != unquantized  # the quantization (and its clamping) is visible
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FP8)
+def test_fp8_store_and_attention_cuda(dtype):
+    """The compiled kernels on bf16: the fused store writes the torch path's bytes, decode and extend read the pages
+    as the float32 reference reads them dequantized."""
+    from pdserve.attention.triton_backend import TritonAttnBackend
+    from pdserve.kernels import fused
+
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(37, 8 + 2 * 2, 128, generator=gen) * 3).to(torch.bfloat16).cuda()
+    positions = torch.randint(0, 4000, (37,), generator=gen).cuda()
+    cache = build_cos_sin_cache(1.0 / (1e6 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128)), 4096).cuda()
+    loc = torch.randperm(64, generator=gen)[:37].cuda()
+    stored = []
+    for store in (qk_norm_rope_store_kv_ref, fused.qk_norm_rope_store_kv):
+        x = qkv.clone()
+        kc, vc = (torch.zeros(64, 2, 128, dtype=dtype, device="cuda") for _ in range(2))
+        store(positions, x[:, :8], x[:, 8:10], x[:, 10:], cache, kc, vc, loc, k_scale=0.0123, v_scale=0.5)
+        stored.append((kc.view(torch.uint8), vc.view(torch.uint8)))
+    assert all(torch.equal(a, b) for a, b in zip(*stored))
+    for mode, specs in ((ForwardMode.DECODE, [(0, 1), (700, 1), (3000, 1)]), (ForwardMode.EXTEND, [(0, 90), (60, 40)])):
+        batch, pool, q, k, v = make_batch(specs, page_size=16, num_heads=8, num_kv_heads=2, head_dim=128,
+                                          dtype=torch.bfloat16, device="cuda", mode=mode)
+        fp8 = KVPool(dataclasses.replace(pool.layout, dtype=dtype, scales=KVScales((0.02,), (0.03,))), "cuda")
+        slots = torch.arange(pool.layout.num_slots, device="cuda")
+        fp8.store(0, slots, pool.k_buffer(0), pool.v_buffer(0))
+        backend = TritonAttnBackend(8, 2, 128, 16, "cuda", torch.bfloat16, 8192)
+        backend.init_forward_metadata(batch)
+        fp8.store(0, backend.out_cache_loc, k, v)
+        reference_pool = KVPool(dataclasses.replace(pool.layout, dtype=torch.float32), "cuda")
+        reference_pool.buffer.copy_(torch.stack([dequantize(fp8.buffer[0], 0.02), dequantize(fp8.buffer[1], 0.03)]))
+        ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
+                                  reference_pool, batch, 128**-0.5)
+        assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
