@@ -19,7 +19,7 @@ from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
-from pdserve.mem_cache.kv_quant import KVScales, is_fp8, kv_cache_dtype
+from pdserve.mem_cache.kv_quant import KVScales, cuda_support_problem, is_fp8, kv_cache_dtype
 from pdserve.models.kv_scales import resolve_kv_scales
 from pdserve.models.loader import checkpoint_files, load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
@@ -57,8 +57,10 @@ class ModelRunner:
         self.model = load_model(args.model_path, model_config, self.dtype, self.device, args.load_format == "dummy",
                                 self.tp)
         self.kv_dtype = kv_cache_dtype(args.kv_cache_dtype, self.dtype)
-        self.pool = KVPool(self._kv_layout(), self.device)
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        if capability is not None and (problem := cuda_support_problem(self.kv_dtype, capability)) is not None:
+            raise RuntimeError(problem)
+        self.pool = KVPool(self._kv_layout(), self.device)
         self.backend_name = resolve_backend_name(args.attention_backend, self.device.type, model_config.head_dim,
                                                  args.page_size, capability, dtype_name(self.dtype),
                                                  dtype_name(self.kv_dtype))

@@ -36,6 +36,15 @@ def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_DTYPES
 
 
+def cuda_support_problem(dtype: torch.dtype, capability: tuple[int, int]) -> str | None:
+    """Why the Triton kernels cannot store or read a KV cache of `dtype` on a GPU of this compute capability (E4M3
+    needs Ada or Hopper, 8.9+; Triton converts E5M2 on older GPUs too), or None."""
+    if dtype == torch.float8_e4m3fn and tuple(capability) < (8, 9):
+        return (f"--kv-cache-dtype fp8_e4m3 needs compute capability 8.9 or newer (Ada, Hopper), the GPU has "
+                f"{capability[0]}.{capability[1]}; use fp8_e5m2")
+    return None
+
+
 def fp8_max(dtype: torch.dtype) -> float:
     """The largest finite value of an FP8 format (448 for E4M3, 57344 for E5M2)."""
     return float(torch.finfo(dtype).max)

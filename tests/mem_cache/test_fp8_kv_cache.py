@@ -19,7 +19,7 @@ from pdserve.engine.model_runner import tokens_in_budget
 from pdserve.mem_cache.hiradix_cache import model_identity
 from pdserve.mem_cache.host_pool import MEM_LAYOUTS, HostKVPool
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
-from pdserve.mem_cache.kv_quant import KV_CACHE_DTYPES, KVScales, fp8_max, quantize
+from pdserve.mem_cache.kv_quant import KV_CACHE_DTYPES, KVScales, cuda_support_problem, fp8_max, quantize
 from pdserve.models.kv_scales import checkpoint_kv_scales, load_scales_file, resolve_kv_scales
 from pdserve.tools.calibrate_kv_scales import scales_document
 
@@ -54,6 +54,12 @@ def test_auto_attention_avoids_flash_attn_for_fp8_pages(monkeypatch):
     assert resolve_backend_name("auto", "cuda", 128, 16, (9, 0), "bfloat16") == "flash_attn"
     assert resolve_backend_name("auto", "cuda", 128, 16, (9, 0), "bfloat16", "float8_e4m3fn") == "sdpa"
     assert resolve_backend_name("triton", "cuda", 128, 16, (9, 0), "bfloat16", "float8_e4m3fn") == "triton"
+
+
+def test_e4m3_needs_ada_or_hopper():
+    assert cuda_support_problem(E4M3, (8, 0)).startswith("--kv-cache-dtype fp8_e4m3 needs compute capability 8.9")
+    assert cuda_support_problem(E4M3, (9, 0)) is None and cuda_support_problem(E4M3, (8, 9)) is None
+    assert cuda_support_problem(E5M2, (8, 0)) is None and cuda_support_problem(torch.bfloat16, (8, 0)) is None
 
 
 def test_fp8_pool_holds_twice_the_tokens_of_bf16_in_the_same_memory():
