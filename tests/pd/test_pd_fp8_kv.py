@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,"]
 LONG_IDS = [(i * 37 + 11) % 1000 + 3 for i in range(100)]  # > 3 chunks of the prefill's 32
 LOGPROB_IDS = [(i * 53 + 7) % 1100 + 3 for i in range(256)]
 LOGPROB_FROM = 88
-LOGPROB_TOLERANCE = 2e-4
+LOGPROB_TOLERANCE = 5e-5  # the differences measured here (float32, CPU) are about 4e-6
 BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason=NO_MOONCAKE))]
 
 
