@@ -9,8 +9,10 @@ import json
 
 import pytest
 import torch
+from hicache_util import hicache, prompts, run, tiered_llm
 from safetensors.torch import save_file
 
+from pdserve import LLM
 from pdserve.attention.selection import resolve_backend_name
 from pdserve.config import KV_CACHE_DTYPE_CHOICES, ConfigError, ServerArgs, build_arg_parser, parse_server_cli
 from pdserve.disagg.bootstrap import IncompatiblePeer, check_compatible
@@ -179,3 +181,33 @@ def test_handshake_refuses_other_kv_dtype_or_scales_naming_both():
     other = dataclasses.replace(SCALES, v=(0.03, 0.25, 0.5))
     with pytest.raises(IncompatiblePeer, match="v_scales mismatch at layer 2: prefill has 1.0, decode has 0.5"):
         check_compatible(side(layout()), side(layout(scales=other)))
+
+
+def test_fp8_pages_round_trip_the_host_and_storage_tiers_apart_from_unquantized_ones(tiny_model, tmp_path):
+    """An FP8 engine's prefix evicted to the host comes back, and its storage blocks serve another FP8 engine,
+    each answering as an FP8 engine that computes the prompt whole; a float32-KV engine on the same storage
+    directory finds none of those blocks."""
+    fp8 = dict(kv_cache_dtype="fp8_e4m3")
+    storage = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                   hicache_storage_prefetch_policy="wait_complete")
+    base, other1, other2 = prompts(64, 64, 64, seed=4)
+    followup = base + [7, 8, 9]
+    whole = LLM(tiny_model, device="cpu", dtype="float32", page_size=4, max_total_tokens=512, disable_radix_cache=True,
+                skip_server_warmup=True, **fp8)
+    expected = run(whole, followup).token_ids
+    first = tiered_llm(tiny_model, **fp8, **storage)
+    for prompt in (base, other1, other2):  # base's pages leave the device pool for the host
+        run(first, prompt)
+    out = run(first, followup)
+    assert out.cached_tokens == 64 and hicache(first, "hit_tokens_total", "host") > 0
+    assert out.token_ids == expected
+    assert first.scheduler.radix.wait_for_writes(timeout=30)
+    second = tiered_llm(tiny_model, **fp8, **storage)
+    out = run(second, followup)
+    assert hicache(second, "hit_tokens_total", "storage") == 64 and out.token_ids == expected
+    unquantized = tiered_llm(tiny_model, **storage)
+    out = run(unquantized, followup)
+    assert out.cached_tokens == 0 and hicache(unquantized, "hit_tokens_total", "storage") == 0
+    for llm in (first, second, unquantized):
+        assert llm.scheduler.radix.wait_for_writes(timeout=30)
+        llm.scheduler.radix.close()
