@@ -26,7 +26,7 @@ class KVLayout:
     head_dim: int
     page_size: int
     num_pages: int
-    dtype: torch.dtype  # the storage dtype: the model's, or FP8
+    dtype: torch.dtype  # the storage dtype (--kv-cache-dtype; auto: the model's)
     scales: KVScales | None = None  # FP8 only (None: every scale is 1)
 
     def __post_init__(self) -> None:
