@@ -263,7 +263,7 @@ class ChatFormat(ResponseFormat):
                                                                self.token_bytes)}
         if delta.finished:
             choices[-1]["finish_reason"] = _tool_finish_reason(out.finish_reason, parser.num_calls > 0)
-        return ([_role_chunk(index)] if is_first else []) + choices
+        return ([_role_chunk(index, self.tool_choice.mode == "none")] if is_first else []) + choices
 
 
 def _tool_finish_reason(reason: dict | None, has_calls: bool) -> str | None:
@@ -283,8 +283,11 @@ def _delta_message(piece: Piece) -> dict:
     return {"tool_calls": [call]}
 
 
-def _role_chunk(index: int) -> dict:
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+def _role_chunk(index: int, plain: bool) -> dict:
+    """The first chunk of a choice; with tools its content starts as null (as OpenAI's, and the blocking answer's
+    where the model only called tools)."""
+    delta = {"role": "assistant", "content": "" if plain else None}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def completion_logprobs(entries: list[list], top: list[list[list]], text_offset: int) -> dict:
