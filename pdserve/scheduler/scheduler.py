@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.constrained.compiler import GrammarError
 from pdserve.constrained.matcher import mask_logits
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
@@ -98,7 +99,11 @@ class Scheduler:
         """Validate req and hand it to the role; a request with a grammar first waits for its compile."""
         self.validate(req)
         if req.sampling_params.grammar is not None:
-            self.grammar_queue.submit(req)  # a GrammarError (a ValueError) when no grammar can be compiled here
+            try:
+                self.grammar_queue.submit(req)
+            except GrammarError as exc:  # no grammar can be compiled here: a 400
+                self.role.refuse(req, str(exc))
+                raise
         self.reqs[req.rid] = req
         self.radix.prefetch(req.rid, req.input_ids)
         if req.sampling_params.grammar is None:
@@ -108,6 +113,7 @@ class Scheduler:
         """Requests whose grammar compiled go on to their role; those whose compile failed end with a 400."""
         for outcome in self.grammar_queue.poll():
             if outcome.error is not None:
+                self.role.refuse(outcome.req, outcome.error)
                 self.finish(outcome.req, FinishReason("abort", message=outcome.error, status_code=400))
                 continue
             outcome.req.grammar = outcome.grammar
