@@ -21,6 +21,7 @@ Formats (`--tool-call-parser`, for `auto`; `required` and a named function are g
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from dataclasses import dataclass
@@ -74,13 +75,14 @@ class CallObject:
     `name` is set once its value has been read; `arguments` gathers the text of the first arguments (or parameters)
     value, for its reader to take."""
 
-    __slots__ = ("state", "raw", "key", "depth", "in_string", "escaped", "capturing", "name", "arguments",
+    __slots__ = ("state", "raw", "key", "opener", "depth", "in_string", "escaped", "capturing", "name", "arguments",
                  "has_arguments")
 
     def __init__(self) -> None:
         self.state = _Field.KEY_OR_END
-        self.raw = ""  # the key or value being read
+        self.raw = ""  # the key being read, or the name's value
         self.key: str | None = None
+        self.opener = ""  # the first character of the value being read
         self.depth = 0  # nesting inside a compound value
         self.in_string = self.escaped = False
         self.capturing = False  # the value being read is the call's arguments
@@ -145,27 +147,32 @@ class CallObject:
             return Push.TAKEN
         if c not in '{["' and c not in SCALAR_CHARS:
             return Push.BAD
-        self.state, self.raw, self.depth, self.in_string, self.escaped = _Field.VALUE, "", 0, False, False
+        self.state, self.opener, self.raw = _Field.VALUE, c, ""
+        self.depth, self.in_string, self.escaped = (1 if c in "{[" else 0), False, False
         self.capturing = self.key in ARGUMENT_KEYS and not self.has_arguments
         self.has_arguments = self.has_arguments or self.capturing
-        return self._value(c)
+        self._keep(c)
+        return Push.TAKEN
 
     def _value(self, c: str) -> Push:
-        first = not self.raw
-        if not first and self.raw[0] not in '{["' and c not in SCALAR_CHARS:
+        if self.opener not in '{["' and c not in SCALAR_CHARS:
             return self._value_done() or self.push(c)  # a scalar ends at the first character not its own
-        self.raw += c
-        if self.capturing:
-            self.arguments += c
-        if self._value_ends(c, first):
+        self._keep(c)
+        if self._value_ends(c):
             return self._value_done() or Push.TAKEN
         return Push.TAKEN
 
-    def _value_ends(self, c: str, first: bool) -> bool:
-        opener = self.raw[0]
-        if opener == '"':
-            return not first and self._string_ends(c)
-        if opener not in "{[":
+    def _keep(self, c: str) -> None:
+        """Only the name's value is kept whole (to be decoded); the arguments' text goes to its reader."""
+        if self.key == "name":
+            self.raw += c
+        if self.capturing:
+            self.arguments += c
+
+    def _value_ends(self, c: str) -> bool:
+        if self.opener == '"':
+            return self._string_ends(c)
+        if self.opener not in "{[":
             return False
         if self.in_string:
             self.in_string = not self._string_ends(c)
@@ -225,25 +232,29 @@ class ToolCallStream:
         self.held = ""
 
     def _take(self) -> list[Piece]:
+        """The pieces so far, each run of content or of one call's arguments joined into one piece."""
         merged: list[Piece] = []
-        for piece in self.pieces:
-            last = merged[-1] if merged else None
-            if isinstance(piece, Content) and isinstance(last, Content):
-                merged[-1] = Content(last.text + piece.text)
-            elif isinstance(piece, Arguments) and isinstance(last, Arguments) and last.index == piece.index:
-                merged[-1] = Arguments(piece.index, last.text + piece.text)
+        for _, run in itertools.groupby(self.pieces, key=_run_key):
+            first, *rest = run
+            if isinstance(first, CallStart) or not rest:
+                merged.append(first)
             else:
-                merged.append(piece)
+                text = first.text + "".join(piece.text for piece in rest)
+                merged.append(Content(text) if isinstance(first, Content) else Arguments(first.index, text))
         self.pieces = []
         return merged
 
     def _content(self, text: str) -> None:
-        for c in text:
-            if c.isspace():
-                self.pending_ws += "" if self.after_call else c
-            else:
-                self.pieces.append(Content(self.pending_ws + c))
-                self.pending_ws, self.after_call = "", False
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return
+            self.after_call = False
+        body = text.rstrip()
+        if body:
+            self.pieces.append(Content(self.pending_ws + body))
+            self.pending_ws = ""
+        self.pending_ws += text[len(body):]
 
     def _start_call(self, name: str) -> None:
         self.pieces.append(CallStart(self.num_calls, f"call_{uuid.uuid4().hex[:24]}", name))
@@ -272,6 +283,12 @@ class ToolCallStream:
         return result
 
 
+def _run_key(piece: Piece) -> object:
+    if isinstance(piece, Arguments):
+        return piece.index
+    return "content" if isinstance(piece, Content) else id(piece)
+
+
 class _Qwen(Enum):
     TEXT = auto()
     OPEN = auto()  # after <tool_call>, before the object's `{`
@@ -284,6 +301,21 @@ class QwenToolCalls(ToolCallStream):
         super().__init__()
         self.state = _Qwen.TEXT
         self.tag = ""  # the text state's possible start of <tool_call>; the close state's last characters
+
+    def feed(self, text: str) -> list[Piece]:
+        """Text away from any `<` is content at once; the rest is read a character at a time."""
+        start = 0
+        while start < len(text):
+            if self.state is _Qwen.TEXT and not self.tag:
+                end = text.find("<", start)
+                end = len(text) if end < 0 else end
+                self._content(text[start:end])
+                start = end
+                if start == len(text):
+                    break
+            self._char(text[start])
+            start += 1
+        return self._take()
 
     def _char(self, c: str) -> None:
         if self.state is _Qwen.TEXT:
@@ -351,6 +383,12 @@ class Llama3ToolCalls(ToolCallStream):
     def __init__(self) -> None:
         super().__init__()
         self.state = _Llama3.START
+
+    def feed(self, text: str) -> list[Piece]:
+        if self.state is not _Llama3.TEXT:
+            return super().feed(text)
+        self._content(text)
+        return self._take()
 
     def _char(self, c: str) -> None:
         if self.state is _Llama3.START:
