@@ -205,6 +205,7 @@ class PrefillRole(Role):
             return
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
+        self.early_requests.take_refusal(h.room)  # one left by an earlier request with this room stands no more
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)

@@ -65,6 +65,7 @@ class Scheduler:
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
         self.num_masked_rows = 0  # sampled rows a grammar masked
+        self.num_masked_steps = 0  # sampling steps that masked any row (rows per step: the ratio of the two)
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
@@ -198,13 +199,14 @@ class Scheduler:
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
             **self.grammar_queue.stats(),
             "grammar_masked_rows": self.num_masked_rows,
+            "grammar_masked_steps": self.num_masked_steps,
             **self.role.stats(),
         }
 
     def reset_stats(self) -> None:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
-        self.num_masked_rows = 0
+        self.num_masked_rows = self.num_masked_steps = 0
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
@@ -501,6 +503,7 @@ class Scheduler:
         if any(grammars):
             logits = mask_logits(logits, grammars)
             self.num_masked_rows += sum(g is not None for g in grammars)
+            self.num_masked_steps += 1
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:

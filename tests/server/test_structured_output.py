@@ -191,4 +191,7 @@ def test_grammar_metrics(server):
     assert after["pdserve_constrained_requests_total"] == before.get("pdserve_constrained_requests_total", 0) + 2
     assert after["pdserve_grammar_cache_hits_total"] >= before.get("pdserve_grammar_cache_hits_total", 0) + 1
     assert after["pdserve_grammar_masked_rows_total"] >= before.get("pdserve_grammar_masked_rows_total", 0) + 12
+    rows = after["pdserve_grammar_masked_rows_total"] - before.get("pdserve_grammar_masked_rows_total", 0)
+    steps = after["pdserve_grammar_masked_steps_total"] - before.get("pdserve_grammar_masked_steps_total", 0)
+    assert steps == rows  # one request at a time: one masked row per step
     assert after["pdserve_grammar_compile_seconds_total"] > 0 and after["pdserve_grammar_waiting_reqs"] == 0
