@@ -92,6 +92,17 @@ def test_completions_json_object_with_n_and_logprobs(server, client):
             assert isinstance(json.loads(choice.text), dict)
 
 
+def test_sglang_regex_and_ebnf_on_the_openai_routes(server, client):
+    text = client.completions.create(model=model_name(server), prompt="hi", max_tokens=20, temperature=1.0,
+                                     extra_body={"regex": "[a-c]{4}"}).choices[0].text
+    content = client.chat.completions.create(model=model_name(server), messages=MESSAGES, max_tokens=20,
+                                             extra_body={"ebnf": 'root ::= "yes" | "no"'}).choices[0].message.content
+    assert re.fullmatch("[a-c]{4}", text) and content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="at most one of"):
+        client.chat.completions.create(model=model_name(server), messages=MESSAGES, extra_body={"regex": "a"},
+                                       response_format={"type": "json_object"})
+
+
 def test_response_format_json_schema_and_stop_strings(server, client):
     result = client.chat.completions.create(
         model=model_name(server), messages=MESSAGES, max_tokens=80, temperature=0, stop=['"label"'],
