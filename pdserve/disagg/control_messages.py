@@ -102,10 +102,13 @@ class Abort(Message):
 
 @control("failed", remote=True)
 class Failed(Message):
-    """The prefill failed the request; no write for the room is in flight any more."""
+    """The prefill failed the request; no write for the room is in flight any more. `status`: the prefill's answer
+    where the request itself was at fault (a 4xx, such as a grammar that does not compile), for the decode to give
+    the same."""
 
     room: int
     error: str | None = None
+    status: int | None = None
 
 
 @control("write_done", remote=False)

@@ -309,8 +309,9 @@ class DecodeRole(Role):
             self._release_quarantine(room)
         h = self.link.handoffs.get(room)
         if h is not None:
+            status = msg.status if msg.status is not None and 400 <= msg.status < 500 else PEER_FAILED
             self._fail(h, f"prefill server failed the request: {msg.error}", reason="peer_failed",
-                       tell_prefill=False)
+                       tell_prefill=False, status=status)
 
     def _on_peer_dead(self, msg: PeerDead) -> None:
         addr = msg.addr

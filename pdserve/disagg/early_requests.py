@@ -5,13 +5,16 @@ the request comes. Anyone who reaches the control port can send claims for rooms
 holds at most `max_count` claims and `max_pages` destination pages in all, each for `ttl_s`; when full, the
 oldest claims make room. The rooms of claims dropped unused (and where to reach their decode) are remembered, as
 many again, so that a later abort from the decode can be confirmed: nothing was written for them.
+
+The mirror case: a request the prefill failed before its claim came (its grammar did not compile here) leaves its
+`failed` answer here, as many and as long as claims, for the claim to be answered with at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from pdserve.disagg.control_messages import TransferRequest
+from pdserve.disagg.control_messages import Failed, TransferRequest
 
 MAX_EARLY_REQUESTS = 1024
 
@@ -22,6 +25,7 @@ class EarlyRequests:
         self._kept: OrderedDict[int, tuple[TransferRequest, float]] = OrderedDict()  # room -> (claim, deadline)
         self.pages = 0
         self._dropped: OrderedDict[int, str] = OrderedDict()  # room -> the decode's control endpoint
+        self._refusals: OrderedDict[int, tuple[Failed, float]] = OrderedDict()  # room -> (answer, deadline)
 
     def add(self, msg: TransferRequest, now: float) -> bool:
         """Keep `msg` until `now + ttl_s`; False (dropped) when it alone needs more pages than the store holds."""
@@ -44,6 +48,19 @@ class EarlyRequests:
     def expire(self, now: float) -> None:
         while self._kept and next(iter(self._kept.values()))[1] < now:
             self._drop(next(iter(self._kept)))
+        while self._refusals and next(iter(self._refusals.values()))[1] < now:
+            self._refusals.popitem(last=False)
+
+    def refuse(self, answer: Failed, now: float) -> None:
+        """Keep `answer` for the claim of its room until `now + ttl_s` (the oldest make room when full)."""
+        self._refusals.pop(answer.room, None)
+        if len(self._refusals) >= self.max_count:
+            self._refusals.popitem(last=False)
+        self._refusals[answer.room] = (answer, now + self.ttl_s)
+
+    def take_refusal(self, room: int) -> Failed | None:
+        entry = self._refusals.pop(room, None)
+        return entry[0] if entry is not None else None
 
     def _drop(self, room: int) -> None:
         self._dropped[room] = self.pop(room).control

@@ -205,9 +205,22 @@ class PrefillRole(Role):
             return
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
+        self.early_requests.take_refusal(h.room)  # one left by an earlier request with this room stands no more
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)
+
+    def refuse(self, req: Req, message: str) -> None:
+        """A request failed here before its handoff began: its decode half learns at once, if its claim came
+        already, else as soon as it comes."""
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_room is None:
+            return
+        answer = Failed(req.bootstrap_room, message[:MAX_STRING], status=400)
+        control = self.early_requests.take_control(answer.room)
+        if control is not None:
+            self.link.send_control(control, answer)
+        else:
+            self.early_requests.refuse(answer, self.link.clock())
 
     def prepare_step(self) -> bool:
         self.link.handle_events(self.handlers)
@@ -319,6 +332,10 @@ class PrefillRole(Role):
     def _on_transfer_request(self, msg: TransferRequest) -> None:
         room = msg.room
         h = self.link.handoffs.get(room)
+        refused = self.early_requests.take_refusal(room) if h is None else None
+        if refused is not None:
+            self.link.send_control(msg.control, refused)
+            return
         if h is None:
             if not self.early_requests.add(msg, self.link.clock()):
                 logger.warning("room %d: dropping an early transfer_request for %d pages", room, len(msg.dst_pages))

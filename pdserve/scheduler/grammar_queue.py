@@ -72,8 +72,8 @@ class GrammarQueue:
     def _wake(self, _: Future) -> None:
         try:
             os.write(self._wake_write_fd, b"x")
-        except BlockingIOError:
-            pass  # the pipe is full: the scheduler is awake already
+        except OSError:
+            pass  # the pipe is full (the scheduler is awake already) or closed (the scheduler has stopped)
 
     def poll(self) -> list[GrammarOutcome]:
         """The requests whose compile ended or timed out since the last poll, in arrival order."""

@@ -5,6 +5,7 @@ overrides the points it needs. A role reaches back only through `SchedulerAPI`, 
 
 In the order a request meets them:
   validate, accept                          a request arrives (`add_request`)
+  refuse                                    ... or ends before the role has it (its grammar fails to compile)
   prepare_step, plan_extend                 each step begins; which prompts this step prefills
   layer_hook, on_chunk_done, on_prefill_done  a prefill forward runs, a chunk lands, the prompt is done
   check_stop, caches_finished, keeps_pages  a token is appended; the request ends; its pages are released
@@ -69,6 +70,9 @@ class Role:
     def accept(self, req: Req) -> None:
         """A validated request arrives; colocated, it queues for prefill (the PD roles first run the handshake)."""
         self.scheduler.enqueue(req)
+
+    def refuse(self, req: Req, message: str) -> None:
+        """The scheduler failed req with a 400 before accepting it (`message`: why); the PD prefill tells its peer."""
 
     def prepare_step(self) -> bool:
         """Runs first in every step (the PD roles read their peers' messages). False skips this step's forward

@@ -16,6 +16,7 @@ from collections import deque
 import torch
 
 from pdserve.config import ServerArgs
+from pdserve.constrained.compiler import GrammarError
 from pdserve.constrained.matcher import mask_logits
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
@@ -64,6 +65,7 @@ class Scheduler:
         self._changed: dict[str, Req] = {}
         self.num_retracted = 0
         self.num_masked_rows = 0  # sampled rows a grammar masked
+        self.num_masked_steps = 0  # sampling steps that masked any row (rows per step: the ratio of the two)
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
@@ -98,7 +100,11 @@ class Scheduler:
         """Validate req and hand it to the role; a request with a grammar first waits for its compile."""
         self.validate(req)
         if req.sampling_params.grammar is not None:
-            self.grammar_queue.submit(req)  # a GrammarError (a ValueError) when no grammar can be compiled here
+            try:
+                self.grammar_queue.submit(req)
+            except GrammarError as exc:  # no grammar can be compiled here: a 400
+                self.role.refuse(req, str(exc))
+                raise
         self.reqs[req.rid] = req
         self.radix.prefetch(req.rid, req.input_ids)
         if req.sampling_params.grammar is None:
@@ -108,6 +114,7 @@ class Scheduler:
         """Requests whose grammar compiled go on to their role; those whose compile failed end with a 400."""
         for outcome in self.grammar_queue.poll():
             if outcome.error is not None:
+                self.role.refuse(outcome.req, outcome.error)
                 self.finish(outcome.req, FinishReason("abort", message=outcome.error, status_code=400))
                 continue
             outcome.req.grammar = outcome.grammar
@@ -192,13 +199,14 @@ class Scheduler:
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
             **self.grammar_queue.stats(),
             "grammar_masked_rows": self.num_masked_rows,
+            "grammar_masked_steps": self.num_masked_steps,
             **self.role.stats(),
         }
 
     def reset_stats(self) -> None:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
-        self.num_masked_rows = 0
+        self.num_masked_rows = self.num_masked_steps = 0
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
@@ -495,6 +503,7 @@ class Scheduler:
         if any(grammars):
             logits = mask_logits(logits, grammars)
             self.num_masked_rows += sum(g is not None for g in grammars)
+            self.num_masked_steps += 1
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:

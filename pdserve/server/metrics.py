@@ -60,6 +60,7 @@ def _grammar_metrics(stats: dict) -> list[Metric]:
         "grammar_cache_hits": "Grammar requests served by an already compiled (or compiling) grammar.",
         "grammar_compile_seconds": "Time spent compiling grammars, in seconds.",
         "grammar_masked_rows": "Sampled rows whose logits a grammar's token bitmask masked.",
+        "grammar_masked_steps": "Sampling steps that masked any row (masked rows per step: rows / steps).",
     }
     families: list[Metric] = [CounterMetricFamily(PREFIX + name, text, stats.get(name, 0))
                               for name, text in counters.items()]

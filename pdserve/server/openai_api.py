@@ -28,7 +28,9 @@ from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
 from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
-from pdserve.server.tool_calls import ToolChoice, parse_tool_calls, pick_tool_call_parser
+from pdserve.server.tool_call_parser import (CallStart, Content, Piece, ToolCallStream, parse_tool_calls,
+                                            tool_call_stream)
+from pdserve.server.tool_calls import ToolChoice, pick_tool_call_parser
 from pdserve.tokenizer import TokenBytes
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -219,6 +221,10 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """Chat answers. With tools, each choice's text goes through a tool-call parser (`tool_call_parser.py`): streamed,
+    content and each call's start and arguments arrive as OpenAI's deltas as soon as they are decided; blocking, the
+    same parser reads the whole text, so the deltas of a stream add up to the blocking answer."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
@@ -228,56 +234,60 @@ class ChatFormat(ResponseFormat):
         self.tool_choice = tool_choice
         self.tool_call_parser = tool_call_parser
         self.token_bytes = token_bytes
-        self._held: dict[int, list[str]] = {}  # streamed with tools: each choice's text until it ends
+        self._parsers: dict[int, ToolCallStream] = {}  # streamed: each choice's parser
 
     def choice(self, index: int, generation: Generation) -> dict:
         logprobs = None
         if self.logprobs:
             logprobs = {"content": chat_logprobs(generation.output_logprobs, generation.output_top_logprobs,
                                                      self.token_bytes)}
-        finish_reason = _finish_reason(generation.finish_reason)
         content, tool_calls = parse_tool_calls(generation.text, self.tool_choice, self.tool_call_parser)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if tool_calls:
             message["tool_calls"] = tool_calls
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        finish_reason = _tool_finish_reason(generation.finish_reason, bool(tool_calls))
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def delta_choices(self, index: int, delta: OutputDelta, is_first: bool) -> list[dict]:
-        choices = [_role_chunk(index)] if is_first else []
-        if self.tool_choice.mode == "none":
-            return choices + self._content_choices(index, delta)
-        return choices + self._tool_call_choices(index, delta)
-
-    def _tool_call_choices(self, index: int, delta: OutputDelta) -> list[dict]:
-        """With tools a choice's text is held back until it ends; then one delta carries its content and its tool
-        calls, each with its whole arguments."""
-        self._held.setdefault(index, []).append(delta.out.text)
-        if not delta.finished:
-            return []
-        content, calls = parse_tool_calls("".join(self._held.pop(index)), self.tool_choice, self.tool_call_parser)
-        finish_reason = _finish_reason(delta.out.finish_reason)
-        message: dict[str, Any] = {"content": content} if content else {}
-        if calls:
-            message["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return [{"index": index, "delta": message, "logprobs": None, "finish_reason": finish_reason}]
-
-    def _content_choices(self, index: int, delta: OutputDelta) -> list[dict]:
+        parser = self._parsers.setdefault(index, tool_call_stream(self.tool_choice, self.tool_call_parser))
         out = delta.out
-        choices = []
-        if out.text or delta.finished or out.output_logprobs:
-            logprobs = None
-            if out.output_logprobs:
-                logprobs = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs, self.token_bytes)}
-            delta = {"content": out.text} if out.text else {}
-            choices.append({"index": index, "delta": delta, "logprobs": logprobs,
-                            "finish_reason": _finish_reason(out.finish_reason)})
-        return choices
+        messages = [_delta_message(piece) for piece in parser.feed(out.text)]
+        if delta.finished:
+            messages += [_delta_message(piece) for piece in parser.finish()]
+            del self._parsers[index]
+        if (delta.finished or out.output_logprobs) and not messages:
+            messages.append({})
+        choices = [{"index": index, "delta": message, "logprobs": None, "finish_reason": None} for message in messages]
+        if choices and out.output_logprobs:
+            choices[0]["logprobs"] = {"content": chat_logprobs(out.output_logprobs, out.output_top_logprobs,
+                                                               self.token_bytes)}
+        if delta.finished:
+            choices[-1]["finish_reason"] = _tool_finish_reason(out.finish_reason, parser.num_calls > 0)
+        return ([_role_chunk(index, self.tool_choice.mode == "none")] if is_first else []) + choices
 
 
-def _role_chunk(index: int) -> dict:
-    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+def _tool_finish_reason(reason: dict | None, has_calls: bool) -> str | None:
+    finish_reason = _finish_reason(reason)
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+def _delta_message(piece: Piece) -> dict:
+    """OpenAI's delta of one parsed piece: content, a call's start (id, name, empty arguments) or its arguments."""
+    if isinstance(piece, Content):
+        return {"content": piece.text}
+    if isinstance(piece, CallStart):
+        call = {"index": piece.index, "id": piece.id, "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+    else:
+        call = {"index": piece.index, "function": {"arguments": piece.text}}
+    return {"tool_calls": [call]}
+
+
+def _role_chunk(index: int, plain: bool) -> dict:
+    """The first chunk of a choice; with tools its content starts as null (as OpenAI's, and the blocking answer's
+    where the model only called tools)."""
+    delta = {"role": "assistant", "content": "" if plain else None}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def completion_logprobs(entries: list[list], top: list[list[list]], text_offset: int) -> dict:

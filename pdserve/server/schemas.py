@@ -206,6 +206,8 @@ class OpenAIRequestBase(BootstrapFields):
     stop_token_ids: list[int] | None = None
     rid: ShortStr | None = None
     response_format: dict[str, Any] | None = None
+    regex: str | None = None  # SGLang's grammar extensions of the OpenAI routes
+    ebnf: str | None = None
 
     def unsupported_feature(self) -> str | None:
         """The first requested OpenAI feature this server does not implement, if any."""
@@ -241,6 +243,7 @@ class OpenAIRequestBase(BootstrapFields):
         schema = self.output_schema()
         if schema is not None:
             values["json_schema"] = schema
+        values.update({name: getattr(self, name) for name in ("regex", "ebnf") if getattr(self, name) is not None})
         return SamplingParams(**values)
 
 

@@ -6,22 +6,17 @@ turned into a JSON-schema constraint, and tool calls parsed back out of the outp
   entry per call (exactly one when `parallel_tool_calls` is false), each name one of the tools and its arguments
   that tool's `parameters` schema.
 - a named function: the output is constrained to that function's `parameters` schema: the arguments of one call.
-- `"auto"`: the output is free; tool calls are parsed where the model wrote them in its family's convention
-  (`--tool-call-parser`): `qwen25` (Qwen 2.5/3, Hermes) `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  blocks, the text outside them the message's content; `llama3` (Llama 3.1+) an output that is nothing but JSON
-  calls `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`, several separated by `;`).
+- `"auto"`: the output is free; tool calls are read where the model wrote them in its family's convention
+  (`--tool-call-parser`, see `tool_call_parser.py`, which reads the calls of every mode back out of the output).
   `"none"`: tools are neither offered to the chat template nor parsed.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 LLAMA3_PYTHON_TAG = "<|python_tag|>"
 ANY_OBJECT = '{"type": "object"}'
 
@@ -84,60 +79,6 @@ def tool_call_schema(choice: ToolChoice, tools: list[dict], parallel: bool) -> s
     if not parallel:
         array["maxItems"] = 1
     return json.dumps(array)
-
-
-def parse_tool_calls(text: str, choice: ToolChoice, parser: str = "qwen25") -> tuple[str | None, list[dict]]:
-    """(the message's content, its OpenAI tool_calls) from the output `text`; no calls where none parse."""
-    if choice.mode == "none":
-        return text, []
-    if choice.mode == "auto":
-        return _llama3_calls(text) if parser == "llama3" else _qwen25_calls(text)
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return text, []  # cut off by max_tokens or a stop string: no call, the text as it is
-    if choice.mode == "named":
-        return None, [_openai_call(choice.name, value)]
-    return None, [_openai_call(item["name"], item["arguments"]) for item in value]
-
-
-def _qwen25_calls(text: str) -> tuple[str | None, list[dict]]:
-    calls = [call for block in TOOL_CALL_BLOCK.findall(text) for call in _calls_in(block)]
-    return (TOOL_CALL_BLOCK.sub("", text).strip() or None, calls) if calls else (text, [])
-
-
-def _llama3_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Calls only where the whole output is JSON calls (else it is content, as Llama 3 answers in prose)."""
-    rest, values, decoder = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip(), [], json.JSONDecoder()
-    while rest:
-        try:
-            value, end = decoder.raw_decode(rest)
-        except json.JSONDecodeError:
-            return text, []
-        values.append(value)
-        rest = rest[end:].strip().removeprefix(";").strip()
-    calls = [_call_of(value) for value in values]
-    return (None, calls) if calls and all(calls) else (text, [])
-
-
-def _calls_in(block: str) -> list[dict]:
-    try:
-        call = _call_of(json.loads(block))
-    except json.JSONDecodeError:
-        return []
-    return [call] if call else []
-
-
-def _call_of(value: Any) -> dict | None:
-    """The OpenAI call of a parsed `{"name", "arguments" or "parameters"}` object, None for anything else."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    return _openai_call(value["name"], value.get("arguments", value.get("parameters", {})))
-
-
-def _openai_call(name: str, arguments: Any) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
 def _function(tool: dict) -> dict:

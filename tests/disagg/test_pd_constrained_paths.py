@@ -1,6 +1,6 @@
 """Constrained decoding on the PD paths the end-to-end tests do not reach: a grammar request the decode server
 prefills itself (conditional disaggregation), a grammar request that hits the decode-side radix cache, a grammar
-that compiles on the prefill but not on the decode, and outputs cut by `length` (valid prefixes of the grammar).
+that compiles on one side only (a prefill's failure reaches the decode at once), and outputs cut by `length` (valid prefixes of the grammar).
 In-process schedulers over the tcp backend (tests/disagg/test_pd_schedulers.py)."""
 
 from __future__ import annotations
@@ -130,26 +130,31 @@ def test_outputs_cut_by_length_are_prefixes_the_grammar_accepts(pair, colocated)
         assert_valid_prefix(pair[1], schema, through_pd["ids"])
 
 
+def make_compiles_time_out(sched, monkeypatch) -> None:
+    """`sched` gives a grammar 0.05 s to compile, and those starting with "slow" take 0.5 s."""
+    queue = sched.grammar_queue
+    monkeypatch.setattr(queue, "args", queue.args.replace(grammar_compile_timeout_s=0.05))
+    compile_ = queue._compiler().compile
+
+    def slow_compile(spec):
+        if spec.text.startswith("slow"):
+            time.sleep(0.5)
+        return compile_(spec)
+
+    monkeypatch.setattr(queue.compiler, "compile", slow_compile)
+
+
 @pytest.mark.parametrize("slow_side", [1, 0], ids=["decode", "prefill"])
 def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_serving(model, monkeypatch, slow_side):
     """One side compiles the grammar, the other's compile outlasts its --grammar-compile-timeout-s: that side
-    answers 400 at once, the other gives the request up after its 1 s bootstrap (prefill) or waiting (decode)
-    timeout, or at once when the router aborts it; both pools end free, and the pair serves the next constrained
-    request."""
-    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=1.0, disaggregation_waiting_timeout=1.0)
+    answers 400 at once, the other gives the request up at once (the decode: the prefill's 400 reaches it over the
+    control channel), after its 1 s bootstrap timeout (the prefill, when the decode failed), or at once when the
+    router aborts it; both pools end free, and the pair serves the next constrained request."""
+    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=1.0)
     scheds = [prefill, decode]
     slow, other = scheds[slow_side], scheds[1 - slow_side]
     try:
-        queue = slow.grammar_queue
-        monkeypatch.setattr(queue, "args", queue.args.replace(grammar_compile_timeout_s=0.05))
-        compile_ = queue._compiler().compile
-
-        def slow_compile(spec):
-            if spec.text.startswith("slow"):
-                time.sleep(0.5)
-            return compile_(spec)
-
-        monkeypatch.setattr(queue.compiler, "compile", slow_compile)
+        make_compiles_time_out(slow, monkeypatch)
         for rid, room, router_aborts in (("alone", 400, False), ("aborted", 401, True)):
             # a regex of its own: a compile that timed out still ends, and the next request would find it cached
             params = SamplingParams(temperature=0, max_tokens=8, regex=f"slow{rid}[0-9]")
@@ -165,7 +170,9 @@ def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_servin
             if router_aborts:
                 other.abort_request(rid)
             outs = run(scheds, timeout=10)
-            assert outs[(1 - slow_side, rid)]["finish"]["type"] == "abort"
+            other_finish = outs[(1 - slow_side, rid)]["finish"]
+            assert other_finish["type"] == "abort"
+            assert slow is decode or router_aborts or other_finish["status_code"] == 400, other_finish
             assert time.monotonic() - started < 5
             assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
             assert not prefill.has_work() and not decode.has_work()
@@ -173,6 +180,35 @@ def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_servin
         got = serve_pd((prefill, decode, port), "next", prompt(6, 20), constrained(40), room=402)
         assert got["finish"]["type"] == "stop", got
         jsonschema.validate(json.loads(text_of(decode, got["ids"])), SCHEMA)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("claim_first", [True, False], ids=["claim-first", "failure-first"])
+def test_a_compile_failing_on_the_prefill_ends_the_decodes_half_at_once(model, monkeypatch, claim_first):
+    """Without a router: the prefill's `failed` answers the decode's claim, whether the claim came before the
+    failure or after it; the decode ends with the prefill's 400 and its pages free, long before its 10 s timeout."""
+    prefill, decode, port = make_pair(model)
+    try:
+        make_compiles_time_out(prefill, monkeypatch)
+        params = SamplingParams(temperature=0, max_tokens=8, regex="slow[0-9]")
+        started = time.monotonic()
+        first, second = (decode, prefill) if claim_first else (prefill, decode)
+        first.add_request(req("r", prompt(7, 20), params, port, 600))
+        done = False
+        while not done:  # the decode's claim is out, or the prefill's 400
+            assert time.monotonic() - started < 5
+            outs = first.step()
+            claim = decode.role.link.handoffs.get(600)
+            done = claim is not None and claim.dst_pages if claim_first else any(o.finish_reason for o in outs)
+        second.add_request(req("r", prompt(7, 20), params, port, 600))
+        outs = run([prefill, decode], timeout=10)
+        finish = outs[(1, "r")]["finish"]
+        assert finish["status_code"] == 400 and "did not compile within 0.05 s" in finish["message"], finish
+        assert time.monotonic() - started < 4
+        assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+        assert not prefill.has_work() and not decode.has_work()
     finally:
         prefill.close()
         decode.close()

@@ -1,7 +1,12 @@
-"""A grammar that compiles on the prefill but times out on the decode (started with --grammar-compile-timeout-s
-0.05; the schema takes about a second to compile), through the router: the client gets the decode's 400 at once,
-the router aborts the prefill's half (its pages are free well before its bootstrap timeout of 6 s), and the cluster
-keeps serving, constrained requests included."""
+"""A grammar that compiles on one side of a PD pair only (the other started with --grammar-compile-timeout-s 0.05;
+the schema takes about a second to compile).
+
+- It times out on the decode, through the router: the client gets the decode's 400 at once, the router aborts the
+  prefill's half (its pages are free well before its bootstrap timeout of 6 s), and the cluster keeps serving,
+  constrained requests included.
+- It times out on the prefill, without a router (a client that pairs the halves itself): the prefill tells the decode
+  over their control channel (`failed` for the room), so the decode ends its half with the prefill's 400 and frees
+  its pages at once, not after its KV-transfer timeout."""
 
 from __future__ import annotations
 
@@ -9,10 +14,11 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
-from cluster_util import PDCluster, decode_server, free_port, prefill_server, router, start_all, stop_all, \
+from cluster_util import PDCluster, Proc, decode_server, free_port, prefill_server, router, start_all, stop_all, \
     wait_kv_free
 
 pytestmark = pytest.mark.timeout(600)  # the servers start inside the test
@@ -63,3 +69,39 @@ def test_a_compile_timing_out_on_the_decode_only_is_a_400_and_frees_both_pools(s
         time.sleep(0.2)
     jsonschema.validate(json.loads(again.json()["text"]), SCHEMA)
     wait_kv_free(cluster.servers)
+
+
+LONG_PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "30", "--disaggregation-waiting-timeout", "30"]
+
+
+@pytest.fixture(scope="module")
+def slow_prefill_pair(tiny_model) -> Iterator[tuple[Proc, int, Proc]]:
+    """A prefill whose compiles time out and a plain decode, both waiting 30 s for their peer (flags last win)."""
+    bootstrap = free_port()
+    prefill = prefill_server(tiny_model, "tcp", bootstrap, "--grammar-compile-timeout-s", "0.05", *LONG_PD_TIMEOUTS)
+    decode = decode_server(tiny_model, "tcp", *LONG_PD_TIMEOUTS, name="decode-long-timeouts")
+    start_all([prefill, decode])
+    yield prefill, bootstrap, decode
+    stop_all([decode, prefill])
+
+
+def test_a_compile_failing_on_the_prefill_only_ends_the_decodes_half_at_once(slow_prefill_pair):
+    prefill, bootstrap, decode = slow_prefill_pair
+    pair = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": 4321}
+
+    def timed(proc: Proc) -> tuple:
+        started = time.monotonic()
+        reply = proc.post("/generate", {**body(json_schema=json.dumps(SLOW)), **pair})
+        return reply, time.monotonic() - started
+
+    with ThreadPoolExecutor(2) as pool:
+        (prefill_reply, _), (decode_reply, decode_s) = pool.map(timed, (prefill, decode))
+    assert prefill_reply.status == 400 and "did not compile within 0.05 s" in prefill_reply.body.decode()
+    assert decode_reply.status == 400, decode_reply.body
+    assert "did not compile within 0.05 s" in decode_reply.json()["error"]["message"]
+    assert decode_s < 10, decode_s  # its own compile (about 1 s), then the prefill's word: not its 30 s timeout
+    wait_kv_free([prefill, decode], timeout=3)
+    paired = {**body(ignore_eos=True, max_new_tokens=4), **pair, "bootstrap_room": 4322}
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda proc: proc.post("/generate", paired), (prefill, decode)))
+    assert [r.status for r in replies] == [200, 200] and len(replies[1].json()["output_ids"]) == 4

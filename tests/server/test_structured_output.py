@@ -92,6 +92,17 @@ def test_completions_json_object_with_n_and_logprobs(server, client):
             assert isinstance(json.loads(choice.text), dict)
 
 
+def test_sglang_regex_and_ebnf_on_the_openai_routes(server, client):
+    text = client.completions.create(model=model_name(server), prompt="hi", max_tokens=20, temperature=1.0,
+                                     extra_body={"regex": "[a-c]{4}"}).choices[0].text
+    content = client.chat.completions.create(model=model_name(server), messages=MESSAGES, max_tokens=20,
+                                             extra_body={"ebnf": 'root ::= "yes" | "no"'}).choices[0].message.content
+    assert re.fullmatch("[a-c]{4}", text) and content in ("yes", "no")
+    with pytest.raises(openai.BadRequestError, match="at most one of"):
+        client.chat.completions.create(model=model_name(server), messages=MESSAGES, extra_body={"regex": "a"},
+                                       response_format={"type": "json_object"})
+
+
 def test_response_format_json_schema_and_stop_strings(server, client):
     result = client.chat.completions.create(
         model=model_name(server), messages=MESSAGES, max_tokens=80, temperature=0, stop=['"label"'],
@@ -130,12 +141,12 @@ def test_streamed_tool_calls_match_the_blocking_answer(server, client, n):
     blocking = client.chat.completions.create(**request)
     chunks = list(client.chat.completions.create(**request, stream=True))
     for index in range(n):
-        (end,) = [c.choices[0] for c in chunks
-                  if c.choices and c.choices[0].index == index and c.choices[0].delta.tool_calls]
-        (call,) = end.delta.tool_calls
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        start, *fragments = [call for choice in mine for call in choice.delta.tool_calls or []]
         expected = blocking.choices[index].message.tool_calls[0]
-        assert (call.index, call.function.name, call.function.arguments) == (0, "get_time", expected.function.arguments)
-        assert end.finish_reason == "tool_calls"
+        assert (start.index, start.function.name, start.function.arguments) == (0, "get_time", "")
+        assert "".join(f.function.arguments for f in fragments) == expected.function.arguments
+        assert mine[-1].finish_reason == "tool_calls"
 
 
 def test_a_tool_call_answer_goes_back_through_the_template(server, client):
@@ -191,4 +202,7 @@ def test_grammar_metrics(server):
     assert after["pdserve_constrained_requests_total"] == before.get("pdserve_constrained_requests_total", 0) + 2
     assert after["pdserve_grammar_cache_hits_total"] >= before.get("pdserve_grammar_cache_hits_total", 0) + 1
     assert after["pdserve_grammar_masked_rows_total"] >= before.get("pdserve_grammar_masked_rows_total", 0) + 12
+    rows = after["pdserve_grammar_masked_rows_total"] - before.get("pdserve_grammar_masked_rows_total", 0)
+    steps = after["pdserve_grammar_masked_steps_total"] - before.get("pdserve_grammar_masked_steps_total", 0)
+    assert steps == rows  # one request at a time: one masked row per step
     assert after["pdserve_grammar_compile_seconds_total"] > 0 and after["pdserve_grammar_waiting_reqs"] == 0
