@@ -106,7 +106,13 @@ def routing_key(path: str, body: dict) -> RoutingKey | None:
     prompt = body.get("prompt") if path == "/v1/completions" else body.get("text", body.get("input_ids"))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
-    return prompt if isinstance(prompt, (str, list)) else None
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return prompt
+    return None  # malformed: routed anyway, and the server answers the 400
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(token) is int for token in value)
 
 
 def _message_text(message: dict) -> str:

@@ -11,7 +11,7 @@ import pytest
 
 from pdserve_router.cli import parse_config
 from pdserve_router.config import RouterConfig
-from pdserve_router.payload import FirstEventMerger, bootstrap_fields
+from pdserve_router.payload import FirstEventMerger, bootstrap_fields, routing_key
 from pdserve_router.policies import CacheAwarePolicy
 from pdserve_router.workers import CircuitBreaker, Worker
 
@@ -72,6 +72,13 @@ def test_cache_aware_matches_token_ids_and_respects_the_threshold():
     assert all(policy.select(workers, list(range(16)) + [99, i]) is first for i in range(5))
     first.in_flight = 1  # a mostly new prompt ignores a short shared prefix and goes to the less loaded worker
     assert policy.select(workers, list(range(4)) + list(range(100, 116))) is not first
+
+
+@pytest.mark.parametrize("prompt", [[[[[]]]], [[1, [2]]], [1, "a"], [True, 2], {"a": 1}, 3])
+def test_a_malformed_prompt_has_no_routing_key(prompt):
+    """The router still forwards it (the server answers the 400); hashing it must not fail first."""
+    assert routing_key("/generate", {"text": prompt}) is None
+    assert routing_key("/v1/completions", {"prompt": prompt}) is None
 
 
 def test_first_event_merger_handles_split_chunks():
