@@ -33,7 +33,6 @@ NEUTRAL_VALUES = {
     "nnodes": (("1",), "one server spanning several machines"),
     "node-rank": (("0",), "one server spanning several machines"),
     "kv-cache-dtype": (("auto",), "a KV cache in another dtype than the model's (KV-cache quantization)"),
-    "quantization": (("none",), "quantized weights"),
     "schedule-policy": (("fcfs",), "scheduling policies other than first-come first-served"),
     "tokenizer-worker-num": (("1",), "several tokenizer processes"),
     "detokenizer-worker-num": (("1",), "several detokenizer processes"),

@@ -25,9 +25,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         q_shard = Shard.even(cfg.num_heads * cfg.head_dim, tp)
         kv_shard = Shard.kv_heads(cfg.num_kv_heads, cfg.head_dim, tp)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias,
+                                             cfg.quantization)
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, cfg.quantization)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -56,8 +57,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         shard = Shard.even(cfg.intermediate_size, tp)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard, shard], bias=False)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard, shard], False, cfg.quantization)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp, cfg.quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -96,8 +97,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
+        fp8_head = cfg.quantization if cfg.quantization is not None and cfg.quantization.lm_head else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, fp8_head)
+        if cfg.tie_word_embeddings and fp8_head is None:  # an FP8 LM head holds its own copy of the embedding
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
