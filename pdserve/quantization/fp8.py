@@ -3,8 +3,8 @@ activations are quantized per token (a float32 scale per row: its amax over FP8_
 scale) right before the GEMM, so the product is `(x_q * scale_x) @ (w_q * scale_w).T`.
 
 On a GPU with FP8 tensor cores (sm89+) the GEMM is `torch._scaled_mm` with rowwise scales (its kernel writes
-bfloat16; another model dtype is cast after); everywhere else the same quantized operands are multiplied in float32
-and scaled after the sum, as the GPU kernel's epilogue does. Everything is fixed-shape tensor work with no host sync,
+bfloat16; another model dtype is cast after); everywhere else the same quantized operands are dequantized to
+float32 and multiplied. Everything is fixed-shape tensor work with no host sync,
 so it runs inside CUDA graphs.
 """
 
@@ -62,8 +62,8 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 
 def dequantized_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    out_dtype: torch.dtype) -> torch.Tensor:
-    """The same product where no FP8 GEMM exists: the FP8 operands in float32, scaled after the sum."""
-    return ((x_q.float() @ weight.float().t()) * x_scale * weight_scale).to(out_dtype)
+    """The same product where no FP8 GEMM exists: both operands dequantized to float32, then multiplied."""
+    return ((x_q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()).to(out_dtype)
 
 
 def has_fp8_gemm(device: torch.device) -> bool:

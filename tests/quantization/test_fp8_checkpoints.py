@@ -6,10 +6,10 @@ block-scaled weights are re-quantized per channel, and bad combinations are refu
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
