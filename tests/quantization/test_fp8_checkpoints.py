@@ -215,3 +215,13 @@ def test_unknown_methods_are_refused_on_the_command_line():
                              "awq"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "--quantization awq needs awq quantized weights" in result.stderr
+
+
+def test_the_decode_roofline_reads_fp8_weights_as_one_byte(tiny_model):
+    from pdserve.bench.roofline import ModelCost
+
+    cfg = ModelConfig.from_path(tiny_model)
+    bf16, fp8 = ModelCost.of(cfg, itemsize=2), ModelCost.of(cfg.with_quantization("fp8", False), itemsize=2)
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    assert fp8.weight_bytes - head == (bf16.weight_bytes - head) // 2 == bf16.layer_params
+    assert ModelCost.of(cfg.with_quantization("fp8", True), itemsize=2).weight_bytes == bf16.layer_params + head // 2
