@@ -26,7 +26,18 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale."""
+    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale. On
+    CUDA one Triton kernel (`pdserve/quantization/fp8_triton.py`) computes the same."""
+    if x.is_cuda:
+        from pdserve.quantization.fp8_triton import quantize_tokens_triton
+
+        return quantize_tokens_triton(x, static_scale)
+    return quantize_tokens_torch(x, static_scale)
+
+
+def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens` in torch ops, on any device."""
     if static_scale is None:
         scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
     else:
