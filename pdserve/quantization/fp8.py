@@ -27,10 +27,8 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale. On
-    CUDA one Triton kernel (`pdserve/quantization/fp8_triton.py`) computes the same."""
+    CUDA one Triton kernel computes the same."""
     if x.is_cuda:
-        from pdserve.quantization.fp8_triton import quantize_tokens_triton
-
         return quantize_tokens_triton(x, static_scale)
     return quantize_tokens_torch(x, static_scale)
 
@@ -43,6 +41,27 @@ def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = N
     else:
         scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return to_fp8(x.float() / scale), scale
+
+
+def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens` of a 2-D x in one Triton kernel: the same bytes and scales."""
+    import triton
+
+    from pdserve.quantization.fp8_triton import quantize_tokens_kernel
+
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    quantize_tokens_kernel[(m,)](
+        x, q, scale, static_scale if static_scale is not None else scale, x.stride(0), q.stride(0), k,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=static_scale is not None, BLOCK=block,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+    )
+    return q, scale
 
 
 def to_fp8(values: torch.Tensor) -> torch.Tensor:

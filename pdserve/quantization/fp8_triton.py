@@ -1,15 +1,12 @@
-"""Per-token FP8 quantization of activations in one Triton kernel on CUDA (the torch ops of
-`pdserve.quantization.fp8.quantize_tokens` take ~9 small kernels per linear layer, which inside a decode CUDA
-graph cost more than the GEMM's saving at small batches): one program per row loads it once, takes its amax
-(or the static scale) and writes the float8 row and its float32 scale."""
+"""Per-token FP8 quantization of activations in one Triton kernel, launched on CUDA by
+`pdserve.quantization.fp8.quantize_tokens_triton` instead of its torch ops (about 9 small kernels per linear
+layer, each one more launch in the decode CUDA graphs): one program per row loads it once, takes its amax (or the
+static scale) and writes the float8 row and its float32 scale."""
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from pdserve.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -26,8 +23,8 @@ def _round_to_e4m3(v):
 
 
 @triton.jit
-def _quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, STATIC: tl.constexpr,
-                            BLOCK: tl.constexpr):
+def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
+                           MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -41,18 +38,3 @@ def _quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, STA
     # carries into the next power of two wrongly)
     tl.store(Q + row * stride_q + offs, _round_to_e4m3(v).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row, scale)
-
-
-def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_tokens` of a 2-D x (last dim contiguous), the same bytes and scales."""
-    m, k = x.shape
-    assert x.stride(1) == 1
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
-    _quantize_tokens_kernel[(m,)](
-        x, q, scale, static_scale if static_scale is not None else scale, x.stride(0), q.stride(0), k,
-        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
-    )
-    return q, scale

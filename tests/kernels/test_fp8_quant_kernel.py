@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.quantization.fp8 import FP8_MAX, quantize_tokens, quantize_tokens_torch
+from pdserve.quantization.fp8 import FP8_MAX, quantize_tokens, quantize_tokens_torch, quantize_tokens_triton
 
 
 def rows(device: str = "cpu") -> torch.Tensor:
@@ -27,8 +27,6 @@ def assert_same(got, expected):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("static", [None, 0.01])
 def test_kernel_matches_torch_interpreted(interpreted, dtype, static):
-    from pdserve.quantization.fp8_triton import quantize_tokens_triton
-
     wide = torch.zeros(12, 320, dtype=dtype)
     wide[:, :300] = rows().to(dtype)
     x = wide[:, :300]  # rows 320 apart
