@@ -17,6 +17,7 @@ static input scales of fused parts become their maximum (one activation, one sca
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,6 +43,12 @@ class Fp8Checkpoint:
     weight_scales: WeightScales = "channel"
     static_activations: bool = False
     block: tuple[int, int] = DEFAULT_BLOCK  # with weight_scales "block"
+    ignore: tuple[str, ...] = ()  # modules left unquantized: a name, a last part of names, or "re:" a regex
+
+    def ignores(self, module: str) -> bool:
+        """Whether the checkpoint leaves `module` ("model.layers.0.mlp.down_proj") unquantized."""
+        return any(re.match(entry[3:], module) if entry.startswith("re:") else module == entry
+                   or module.endswith("." + entry) for entry in self.ignore)
 
     def __post_init__(self) -> None:
         if self.method == "compressed-tensors" and self.weight_scales == "block":
@@ -71,7 +78,8 @@ class Fp8Checkpoint:
         block = qc.get("weight_block_size")
         if block is not None and (len(block) != 2 or any(not isinstance(b, int) or b <= 0 for b in block)):
             raise ConfigError(f"fp8 checkpoint: weight_block_size {block!r} is not two positive integers")
-        return cls("fp8", "block" if block else "tensor", scheme == "static", tuple(block or DEFAULT_BLOCK))
+        ignore = tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ())
+        return cls("fp8", "block" if block else "tensor", scheme == "static", tuple(block or DEFAULT_BLOCK), ignore)
 
     @classmethod
     def _from_compressed_tensors(cls, qc: dict) -> "Fp8Checkpoint":
@@ -88,7 +96,7 @@ class Fp8Checkpoint:
         static = not inputs.get("dynamic", True)
         if static and inputs.get("strategy") != "tensor":
             raise ConfigError("compressed-tensors checkpoint: static input scales must be per tensor")
-        return cls("compressed-tensors", weights["strategy"], static)
+        return cls("compressed-tensors", weights["strategy"], static, ignore=tuple(qc.get("ignore") or ()))
 
     # ---- writing ----------------------------------------------------------------------------------------------
 
@@ -153,6 +161,17 @@ class Fp8Scheme:
     @property
     def method(self) -> Method:
         return "fp8" if self.checkpoint is None else self.checkpoint.method
+
+    def for_layer(self, modules: list[str]) -> "Fp8Scheme | None":
+        """This scheme for the layer that fuses the checkpoint's `modules`, or None where the checkpoint leaves
+        them unquantized; ConfigError where it leaves only some of them."""
+        if self.checkpoint is None:
+            return self
+        ignored = [self.checkpoint.ignores(m) for m in modules]
+        if any(ignored) and not all(ignored):
+            raise ConfigError(f"the checkpoint quantizes some of {', '.join(modules)} but not all; pdserve fuses "
+                              "them into one layer")
+        return None if all(ignored) else self
 
     @staticmethod
     def resolve(flag: str | None, quantize_lm_head: bool, checkpoint: Fp8Checkpoint | None) -> "Fp8Scheme | None":

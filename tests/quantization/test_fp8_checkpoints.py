@@ -225,3 +225,46 @@ def test_the_decode_roofline_reads_fp8_weights_as_one_byte(tiny_model):
     head = 2 * cfg.vocab_size * cfg.hidden_size
     assert fp8.weight_bytes - head == (bf16.weight_bytes - head) // 2 == bf16.layer_params
     assert ModelCost.of(cfg.with_quantization("fp8", True), itemsize=2).weight_bytes == bf16.layer_params + head // 2
+
+
+def _with_unquantized(fp8_path: str, fp32_path: str, out: Path, modules: list[str], ignore: list[str]) -> str:
+    """A copy of the FP8 checkpoint whose `modules` are the fp32 ones, listed as `ignore` in its config."""
+    shutil.copytree(fp8_path, out)
+    files, originals = load_file(out / "model.safetensors"), load_file(f"{fp32_path}/model.safetensors")
+    for module in modules:
+        files = {n: t for n, t in files.items() if not n.startswith(f"{module}.")}
+        files[f"{module}.weight"] = originals[f"{module}.weight"]
+    save_file(files, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    qc = config["quantization_config"]
+    qc["ignore" if "ignore" in qc else "ignored_layers"] = ignore
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize("fmt,ignore,down_layers", [
+    ("ct-channel", ["lm_head", "model.layers.1.mlp.down_proj", r"re:.*layers\.0\.self_attn\.[qkv]_proj$"], [1]),
+    ("fp8-tensor-static", ["lm_head", "down_proj", "re:.*0.self_attn.[qkv]_proj"], [0, 1]),  # a last name part
+])
+def test_layers_the_checkpoint_leaves_unquantized_stay_in_the_model_dtype(tiny_models, fp8_models, tmp_path, fmt,
+                                                                          ignore, down_layers):
+    fp32 = tiny_models["qwen3-tiny"]
+    down = [f"model.layers.{i}.mlp.down_proj" for i in down_layers]
+    qkv = [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    path = _with_unquantized(fp8_models["qwen3-tiny", fmt], fp32, tmp_path / "m", down + qkv, ignore)
+    model = load_rank(path, 1, 2)
+    originals = load_file(f"{fp32}/model.safetensors")
+    assert model.layers[1].mlp.down_proj.weight_scale is None
+    assert torch.equal(model.layers[1].mlp.down_proj.weight, originals["model.layers.1.mlp.down_proj.weight"][:, 96:])
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float32
+    assert model.layers[1].self_attn.qkv_proj.weight.dtype == FP8
+    assert model.layers[1].mlp.gate_up_proj.weight.dtype == FP8
+    assert (model.layers[0].mlp.down_proj.weight.dtype == FP8) == (0 not in down_layers)
+
+
+def test_a_fused_layer_left_partly_unquantized_is_refused(tiny_models, fp8_models, tmp_path):
+    path = _with_unquantized(fp8_models["qwen3-tiny", "ct-channel"], tiny_models["qwen3-tiny"], tmp_path / "m",
+                             ["model.layers.0.mlp.up_proj"], ["lm_head", "model.layers.0.mlp.up_proj"])
+    with pytest.raises(ConfigError, match="quantizes some of model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj "
+                                          "but not all"):
+        load_rank(path)
