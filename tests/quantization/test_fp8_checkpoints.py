@@ -268,3 +268,16 @@ def test_a_fused_layer_left_partly_unquantized_is_refused(tiny_models, fp8_model
     with pytest.raises(ConfigError, match="quantizes some of model.layers.0.mlp.gate_proj, model.layers.0.mlp.up_proj "
                                           "but not all"):
         load_rank(path)
+
+
+def test_dummy_weights_are_quantized_like_a_checkpoints(tiny_model):
+    from pdserve.models.loader import load_model
+
+    cfg = ModelConfig.from_path(tiny_model).with_quantization("fp8", True)
+    model = load_model(tiny_model, cfg, torch.float32, torch.device("cpu"), dummy=True)
+    layers = fp8_layers(model)
+    assert len(layers) == 4 * cfg.num_layers + 1  # and the LM head
+    for layer in layers.values():
+        dequantized = layer.weight.float() * layer.weight_scale[:, None]
+        assert layer.weight.abs().float().amax(dim=1).tolist() == [448.0] * layer.weight.shape[0]
+        assert 0.015 < dequantized.std().item() < 0.025  # normal(0, 0.02)
