@@ -28,7 +28,6 @@ from pdserve.quantization.fp8 import FP8, FP8_MAX, MIN_SCALE, quantize_rows, to_
 
 Method = Literal["fp8", "compressed-tensors"]
 WeightScales = Literal["channel", "tensor", "block"]
-METHODS = ("fp8", "compressed-tensors")
 DEFAULT_BLOCK = (128, 128)
 BLOCK_SCALE = "weight_scale_inv"  # the fp8 format's name for block scales (multiplied in, despite the name)
 IGNORED = ["lm_head"]  # what the checkpoints `make_model` writes leave unquantized (as AutoFP8 and llm-compressor do)
@@ -37,7 +36,7 @@ IGNORED = ["lm_head"]  # what the checkpoints `make_model` writes leave unquanti
 @dataclass(frozen=True, slots=True)
 class Fp8Checkpoint:
     """What an FP8 checkpoint holds: its `quant_method`, how its weight scales are laid out, whether it carries
-    static input scales."""
+    static input scales, which modules it leaves unquantized."""
 
     method: Method
     weight_scales: WeightScales = "channel"
@@ -45,14 +44,14 @@ class Fp8Checkpoint:
     block: tuple[int, int] = DEFAULT_BLOCK  # with weight_scales "block"
     ignore: tuple[str, ...] = ()  # modules left unquantized: a name, a last part of names, or "re:" a regex
 
+    def __post_init__(self) -> None:
+        if self.method == "compressed-tensors" and self.weight_scales == "block":
+            raise ValueError("pdserve writes and reads block-wise scales in the fp8 format only")
+
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint leaves `module` ("model.layers.0.mlp.down_proj") unquantized."""
         return any(re.match(entry[3:], module) if entry.startswith("re:") else module == entry
                    or module.endswith("." + entry) for entry in self.ignore)
-
-    def __post_init__(self) -> None:
-        if self.method == "compressed-tensors" and self.weight_scales == "block":
-            raise ValueError("pdserve writes and reads block-wise scales in the fp8 format only")
 
     # ---- reading ----------------------------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FORMATS
 from engine.test_hf_equivalence import greedy, hf_greedy, random_prompts
+from fp8_util import FORMATS
 from safetensors.torch import load_file
 from torch import nn
 from transformers import AutoModelForCausalLM
