@@ -39,6 +39,8 @@ class ServerArgs:
     device: str = "auto"
     random_seed: int = 0
     load_format: Literal["auto", "dummy"] = "auto"
+    quantization: str | None = None  # fp8 or compressed-tensors; an FP8 checkpoint needs none
+    quantize_lm_head: bool = False
     # memory and scheduling
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85
@@ -140,6 +142,9 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
             raise ConfigError(f"--dtype {self.dtype!r} is not one of auto, float32, float16, bfloat16")
+        if self.quantization not in (None, "fp8", "compressed-tensors"):
+            raise ConfigError(f"--quantization {self.quantization} needs {self.quantization} quantized weights, which "
+                              "pdserve does not implement (it serves fp8 and compressed-tensors FP8 weights)")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(f"tensor-parallel rank {self.tp_rank} is outside --tp-size {self.tp_size}")
         if self.tokenizer_mode not in ("auto", "slow"):
@@ -307,6 +312,12 @@ _HELP: dict[str, tuple[str, str]] = {
     "device": ("model", "cuda, cpu or auto (cuda when present)."),
     "random_seed": ("model", "Seed for sampling of requests that give none."),
     "load_format": ("model", "auto reads the safetensors; dummy fills random weights (benchmarks)."),
+    "quantization": ("model", "fp8: FP8 (E4M3) linear weights with a scale per output channel, activations "
+                              "quantized per token: a bf16/fp16/fp32 checkpoint is quantized at load; an FP8 "
+                              "checkpoint (quantization_config fp8 or compressed-tensors) loads as it is, with or "
+                              "without this flag. compressed-tensors: only names such a checkpoint's method."),
+    "quantize_lm_head": ("model", "With FP8 weights, the LM head in FP8 too (by default it stays in the model dtype, "
+                                  "as the embeddings and norms do)."),
     "max_total_tokens": ("memory", "KV-cache capacity in tokens; overrides --mem-fraction-static."),
     "mem_fraction_static": ("memory", "Fraction of device memory for weights plus KV cache."),
     "chunked_prefill_size": ("memory", "Longest prefill chunk in tokens; longer prompts are prefilled in chunks."),

@@ -32,7 +32,6 @@ NEUTRAL_VALUES = {
     "ep": (("1",), "expert parallelism"),
     "nnodes": (("1",), "one server spanning several machines"),
     "node-rank": (("0",), "one server spanning several machines"),
-    "quantization": (("none",), "quantized weights"),
     "schedule-policy": (("fcfs",), "scheduling policies other than first-come first-served"),
     "tokenizer-worker-num": (("1",), "several tokenizer processes"),
     "detokenizer-worker-num": (("1",), "several detokenizer processes"),

@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"  {row['output_tok_per_s']:9.1f} tok/s{extra}")
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "date": time.strftime("%Y-%m-%d"), "model": args.model_path,
+              "quantization": llm.scheduler.model_info["quantization"],
               "ceilings": asdict(ceilings) if ceilings else None, "rows": rows}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -56,9 +56,12 @@ class ModelCost:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
         embed = cfg.vocab_size * h
+        fp8 = cfg.quantization  # FP8 linear weights: one byte each (their per-row scales are noise)
+        layer_itemsize = 1 if fp8 is not None else itemsize
+        head_itemsize = 1 if fp8 is not None and fp8.lm_head else itemsize
         # a decode step reads every layer and the LM head; the embedding lookup touches a few rows only
         return cls(
-            weight_bytes=(layers * per_layer + embed) * itemsize,
+            weight_bytes=layers * per_layer * layer_itemsize + embed * head_itemsize,
             layer_params=layers * per_layer,
             kv_bytes_per_token=2 * layers * kv * (kv_itemsize or itemsize),
             attn_flops_per_pair=4 * layers * q,

@@ -44,7 +44,7 @@ def resolve_device(name: str, base_gpu_id: int = 0) -> torch.device:
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_config: ModelConfig):
         self.args = args
-        self.model_config = model_config
+        self.model_config = model_config = model_config.with_quantization(args.quantization, args.quantize_lm_head)
         model_config.check_tp_size(args.tp_size)
         self.device = resolve_device(args.device, args.base_gpu_id + args.tp_rank)
         if self.device.type == "cuda":

@@ -1,5 +1,9 @@
 """Linear layers sharded across the tensor-parallel ranks. Each owns the slicing of its checkpoint tensors
-(`load_shard`), so the loader hands every rank the full HF tensor and the layer keeps its part."""
+(`load_shard`), so the loader hands every rank the full HF tensor and the layer keeps its part.
+
+Given an `Fp8Scheme` a layer holds its weight in float8_e4m3fn with one float32 `weight_scale` per output row
+(sliced with the rows where the rows are split; whole where the input columns are) and, for static activations,
+a scalar `input_scale`; its forward then runs `fp8_linear`."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from torch import nn
 
 from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads_per_rank
 from pdserve.kernels.skinny import linear
+from pdserve.quantization.fp8 import FP8, fp8_linear
+from pdserve.quantization.formats import Fp8Scheme
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,27 +39,58 @@ class Shard:
         return Shard(num_kv_heads * head_dim, first * head_dim, kv_heads_per_rank(num_kv_heads, tp.size) * head_dim)
 
 
-def _new_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape), requires_grad=False)
+def _new_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+def _add_weight(layer: nn.Module, out_features: int, in_features: int, fp8: Fp8Scheme | None) -> None:
+    """`weight` in the model dtype, or FP8 with its `weight_scale` (and `input_scale` for static activations)."""
+    layer.weight = _new_param(out_features, in_features, dtype=FP8 if fp8 else None)
+    layer.weight_scale = _new_param(out_features, dtype=torch.float32) if fp8 else None
+    static = fp8 is not None and fp8.static_activations
+    layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32), requires_grad=False) if static else None
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.weight_scale is None:
+        return linear(x, layer.weight, bias)
+    return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
+
+
+def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """A weight scale per row: a per-tensor scale (one element) repeated, a per-channel one ([rows] or [rows, 1])
+    as it is."""
+    scale = scale.reshape(-1)
+    return scale.expand(rows) if scale.numel() == 1 else scale
+
+
+def _load_input_scale(layer: nn.Module, scale: torch.Tensor) -> None:
+    """The static input scale: the largest of a fused layer's parts (they all scale the same activation)."""
+    layer.input_scale.copy_(torch.maximum(layer.input_scale, scale.reshape(()).float()))
 
 
 class ColumnParallelLinear(nn.Module):
     """Output rows split across ranks; a fused projection (qkv, gate_up) lists one `Shard` per part."""
 
-    def __init__(self, in_features: int, shards: list[Shard], bias: bool):
+    def __init__(self, in_features: int, shards: list[Shard], bias: bool, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.shards = shards
         self.offsets = [sum(s.size for s in shards[:i]) for i in range(len(shards))]
         out = sum(s.size for s in shards)
-        self.weight = _new_param(out, in_features)
+        _add_weight(self, out, in_features, fp8)
         self.bias = _new_param(out) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return _matmul(self, x, self.bias)
 
     @torch.no_grad()
     def load_shard(self, attr: str, tensor: torch.Tensor, part: int = 0) -> None:
         shard, offset = self.shards[part], self.offsets[part]
+        if attr == "input_scale":
+            _load_input_scale(self, tensor)
+            return
+        if attr == "weight_scale":
+            tensor = _per_row(tensor, shard.full)
         if tensor.shape[0] != shard.full:
             raise ValueError(f"{attr} part {part}: checkpoint has {tensor.shape[0]} rows, the model {shard.full}")
         getattr(self, attr)[offset : offset + shard.size].copy_(tensor[shard.start : shard.start + shard.size])
@@ -62,22 +99,25 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input columns split across ranks; the partial products are summed over the ranks, then the bias added."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.tp = tp
         self.in_per_rank = in_features // tp.size
-        self.weight = _new_param(out_features, self.in_per_rank)
+        _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(linear(x, self.weight))
+        out = self.tp.all_reduce(_matmul(self, x, None))
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()
     def load_shard(self, attr: str, tensor: torch.Tensor, part: int = 0) -> None:
         target = getattr(self, attr)
-        if attr == "bias":
-            target.copy_(tensor)
+        if attr == "input_scale":
+            _load_input_scale(self, tensor)
+            return
+        if attr in ("bias", "weight_scale"):  # per output row: every rank holds them all
+            target.copy_(_per_row(tensor, target.shape[0]) if attr == "weight_scale" else tensor)
             return
         expected = (target.shape[0], self.in_per_rank * self.tp.size)
         if tuple(tensor.shape) != expected:
@@ -90,13 +130,13 @@ class VocabParallelEmbedding(nn.Module):
     """Vocabulary rows split across ranks (the last rank's part padded); a rank looks up the ids in its range
     and the ranks' rows are summed."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup, fp8: Fp8Scheme | None = None):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
         self.rows_per_rank = math.ceil(vocab_size / tp.size)
         self.start = tp.rank * self.rows_per_rank
-        self.weight = _new_param(self.rows_per_rank, hidden_size)
+        _add_weight(self, self.rows_per_rank, hidden_size, fp8)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -108,17 +148,18 @@ class VocabParallelEmbedding(nn.Module):
 
     @torch.no_grad()
     def load_shard(self, attr: str, tensor: torch.Tensor, part: int = 0) -> None:
-        if tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"{attr}: checkpoint shape {tuple(tensor.shape)} != model shape "
-                             f"{(self.vocab_size, self.weight.shape[1])}")
+        target = getattr(self, attr)  # the weight, or the FP8 LM head's per-row weight_scale
+        expected = (self.vocab_size, *target.shape[1:])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{attr}: checkpoint shape {tuple(tensor.shape)} != model shape {expected}")
         rows = tensor[self.start : self.start + self.rows_per_rank]
-        self.weight.zero_()
-        self.weight[: rows.shape[0]].copy_(rows)
+        target.zero_()
+        target[: rows.shape[0]].copy_(rows)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Each rank scores its vocabulary rows; the logits are gathered and the padding cut off."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather_last_dim(linear(hidden, self.weight))
+        logits = self.tp.all_gather_last_dim(_matmul(self, hidden, None))
         return logits[..., : self.vocab_size]

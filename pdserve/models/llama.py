@@ -12,6 +12,12 @@ from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParal
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.model_config import ModelConfig
+from pdserve.quantization.formats import Fp8Scheme
+
+
+def _fp8(cfg: ModelConfig, prefix: str, *modules: str) -> Fp8Scheme | None:
+    """The FP8 scheme of the layer fusing the checkpoint's `modules` under `prefix` (None: unquantized)."""
+    return None if cfg.quantization is None else cfg.quantization.for_layer([f"{prefix}.{m}" for m in modules])
 
 
 class Attention(nn.Module):
@@ -25,9 +31,12 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         q_shard = Shard.even(cfg.num_heads * cfg.head_dim, tp)
         kv_shard = Shard.kv_heads(cfg.num_kv_heads, cfg.head_dim, tp)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias)
+        prefix = f"model.layers.{layer_id}.self_attn"
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias,
+                                             _fp8(cfg, prefix, "q_proj", "k_proj", "v_proj"))
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp,
+                                        _fp8(cfg, prefix, "o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -54,11 +63,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, layer_id: int, tp: TPGroup):
         super().__init__()
-        shard = Shard.even(cfg.intermediate_size, tp)
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard, shard], bias=False)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp)
+        shard, prefix = Shard.even(cfg.intermediate_size, tp), f"model.layers.{layer_id}.mlp"
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard, shard], False,
+                                                 _fp8(cfg, prefix, "gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp,
+                                           _fp8(cfg, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -68,7 +79,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool, tp: TPGroup):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, qk_norm, tp)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, layer_id, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -97,8 +108,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.qk_norm, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        if cfg.tie_word_embeddings:
+        fp8_head = cfg.quantization if cfg.quantization is not None and cfg.quantization.lm_head else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, fp8_head)
+        if cfg.tie_word_embeddings and fp8_head is None:  # an FP8 LM head holds its own copy of the embedding
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:

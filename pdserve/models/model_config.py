@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pdserve.config import ConfigError
+from pdserve.quantization.formats import Fp8Checkpoint, Fp8Scheme
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -35,6 +37,12 @@ class ModelConfig:
     attention_bias: bool
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...]
+    quantization: Fp8Scheme | None = None  # FP8 linear layers: the checkpoint's format, or --quantization's
+
+    def with_quantization(self, flag: str | None, quantize_lm_head: bool) -> "ModelConfig":
+        """This config with the FP8 scheme `--quantization` and `--quantize-lm-head` ask of this checkpoint."""
+        checkpoint = self.quantization.checkpoint if self.quantization is not None else None
+        return dataclasses.replace(self, quantization=Fp8Scheme.resolve(flag, quantize_lm_head, checkpoint))
 
     def context_len(self, requested: int | None) -> int:
         """--context-length, or the model's own; never past the positions the checkpoint's rotary embedding covers
@@ -90,6 +98,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
             checkpoint_dtype=_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32),
             eos_token_ids=_eos_ids(path, cfg),
+            quantization=Fp8Scheme.resolve(None, False, Fp8Checkpoint.from_config(cfg)),
         )
 
 

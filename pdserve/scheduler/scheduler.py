@@ -85,6 +85,7 @@ class Scheduler:
             "vocab_size": cfg.vocab_size,
             "eos_token_ids": list(cfg.eos_token_ids),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "quantization": cfg.quantization.describe() if cfg.quantization is not None else None,
             "device": str(self.device),
             "page_size": self.page_size,
             "max_total_tokens": self.allocator.capacity * self.page_size,

@@ -1,6 +1,7 @@
 """Random-weight models in real Hugging Face format, so tests and benchmarks need no download.
 
     python -m pdserve.tools.make_model --preset qwen3-tiny --out /tmp/qwen3-tiny [--seed 0] [--dtype float32]
+        [--quantization fp8|compressed-tensors [--weight-scales channel|tensor|block] [--static-activations]]
 
 A model directory holds config.json, generation_config.json, model.safetensors (or shards and
 model.safetensors.index.json), and a byte-level BPE tokenizer trained here on `CORPUS` (tokenizer.json,
@@ -18,6 +19,11 @@ embedding in the residual stream, so tied models do not echo their input), q/k/v
 and lm_head rows of norm 2 (logits of std ~2), RMSNorm weights 1. Greedy decoding then gives varied,
 context-dependent tokens. Each tensor has its own generator seeded from (seed, name): the same seed gives
 the same bytes on the same kind of device; tiny presets always initialise on the CPU.
+
+`--quantization` writes an FP8 checkpoint of the same weights in that `quantization_config` format
+(`pdserve/quantization/formats.py`): every q/k/v/o/gate/up/down weight float8_e4m3fn with its scales, the
+embeddings, norms and LM head in `--dtype`. Static input scales are not calibrated: each covers activations up to
+STATIC_INPUT_AMAX.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from pdserve.quantization.formats import Fp8Checkpoint
+
 FORMAT_VERSION = 1
 MARKER_FILE = "make_model.json"
 DEFAULT_SHARD_BYTES = 4_500_000_000
@@ -45,6 +53,8 @@ TOKENIZER_TRAIN_VOCAB = 4096
 LOGIT_STD = 2.0  # embedding and lm_head rows have this norm: logits of std ~2
 BIAS_STD = 0.2
 BRANCH_GAIN = 4.0  # o_proj and down_proj: each sub-layer outweighs the token embedding in the residual
+STATIC_INPUT_AMAX = 32.0  # the activation magnitude a static FP8 input scale covers (larger values saturate)
+LINEAR_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 END_OF_TEXT = "<|endoftext|>"
@@ -374,11 +384,24 @@ def init_device(preset: Preset) -> torch.device:
     return torch.device("cpu")
 
 
-def shard_plan(specs: list[TensorSpec], itemsize: int, max_shard_bytes: int) -> list[list[TensorSpec]]:
+def stored_bytes(spec: TensorSpec, itemsize: int, fp8: Fp8Checkpoint | None) -> int:
+    """The bytes of the tensor (an FP8 weight: one per element; its scales are left out)."""
+    return _numel(spec.shape) * (1 if fp8 is not None and LINEAR_WEIGHT.fullmatch(spec.name) else itemsize)
+
+
+def stored_tensors(spec: TensorSpec, tensor: torch.Tensor, fp8: Fp8Checkpoint | None) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one spec: itself, or an FP8 linear weight with its scales."""
+    if fp8 is None or not LINEAR_WEIGHT.fullmatch(spec.name):
+        return {spec.name: tensor}
+    return fp8.quantize(spec.name.removesuffix(".weight"), tensor, STATIC_INPUT_AMAX)
+
+
+def shard_plan(specs: list[TensorSpec], itemsize: int, max_shard_bytes: int, fp8: Fp8Checkpoint | None = None
+               ) -> list[list[TensorSpec]]:
     shards: list[list[TensorSpec]] = [[]]
     shard_bytes = 0
     for spec in specs:
-        nbytes = itemsize * _numel(spec.shape)
+        nbytes = stored_bytes(spec, itemsize, fp8)
         if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
             shards.append([])
             shard_bytes = 0
@@ -394,31 +417,34 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def write_weights(preset: Preset, out_dir: Path, seed: int, dtype: torch.dtype, max_shard_bytes: int) -> None:
+def write_weights(preset: Preset, out_dir: Path, seed: int, dtype: torch.dtype, max_shard_bytes: int,
+                  fp8: Fp8Checkpoint | None = None) -> None:
     """Generate tensor by tensor on the init device; a writer thread saves the previous shard meanwhile."""
     specs = tensor_specs(preset)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    shards = shard_plan(specs, itemsize, max_shard_bytes)
+    shards = shard_plan(specs, itemsize, max_shard_bytes, fp8)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
     device = init_device(preset)
-    total_bytes = sum(itemsize * _numel(s.shape) for s in specs)
+    total_bytes = sum(stored_bytes(s, itemsize, fp8) for s in specs)
     progress = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"{preset.name} weights",
                     disable=preset.is_tiny)
+    weight_map: dict[str, str] = {}
     with ThreadPoolExecutor(max_workers=1) as writer, progress:
         pending = None
         for shard, file in zip(shards, files):
             tensors = {}
             for spec in shard:
-                tensors[spec.name] = init_tensor(spec, seed, dtype, device).cpu()
-                progress.update(itemsize * _numel(spec.shape))
+                stored = stored_tensors(spec, init_tensor(spec, seed, dtype, device), fp8)
+                tensors |= {name: t.cpu() for name, t in stored.items()}
+                progress.update(stored_bytes(spec, itemsize, fp8))
+            weight_map |= dict.fromkeys(tensors, file)
             if pending is not None:
                 pending.result()
             pending = writer.submit(save_file, tensors, str(out_dir / file), {"format": "pt"})
         pending.result()
     if len(shards) > 1:
-        weight_map = {spec.name: file for shard, file in zip(shards, files) for spec in shard}
         write_json(out_dir / "model.safetensors.index.json",
                    {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
 
@@ -442,9 +468,10 @@ def prepare_out_dir(out_dir: Path) -> None:
 
 def make_model(
     preset: str, out_dir: str | os.PathLike[str], seed: int = 0, dtype: str | None = None,
-    *, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    *, max_shard_bytes: int = DEFAULT_SHARD_BYTES, fp8: Fp8Checkpoint | None = None,
 ) -> Path:
-    """Write a random-weight model of `preset` into `out_dir` and return its path."""
+    """Write a random-weight model of `preset` into `out_dir` (its linear weights in FP8 with `fp8`) and return
+    its path."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
     spec = PRESETS[preset]
@@ -454,6 +481,8 @@ def make_model(
     out = Path(out_dir)
     prepare_out_dir(out)
     config = hf_config(spec, dtype_name)
+    if fp8 is not None:
+        config["quantization_config"] = fp8.config()
     write_json(out / "config.json", config)
     ids = special_token_ids(spec.vocab_size)
     write_json(out / "generation_config.json", {
@@ -462,8 +491,8 @@ def make_model(
         "pad_token_id": ids[END_OF_TEXT],
     })
     write_tokenizer(spec, out)
-    write_weights(spec, out, seed, DTYPES[dtype_name], max_shard_bytes)
-    write_json(out / MARKER_FILE, marker(preset, seed, dtype_name))
+    write_weights(spec, out, seed, DTYPES[dtype_name], max_shard_bytes, fp8)
+    write_json(out / MARKER_FILE, marker(preset, seed, dtype_name) | ({"quantization": fp8.config()} if fp8 else {}))
     return out
 
 
@@ -523,8 +552,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="output directory (created)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: the preset's")
+    parser.add_argument("--quantization", choices=["fp8", "compressed-tensors"], default=None,
+                        help="write an FP8 checkpoint in this quantization_config format")
+    parser.add_argument("--weight-scales", choices=["channel", "tensor", "block"], default="channel",
+                        help="FP8 weight scales per output channel, per tensor or per 128x128 block (fp8 only)")
+    parser.add_argument("--static-activations", action="store_true",
+                        help=f"FP8: write static input scales (covering |x| <= {STATIC_INPUT_AMAX:g}) instead of "
+                             "dynamic per-token activation scales")
     args = parser.parse_args(argv)
-    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    fp8 = None
+    if args.quantization is not None:
+        try:
+            fp8 = Fp8Checkpoint(args.quantization, args.weight_scales, args.static_activations)
+        except ValueError as exc:
+            parser.error(str(exc))
+    path = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype, fp8=fp8)
     print(path)
 
 

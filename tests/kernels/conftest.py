@@ -24,6 +24,7 @@ def interpreted(monkeypatch):
     import pdserve.kernels.fused as fused
     import pdserve.kernels.gumbel_sampling as gumbel_sampling
     import pdserve.kernels.skinny_triton as skinny_triton
+    import pdserve.quantization.fp8_triton as fp8_triton
 
     from triton.runtime import interpreter
 
@@ -38,7 +39,7 @@ def interpreted(monkeypatch):
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_index)
     # Triton's own library functions (tl.cdiv, tl.sigmoid, tl.random.philox, ...) are jitted at import time as well.
-    for module in (attention, fused, gumbel_sampling, skinny_triton, tl, tl_random, tl_standard):
+    for module in (attention, fused, gumbel_sampling, skinny_triton, fp8_triton, tl, tl_random, tl_standard):
         for name, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction):
                 monkeypatch.setattr(module, name, interpreter.InterpretedFunction(obj.fn))

@@ -91,7 +91,7 @@ def test_grammar_backend_is_a_real_flag():
 
 @pytest.mark.parametrize("flags, message", [
     (["--dp-size", "2"], "--dp-size 2 needs data parallelism"),
-    (["--quantization", "fp8"], "--quantization fp8 needs quantized weights"),
+    (["--quantization", "awq"], "--quantization awq needs awq quantized weights, which pdserve does not implement"),
     (["--enable-lora"], "--enable-lora needs LoRA adapters"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE needs speculative decoding"),
     (["--no-such-flag"], "unrecognized argument --no-such-flag"),

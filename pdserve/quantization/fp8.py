@@ -1,0 +1,105 @@
+"""FP8 (E4M3) linear layers' numerics. Weights are float8_e4m3fn with one float32 scale per output channel;
+activations are quantized per token (a float32 scale per row: its amax over FP8_MAX, or the checkpoint's static
+scale) right before the GEMM, so the product is `(x_q * scale_x) @ (w_q * scale_w).T`.
+
+On a GPU with FP8 tensor cores (sm89+) the GEMM is `torch._scaled_mm` with rowwise scales (its kernel writes
+bfloat16; another model dtype is cast after); everywhere else the same quantized operands are dequantized to
+float32 and multiplied. Everything is fixed-shape tensor work with no host sync,
+so it runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+MIN_SCALE = 1e-12  # an all-zero row (a padding row, a zero activation) still divides by something
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] in any float dtype -> (float8 [N, K], float32 scales [N]): each row's amax maps to FP8_MAX."""
+    scale = (weight.abs().amax(dim=1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return to_fp8(weight.float() / scale[:, None]), scale
+
+
+def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale. On
+    CUDA one Triton kernel computes the same."""
+    if x.is_cuda:
+        return quantize_tokens_triton(x, static_scale)
+    return quantize_tokens_torch(x, static_scale)
+
+
+def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens` in torch ops, on any device."""
+    if static_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    else:
+        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return to_fp8(x.float() / scale), scale
+
+
+def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_tokens` of a 2-D x in one Triton kernel: the same bytes and scales."""
+    import triton
+
+    from pdserve.quantization.fp8_triton import quantize_tokens_kernel
+
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    quantize_tokens_kernel[(m,)](
+        x, q, scale, static_scale if static_scale is not None else scale, x.stride(0), q.stride(0), k,
+        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=static_scale is not None, BLOCK=block,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+    )
+    return q, scale
+
+
+def to_fp8(values: torch.Tensor) -> torch.Tensor:
+    """float32 values already divided by their scale -> float8, saturating at +-FP8_MAX (a static scale can
+    leave values beyond it)."""
+    return values.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_q, x_scale = quantize_tokens(rows, input_scale)
+    gemm = scaled_mm if has_fp8_gemm(x.device) else dequantized_mm
+    out = gemm(x_q, x_scale, weight, weight_scale, x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 tensor-core GEMM with rowwise scales (K and N multiples of 16)."""
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+
+
+def dequantized_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The same product where no FP8 GEMM exists: both operands dequantized to float32, then multiplied."""
+    return ((x_q.float() * x_scale) @ (weight.float() * weight_scale[:, None]).t()).to(out_dtype)
+
+
+def has_fp8_gemm(device: torch.device) -> bool:
+    return device.type == "cuda" and _capability(device.index) >= (8, 9)
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -1,0 +1,77 @@
+"""On a GPU with FP8 tensor cores: the engine with `--quantization fp8` (decode in CUDA graphs, GEMMs through
+`torch._scaled_mm`) agrees with the same FP8 model through the dequantizing fallback, and its weights take about
+half the memory of bf16's, which the KV budget gets."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+MEAN_LOGPROB_GAP = 0.05  # both round their bf16 outputs once, after sums in another order
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tiny_models):
+    return tiny_models["qwen3-0.6b"]
+
+
+def _need_fp8_gemm():
+    from pdserve.quantization.fp8 import has_fp8_gemm
+
+    if not has_fp8_gemm(torch.device("cuda")):
+        pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
+
+
+def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
+    _need_fp8_gemm()
+    from pdserve import LLM, SamplingParams
+    from pdserve.quantization import fp8
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 100000) for _ in range(n)] for n in (7, 120, 600)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, logprob_start_len=0)
+
+    def prompt_logprobs(llm, sequences):
+        return torch.tensor([lp for out in llm.generate(sequences, score, use_tqdm=False)
+                             for lp in out.prompt_logprobs[1:]])
+
+    llm = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=16)
+    assert llm.scheduler.runner.graph_runner is not None
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    sequences = [prompt + out.token_ids for prompt, out in zip(prompts, outs)]
+    fast = prompt_logprobs(llm, sequences)
+    llm.shutdown()
+    monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
+    fallback = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, disable_cuda_graph=True)
+    slow = prompt_logprobs(fallback, sequences)
+    fallback.shutdown()
+    assert fast.shape == slow.shape == (sum(len(s) - 1 for s in sequences),)
+    assert (fast - slow).abs().mean() < MEAN_LOGPROB_GAP, (fast - slow).abs().mean()
+
+
+def _kv_tokens_and_linear_bytes(path: str, quantization: str | None) -> tuple[int, int]:
+    from pdserve import LLM
+
+    llm = LLM(path, device="cuda", quantization=quantization, mem_fraction_static=0.5, disable_cuda_graph=True)
+    try:
+        linear_bytes = sum(p.numel() * p.element_size() for n, p in llm.scheduler.runner.model.named_parameters()
+                           if "proj" in n)
+        return llm.scheduler.model_info["max_total_tokens"], linear_bytes
+    finally:
+        llm.shutdown()
+
+
+def test_fp8_weights_leave_room_for_more_kv(qwen3_06b):
+    _need_fp8_gemm()
+    bf16_tokens, bf16_bytes = _kv_tokens_and_linear_bytes(qwen3_06b, None)
+    gc.collect()
+    torch.cuda.empty_cache()  # the first engine's memory back to the device before the second measures it
+    fp8_tokens, fp8_bytes = _kv_tokens_and_linear_bytes(qwen3_06b, "fp8")
+    assert fp8_bytes < 0.52 * bf16_bytes  # one byte per weight, plus a float32 scale per row
+    kv_bytes_per_token = 2 * 28 * 8 * 128 * 2  # (K, V) x layers x KV heads x head_dim x bf16
+    assert fp8_tokens - bf16_tokens >= 0.9 * (bf16_bytes - fp8_bytes) / kv_bytes_per_token
