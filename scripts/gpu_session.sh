@@ -17,8 +17,12 @@
 #   hicache      the host KV tier (llama-3.1-8b, one GPU): copy rates per layout against the pinned copy ceiling,
 #                16k-token TTFT recomputed vs loaded from the host, bf16 output check (about 5 minutes)
 #   hicache_chat multi-turn chat with the KV tiers off and the host tier on (llama-3.1-8b, one GPU; about 6 minutes)
+#   fp8          llama-3.1-8b, one GPU, bf16 and FP8 interleaved: decode TBT at batch 1 and 64 (1k) with FP8 weights;
+#                batch 64 at 4k with FP8 weights + FP8 KV; KV tokens in the same memory (about 8 minutes)
+#   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
+#                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
-SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat)
+SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8 fp8_accuracy)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -96,6 +100,48 @@ suite_hicache() {
 suite_hicache_chat() {
   TAILN=12 step 420 hicache_multiturn python3 scripts/hicache_multiturn.py --model-path "$(model llama-3.1-8b)" \
     --out "$OUT/hicache-multiturn"
+}
+
+# kv_scales MODEL: calibrates the model's FP8 KV scales once per session and prints the file
+kv_scales() {
+  [ -f "$1.kv_scales.json" ] || step 120 calibrate_kv_scales python3 -m pdserve.tools.calibrate_kv_scales \
+    --model-path "$1" --out "$1.kv_scales.json" --dtype bfloat16 >&2
+  echo "$1.kv_scales.json"
+}
+
+suite_fp8() {
+  local big scales
+  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
+  local fp8_kv=(--kv-cache-dtype fp8_e4m3 --kv-cache-scales "$scales")
+  for round in 1 2; do
+    TAILN=8 step 120 "one_batch_bf16_$round" python3 -m pdserve.bench.one_batch --model-path "$big" \
+      --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/one_batch_bf16_$round"
+    TAILN=8 step 120 "one_batch_fp8w_$round" python3 -m pdserve.bench.one_batch --model-path "$big" \
+      --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --quantization fp8 --out "$OUT/one_batch_fp8w_$round"
+  done
+  TAILN=8 step 120 one_batch_4k_bf16 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+    --input-lens 4096 --output-lens 64 --out "$OUT/one_batch_4k_bf16"
+  TAILN=8 step 120 one_batch_4k_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+    --input-lens 4096 --output-lens 64 --quantization fp8 "${fp8_kv[@]}" --out "$OUT/one_batch_4k_fp8"
+  TAILN=4 step 120 kv_tokens python3 -c "
+import sys
+from pdserve import LLM
+for flags in ({}, {'kv_cache_dtype': 'fp8_e4m3', 'kv_cache_scales': sys.argv[2]}):
+    llm = LLM(sys.argv[1], skip_server_warmup=True, **flags)
+    print(flags.get('kv_cache_dtype', 'bf16'), 'KV tokens', llm.scheduler.runner.pool.layout.num_slots)
+    llm.shutdown()" "$big" "$scales"
+}
+
+suite_fp8_accuracy() {
+  local big scales
+  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
+  for name in weights kv both; do
+    local candidate="--quantization fp8"
+    [ "$name" = kv ] && candidate="--kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales"
+    [ "$name" = both ] && candidate="--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales"
+    TAILN=8 step 170 "accuracy_fp8_$name" python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
+      --input-len 512 --output-len 32 --candidate="$candidate" --out "$OUT/accuracy_fp8_$name"
+  done
 }
 
 [ "$*" = all ] && set -- "${SUITES[@]}"
