@@ -2,6 +2,7 @@
 
     python -m pdserve.bench.constrained --base-url http://127.0.0.1:30000 --batch-sizes 1 64 --input-len 512 \\
         --output-len 256 --repeats 3 --output constrained.json --plot constrained.png
+    python -m pdserve.bench.constrained plot constrained.json -o constrained.png
 
 For each batch size B: --num-prompts requests (default B) of exactly --input-len prompt tokens, sent all at once
 with at most B in flight, each generating exactly --output-len tokens: free with ignore_eos, and constrained by a
@@ -318,8 +319,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def plot_main(argv: list[str]) -> None:
+    parser = bench_parser("the chart of a result file", prog="python -m pdserve.bench.constrained plot")
+    parser.add_argument("result", type=Path, help="a result file of this benchmark (--output)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
+    args = parser.parse_args(argv)
+    print(plot(json.loads(args.result.read_text()), args.output))
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        plot_main(argv[1:])
+        return None
+    args = parse_args(argv)
     result = benchmark(args)
     print(table(result))
     if args.output:
