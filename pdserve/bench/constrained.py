@@ -270,7 +270,7 @@ def plot(result: dict, out: Path) -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     compile_ms = result["first_compile"]["first_compile_latency_ms"]
-    fig.suptitle(f"constrained vs free decoding, {result['model']}, {result['date']}\n"
+    fig.suptitle(f"constrained vs free decoding, {result.get('label') or ''} {result['model']}, {result['date']}\n"
                  f"in {result['input_len']} / out {result['output_len']} tokens; first compile of a "
                  f"{COMPILE_PROPERTIES}-property schema {compile_ms:.1f} ms", fontsize=10)
     fig.tight_layout()

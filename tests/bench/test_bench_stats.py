@@ -135,6 +135,6 @@ def test_extra_body_sampling_params_merge_into_the_requests_own():
     assert route == "/generate" and body["rid"] == "r1" and body["stream"] is True
     assert body["sampling_params"] == {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True,
                                        "json_schema": "{}"}
-    _, chat = request_body(ClientConfig("openai-chat", "http://x", "m", extra_body={"response_format": {"type": "json_object"}}),
-                           BenchRequest("hi", 1, 8))
+    config = ClientConfig("openai-chat", "http://x", "m", extra_body={"response_format": {"type": "json_object"}})
+    _, chat = request_body(config, BenchRequest("hi", 1, 8))
     assert chat["response_format"] == {"type": "json_object"} and chat["max_tokens"] == 8
