@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Fill the git-ignored .whl/ and .deb/ at the repo root with what the lent GPU machine's image lacks, for
 # Python 3.12 manylinux x86_64; scripts/gpu_env.sh installs them there (device tool: carry [".whl", ".deb"]).
+#   bash scripts/prepare_gpu_carry.sh              what PD needs (mooncake)
+#   bash scripts/prepare_gpu_carry.sh structured   xgrammar instead of mooncake, for one server with structured
+#                                                  output (scripts/constrained_gpu.sh): both together exceed the carry
 #
 # Not carried: nvidia-nccl-cu12 (the image's torch 2.11+cu130 brings nvidia-nccl-cu13, whose
 # nvidia/nccl/lib/libnccl.so.2 serves a ctypes binding; the cu12 wheel alone is far over the 64 MiB carry limit);
@@ -19,8 +22,12 @@ WHEELS=(
   typing-extensions==4.16.0
   httptools==0.9.0
   prometheus-client==0.26.0
-  mooncake-transfer-engine-cuda13==0.3.14
 )
+if [ "${1:-}" = structured ]; then
+  WHEELS+=(xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2)
+else
+  WHEELS+=(mooncake-transfer-engine-cuda13==0.3.14)
+fi
 DEBS=(
   libibverbs1 ibverbs-providers librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
   libcurl4 libnghttp2-14 librtmp1 libssh2-1 libpsl5 libbrotli1 libldap-2.5-0 libsasl2-2

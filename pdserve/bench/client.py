@@ -64,7 +64,8 @@ def request_body(config: ClientConfig, request: BenchRequest) -> tuple[str, dict
         params = {"max_new_tokens": request.output_len, "temperature": 0.0, **eos}
         if config.min_tokens:
             params["min_new_tokens"] = request.output_len
-        return "/generate", {"text": request.prompt, "sampling_params": params, "stream": True, **config.extra_body}
+        return "/generate", merge_extra_body({"text": request.prompt, "sampling_params": params, "stream": True},
+                                             config.extra_body)
     common = {"model": config.model, "max_tokens": request.output_len, "temperature": 0.0, "stream": True,
               "stream_options": {"include_usage": True}, **eos,
               **({"min_tokens": request.output_len} if config.min_tokens else {}), **config.extra_body}
@@ -73,6 +74,14 @@ def request_body(config: ClientConfig, request: BenchRequest) -> tuple[str, dict
     if config.backend == "openai-chat":
         return "/v1/chat/completions", {"messages": [{"role": "user", "content": request.prompt}], **common}
     raise ValueError(f"unknown backend {config.backend!r}; one of {', '.join(BACKENDS)}")
+
+
+def merge_extra_body(body: dict, extra: dict) -> dict:
+    """`extra` over `body`, key by key, except that a `sampling_params` dict in both merges into the body's."""
+    merged = {**body, **extra}
+    if isinstance(body.get("sampling_params"), dict) and isinstance(extra.get("sampling_params"), dict):
+        merged["sampling_params"] = {**body["sampling_params"], **extra["sampling_params"]}
+    return merged
 
 
 async def sse_events(response: aiohttp.ClientResponse) -> AsyncIterator[dict | None]:

@@ -42,8 +42,8 @@ from pdserve.bench.stats import DEFAULT_MAX_RATE, Slo, error_lines, find_goodput
 DATASETS = ("random", "mix", "sessions", "trace")
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """Target, dataset and arrival flags; shared with the soak."""
+def add_target_args(parser: argparse.ArgumentParser) -> None:
+    """Where the requests go and how they are sent; shared with the soak and the constrained benchmark."""
     target = parser.add_argument_group("target")
     target.add_argument("--backend", choices=BACKENDS, default="pdserve", help="the API the requests use")
     target.add_argument("--base-url", default="http://127.0.0.1:30000", help="a router's or a server's URL")
@@ -54,7 +54,13 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--disable-ignore-eos", action="store_true",
                         help="let requests stop at EOS (output lengths are no longer exact)")
     target.add_argument("--min-tokens", action="store_true", help="also send min tokens = output length")
-    target.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
+    target.add_argument("--extra-body", type=json.loads, default={},
+                        help="JSON merged into every request body (its sampling_params into the request's own)")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Target, dataset and arrival flags; shared with the soak."""
+    add_target_args(parser)
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default="random", help="the workload's shapes")
     data.add_argument("--num-prompts", type=int, default=200, help="requests per run")

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from pdserve.bench.client import RequestResult, TokenClock, new_tokens
+from pdserve.bench.client import ClientConfig, RequestResult, TokenClock, new_tokens, request_body
+from pdserve.bench.datasets import BenchRequest
 from pdserve.bench.stats import Slo, distribution, find_goodput, summarize
 
 
@@ -126,3 +127,14 @@ def test_slo_misses_name_the_term_each_request_missed():
     assert summary["slo_misses"] == {"ttft": 2, "tpot": 2, "failed": 1}
     assert summary["slo_attainment"] == 0
     assert summary["first_errors"] == {"HTTP 400": "HTTP 400: the prompt has 600 tokens"}
+
+
+def test_extra_body_sampling_params_merge_into_the_requests_own():
+    extra = {"sampling_params": {"json_schema": "{}", "max_new_tokens": 3}, "rid": "r1"}
+    route, body = request_body(ClientConfig("pdserve", "http://x", extra_body=extra), BenchRequest("hi", 1, 8))
+    assert route == "/generate" and body["rid"] == "r1" and body["stream"] is True
+    assert body["sampling_params"] == {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True,
+                                       "json_schema": "{}"}
+    config = ClientConfig("openai-chat", "http://x", "m", extra_body={"response_format": {"type": "json_object"}})
+    _, chat = request_body(config, BenchRequest("hi", 1, 8))
+    assert chat["response_format"] == {"type": "json_object"} and chat["max_tokens"] == 8
