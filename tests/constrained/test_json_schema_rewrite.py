@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from pdserve.constrained.json_schema import strict_json_schema
 
@@ -22,3 +25,21 @@ def test_strings_xgrammar_already_bounds_are_left_alone():
     for node in ({"type": "string"}, {"type": "string", "maxLength": 3, "pattern": "^a+$"},
                  {"type": "string", "maxLength": 30, "format": "date"}, {"type": "string", "enum": ["x"]}):
         assert json.loads(strict_json_schema(json.dumps(node))) == node
+
+
+@pytest.mark.parametrize("low, high", [(0, 128), (0, 200), (150, 300), (129, 129), (200, None)])
+def test_bounds_past_xgrammars_repeat_limit_compile_and_hold(tiny_model, low, high):
+    """xgrammar 0.2.8 refuses `{m,n}` counts above 128; the rewrite splits them, and the lengths still hold."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    node = {"type": "string", "minLength": low} | ({} if high is None else {"maxLength": high})
+    pattern = json.loads(strict_json_schema(json.dumps(node)))["pattern"]
+    assert all(int(count) <= 128 for count in re.findall(r"\d+", pattern.split("]", 1)[1]))
+    info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(tiny_model))
+    compiled = xgrammar.GrammarCompiler(info).compile_json_schema(strict_json_schema(json.dumps(node)))
+    longest = (high if high is not None else low + 300)
+    for length in {low, longest, max(low - 1, 0), longest + 1}:
+        matcher = xgrammar.GrammarMatcher(compiled)
+        fits = low <= length <= longest
+        assert matcher.accept_string(f'"{"a" * length}"') == fits, length
