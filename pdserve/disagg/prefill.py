@@ -32,7 +32,7 @@ from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
-                                     checked_cached_pages, checked_pages, validate_pd_request)
+                                     checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs, kv_write_requests,
                                      layout_from_description)
 from pdserve.disagg.control_transport import PeerClients
@@ -205,10 +205,13 @@ class PrefillRole(Role):
             return
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
-        self.early_requests.take_refusal(h.room)  # one left by an earlier request with this room stands no more
+        self.early_requests.refusals.take(h.room)  # one left by an earlier request with this room stands no more
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)
+        aborted = self.early_requests.aborts.take(h.room)
+        if aborted is not None:  # the decode failed its half before this one arrived
+            self._on_peer_abort(aborted)
 
     def refuse(self, req: Req, message: str) -> None:
         """A request failed here before its handoff began: its decode half learns at once, if its claim came
@@ -216,11 +219,12 @@ class PrefillRole(Role):
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_room is None:
             return
         answer = Failed(req.bootstrap_room, message[:MAX_STRING], status=400)
+        self.early_requests.aborts.take(answer.room)  # the decode's abort, if it came first, has nothing left to end
         control = self.early_requests.take_control(answer.room)
         if control is not None:
             self.link.send_control(control, answer)
         else:
-            self.early_requests.refuse(answer, self.link.clock())
+            self.early_requests.refusals.put(answer.room, answer, self.link.clock())
 
     def prepare_step(self) -> bool:
         self.link.handle_events(self.handlers)
@@ -332,7 +336,7 @@ class PrefillRole(Role):
     def _on_transfer_request(self, msg: TransferRequest) -> None:
         room = msg.room
         h = self.link.handoffs.get(room)
-        refused = self.early_requests.take_refusal(room) if h is None else None
+        refused = self.early_requests.refusals.take(room) if h is None else None
         if refused is not None:
             self.link.send_control(msg.control, refused)
             return
@@ -375,17 +379,19 @@ class PrefillRole(Role):
     def _on_peer_abort(self, msg: Abort) -> None:
         h = self.link.handoffs.get(msg.room)
         if h is None:
-            self._confirm_abort_of_unclaimed(msg.room)
-        else:  # the decode's reason, so that the client reads the same cause from either half
+            self._confirm_abort_of_unclaimed(msg)
+        else:  # the decode's reason and 4xx, so that the client reads the same answer from either half
             cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
-            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
+            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted", status=peer_status(msg.status))
 
-    def _confirm_abort_of_unclaimed(self, room: int) -> None:
-        """An abort for a room known only by its early transfer_request (kept or dropped): nothing was written,
-        nothing will be (the claim is forgotten), so the decode may free the pages it fenced."""
-        control = self.early_requests.take_control(room)
+    def _confirm_abort_of_unclaimed(self, msg: Abort) -> None:
+        """An abort for a room this prefill has no request for (yet): it waits, bounded, for the request, which
+        then ends at once. If the room is known by its early transfer_request (kept or dropped), nothing was
+        written, nothing will be (the claim is forgotten), so the decode may free the pages it fenced."""
+        self.early_requests.aborts.put(msg.room, msg, self.link.clock())
+        control = self.early_requests.take_control(msg.room)
         if control is not None:
-            self.link.send_control(control, Failed(room, "the prefill never received the request"))
+            self.link.send_control(control, Failed(msg.room, "the prefill never received the request"))
 
     def _on_write_done(self, msg: WriteDone) -> None:
         h = self.link.handoffs.get(msg.room)
