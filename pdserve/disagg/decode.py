@@ -5,7 +5,9 @@ prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), 
 from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
 still be writing are fenced: after an abort, a transfer timeout or the prefill's loss to the heartbeat (a frozen
 prefill resumes and writes late) they stay quarantined until the prefill confirms with `failed` or `kv_done`, its
-bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes.
+bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes. A request
+this server fails before its handoff begins (its grammar does not compile) still tells the prefill: `abort` for its
+room, as soon as the prefill's route is known (`refuse`).
 
 A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
 here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
