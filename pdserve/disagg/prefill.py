@@ -377,21 +377,32 @@ class PrefillRole(Role):
                 for j, (session, base) in enumerate(targets)]
 
     def _on_peer_abort(self, msg: Abort) -> None:
+        """The decode's reason and 4xx end the request, so that the client reads the same answer from either half:
+        at once if it is here (its handoff began, or its grammar still compiles), else as soon as it comes."""
+        error = "aborted by the decode server" + (f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else "")
         h = self.link.handoffs.get(msg.room)
-        if h is None:
-            self._confirm_abort_of_unclaimed(msg)
-        else:  # the decode's reason and 4xx, so that the client reads the same answer from either half
-            cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
-            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted", status=peer_status(msg.status))
+        if h is not None:
+            self._fail(h, error, reason="peer_aborted", status=peer_status(msg.status))
+            return
+        self._confirm_abort_of_unclaimed(msg.room)
+        compiling = self._compiling(msg.room)
+        if compiling is None:
+            self.early_requests.aborts.put(msg.room, msg, self.link.clock())
+        else:
+            self.link.transfer_stats.failed("peer_aborted")
+            self.scheduler.end(compiling, FinishReason("abort", message=error, status_code=peer_status(msg.status)))
 
-    def _confirm_abort_of_unclaimed(self, msg: Abort) -> None:
-        """An abort for a room this prefill has no request for (yet): it waits, bounded, for the request, which
-        then ends at once. If the room is known by its early transfer_request (kept or dropped), nothing was
-        written, nothing will be (the claim is forgotten), so the decode may free the pages it fenced."""
-        self.early_requests.aborts.put(msg.room, msg, self.link.clock())
-        control = self.early_requests.take_control(msg.room)
+    def _compiling(self, room: int) -> Req | None:
+        """The request of `room`, a room without a handoff, that waits here for its grammar's compile, if any."""
+        return next((r for r in self.scheduler.reqs.values() if r.bootstrap_room == room and not r.finished
+                     and r.bootstrap_host != FAKE_BOOTSTRAP_HOST), None)
+
+    def _confirm_abort_of_unclaimed(self, room: int) -> None:
+        """An abort for a room known only by its early transfer_request (kept or dropped): nothing was written,
+        nothing will be (the claim is forgotten), so the decode may free the pages it fenced."""
+        control = self.early_requests.take_control(room)
         if control is not None:
-            self.link.send_control(control, Failed(msg.room, "the prefill never received the request"))
+            self.link.send_control(control, Failed(room, "the prefill never received the request"))
 
     def _on_write_done(self, msg: WriteDone) -> None:
         h = self.link.handoffs.get(msg.room)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import threading
 import time
 
 import jsonschema
@@ -238,14 +239,8 @@ def test_a_compile_failing_on_the_decode_ends_the_prefills_half_at_once(model, m
                     finishes |= {side: o.finish_reason for o in sched.step() if o.finish_reason}
             second.add_request(req("r", prompt(8, 20), params, port, room))
             finishes |= {side: out["finish"] for (side, _), out in run([prefill, decode], timeout=10).items()}
-            for side in (0, 1):
-                assert finishes[side]["status_code"] == 400, finishes
-                assert "did not compile within 0.05 s" in finishes[side]["message"], finishes
-            assert "aborted by the decode server" in finishes[0]["message"]
+            assert_refused_by_the_decode(prefill, decode, finishes)
             assert time.monotonic() - started < 4
-            assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
-            assert not prefill.has_work() and not decode.has_work()
-            assert not decode.role.refusals.items() and not prefill.role.early_requests.aborts.items()
         monkeypatch.undo()
         next_params = SamplingParams(temperature=0, max_tokens=8, regex="[0-9]{3}")
         got = serve_pd((prefill, decode, port), "next", prompt(9, 20), next_params, room=702)
@@ -253,3 +248,42 @@ def test_a_compile_failing_on_the_decode_ends_the_prefills_half_at_once(model, m
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_compile_failing_on_the_decode_ends_the_prefills_half_while_its_compile_still_runs(model, monkeypatch):
+    """The decode's abort reaches a prefill whose own compile of the grammar has not ended: its request ends at once,
+    not once compiled (the compile is held until the test has seen the prefill's answer)."""
+    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=30.0)
+    compile_done = threading.Event()
+    try:
+        make_compiles_time_out(decode, monkeypatch)
+        compile_ = prefill.grammar_queue._compiler().compile
+        monkeypatch.setattr(prefill.grammar_queue.compiler, "compile",
+                            lambda spec: compile_done.wait(30) and compile_(spec))
+        params = SamplingParams(temperature=0, max_tokens=8, regex="slow[0-9]")
+        for s in (prefill, decode):
+            s.add_request(req("r", prompt(8, 20), params, port, 710))
+        finishes, started = {}, time.monotonic()
+        while 0 not in finishes:
+            assert time.monotonic() - started < 5, "the prefill's request waited for its compile"
+            for side, sched in enumerate((prefill, decode)):
+                finishes |= {side: o.finish_reason for o in sched.step() if o.finish_reason}
+        assert prefill.grammar_queue.stats()["grammar_waiting"] == 0 and not compile_done.is_set()
+        compile_done.set()
+        finishes |= {side: out["finish"] for (side, _), out in run([prefill, decode], timeout=10).items()}
+        assert_refused_by_the_decode(prefill, decode, finishes)
+    finally:
+        compile_done.set()
+        prefill.close()
+        decode.close()
+
+
+def assert_refused_by_the_decode(prefill, decode, finishes: dict) -> None:
+    """Both halves ended with the decode's 400 and its cause; nothing is held or kept on either side."""
+    for side in (0, 1):
+        assert finishes[side]["status_code"] == 400, finishes
+        assert "did not compile within 0.05 s" in finishes[side]["message"], finishes
+    assert "aborted by the decode server" in finishes[0]["message"]
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+    assert not prefill.has_work() and not decode.has_work()
+    assert not decode.role.refusals.items() and not prefill.role.early_requests.aborts.items()
