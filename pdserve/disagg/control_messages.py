@@ -94,10 +94,13 @@ class KVDone(Message):
 
 @control("abort", remote=True)
 class Abort(Message):
-    """The decode gave the request up (`error`: why, so the client reads the same cause from either half)."""
+    """The decode gave the request up (`error`: why, so the client reads the same cause from either half). `status`:
+    the decode's answer where the request itself was at fault (a 4xx, such as a grammar that does not compile), for
+    the prefill to give the same."""
 
     room: int
     error: str | None = None
+    status: int | None = None
 
 
 @control("failed", remote=True)

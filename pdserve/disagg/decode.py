@@ -5,7 +5,9 @@ prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), 
 from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
 still be writing are fenced: after an abort, a transfer timeout or the prefill's loss to the heartbeat (a frozen
 prefill resumes and writes late) they stay quarantined until the prefill confirms with `failed` or `kv_done`, its
-bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes.
+bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes. A request
+this server fails before its handoff begins (its grammar does not compile) still tells the prefill: `abort` for its
+room, as soon as the prefill's route is known (`refuse`).
 
 A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
 here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
@@ -38,9 +40,10 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
                                       check_compatible, fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
                                              PeerGone, RouteResolved, TransferRequest)
+from pdserve.disagg.early_requests import ExpiringRooms
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
-                                     validate_pd_request)
+                                     peer_status, validate_pd_request)
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
@@ -76,6 +79,8 @@ class DecodeRole(Role):
             self.heartbeat = Heartbeat(args, self.link.channel.post)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
         self.fake_queue: deque[Handoff] = deque()  # fake-transfer requests waiting for their pages, oldest first
+        # aborts of requests refused before their handoff began, waiting for their prefill's route: room -> (addr, abort)
+        self.refusals: ExpiringRooms[tuple[str, Abort]] = ExpiringRooms(args.disaggregation_bootstrap_timeout)
         if args.serves_role_alone:
             logger.warning("fake transfer backend: this decode server serves every request alone; it allocates each "
                            "prompt's pages without prefilling them, so the prompt KV is not computed and the output "
@@ -104,11 +109,39 @@ class DecodeRole(Role):
         addr = bootstrap_addr(req)
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
+        self._resolve(addr)
+
+    def refuse(self, req: Req, message: str) -> None:
+        """A request failed here before its handoff began (its grammar did not compile): its prefill half learns at
+        once, with this 400 and its cause, as soon as this server knows the prefill's control endpoint (its route,
+        looked up now if need be: bounded by the bootstrap timeout, as for any request)."""
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or is_local_prefill(req):
+            return
+        addr = bootstrap_addr(req)
+        self._resolve(addr)
+        self.refusals.put(req.bootstrap_room, (addr, Abort(req.bootstrap_room, message[:MAX_STRING], status=400)),
+                          self.link.clock())
+        self._send_refusals(addr)
+
+    def _resolve(self, addr: str) -> None:
+        """Look the route to `addr` up unless it is known and sound (a dead peer's, or a failed lookup's, again)."""
         if addr in self.dead_peers or (addr in self.routes and self.routes[addr].error is not None):
             self.routes.pop(addr, None)
             self.dead_peers.discard(addr)
         if addr not in self.routes:
             self._look_up(addr)
+
+    def _send_refusals(self, addr: str) -> None:
+        """The refusals waiting for `addr`'s route, once its lookup ended: sent if the route names the prefill's
+        control endpoint, else dropped (the prefill half then ends at its own bootstrap timeout)."""
+        if addr not in self.routes:
+            return
+        endpoint = _control_endpoint(self.routes[addr])
+        for room, (refused_addr, abort) in self.refusals.items():
+            if refused_addr == addr:
+                self.refusals.take(room)
+                if endpoint is not None:
+                    self.link.send_control(endpoint, abort)
 
     def _look_up(self, addr: str) -> None:
         """The leader looks the route up off the scheduler thread; its end reaches every rank as RouteResolved."""
@@ -258,6 +291,7 @@ class DecodeRole(Role):
     def _on_route_resolved(self, msg: RouteResolved) -> None:
         self.lookups.pop(msg.addr, None)
         self.routes[msg.addr] = msg
+        self._send_refusals(msg.addr)
 
     def _on_kv_done(self, msg: KVDone) -> None:
         room = msg.room
@@ -309,9 +343,8 @@ class DecodeRole(Role):
             self._release_quarantine(room)
         h = self.link.handoffs.get(room)
         if h is not None:
-            status = msg.status if msg.status is not None and 400 <= msg.status < 500 else PEER_FAILED
             self._fail(h, f"prefill server failed the request: {msg.error}", reason="peer_failed",
-                       tell_prefill=False, status=status)
+                       tell_prefill=False, status=peer_status(msg.status))
 
     def _on_peer_dead(self, msg: PeerDead) -> None:
         addr = msg.addr
@@ -338,6 +371,7 @@ class DecodeRole(Role):
         for room, (_, deadline, _) in list(self.quarantine.items()):
             if t > deadline:
                 self._release_quarantine(room)
+        self.refusals.expire(t)
 
     def _fail(self, h: Handoff, error: str, reason: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure

@@ -6,17 +6,49 @@ holds at most `max_count` claims and `max_pages` destination pages in all, each 
 oldest claims make room. The rooms of claims dropped unused (and where to reach their decode) are remembered, as
 many again, so that a later abort from the decode can be confirmed: nothing was written for them.
 
-The mirror case: a request the prefill failed before its claim came (its grammar did not compile here) leaves its
-`failed` answer here, as many and as long as claims, for the claim to be answered with at once.
+Two mirror cases, each kept as many and as long as claims (`ExpiringRooms`): a request the prefill failed before its
+claim came (its grammar did not compile here) leaves its `failed` answer, for the claim to be answered with at once;
+an `abort` from a decode that failed the request before the prefill got it (its grammar did not compile there)
+waits for the request, which then ends at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Generic, TypeVar
 
-from pdserve.disagg.control_messages import Failed, TransferRequest
+from pdserve.disagg.control_messages import Abort, Failed, TransferRequest
 
 MAX_EARLY_REQUESTS = 1024
+T = TypeVar("T")
+
+
+class ExpiringRooms(Generic[T]):
+    """One value per room, each for `ttl_s`; at most `max_count`, the oldest make room."""
+
+    def __init__(self, ttl_s: float, max_count: int = MAX_EARLY_REQUESTS):
+        self.ttl_s, self.max_count = ttl_s, max_count
+        self._kept: OrderedDict[int, tuple[T, float]] = OrderedDict()  # room -> (value, deadline)
+
+    def put(self, room: int, value: T, now: float) -> None:
+        self._kept.pop(room, None)
+        if len(self._kept) >= self.max_count:
+            self._kept.popitem(last=False)
+        self._kept[room] = (value, now + self.ttl_s)
+
+    def take(self, room: int) -> T | None:
+        entry = self._kept.pop(room, None)
+        return entry[0] if entry is not None else None
+
+    def expire(self, now: float) -> None:
+        while self._kept and next(iter(self._kept.values()))[1] < now:
+            self._kept.popitem(last=False)
+
+    def items(self) -> list[tuple[int, T]]:
+        return [(room, value) for room, (value, _) in self._kept.items()]
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 class EarlyRequests:
@@ -25,7 +57,8 @@ class EarlyRequests:
         self._kept: OrderedDict[int, tuple[TransferRequest, float]] = OrderedDict()  # room -> (claim, deadline)
         self.pages = 0
         self._dropped: OrderedDict[int, str] = OrderedDict()  # room -> the decode's control endpoint
-        self._refusals: OrderedDict[int, tuple[Failed, float]] = OrderedDict()  # room -> (answer, deadline)
+        self.refusals: ExpiringRooms[Failed] = ExpiringRooms(ttl_s, max_count)  # the prefill's answers to claims
+        self.aborts: ExpiringRooms[Abort] = ExpiringRooms(ttl_s, max_count)  # decode aborts of requests not here yet
 
     def add(self, msg: TransferRequest, now: float) -> bool:
         """Keep `msg` until `now + ttl_s`; False (dropped) when it alone needs more pages than the store holds."""
@@ -48,19 +81,8 @@ class EarlyRequests:
     def expire(self, now: float) -> None:
         while self._kept and next(iter(self._kept.values()))[1] < now:
             self._drop(next(iter(self._kept)))
-        while self._refusals and next(iter(self._refusals.values()))[1] < now:
-            self._refusals.popitem(last=False)
-
-    def refuse(self, answer: Failed, now: float) -> None:
-        """Keep `answer` for the claim of its room until `now + ttl_s` (the oldest make room when full)."""
-        self._refusals.pop(answer.room, None)
-        if len(self._refusals) >= self.max_count:
-            self._refusals.popitem(last=False)
-        self._refusals[answer.room] = (answer, now + self.ttl_s)
-
-    def take_refusal(self, room: int) -> Failed | None:
-        entry = self._refusals.pop(room, None)
-        return entry[0] if entry is not None else None
+        self.refusals.expire(now)
+        self.aborts.expire(now)
 
     def _drop(self, room: int) -> None:
         self._dropped[room] = self.pop(room).control

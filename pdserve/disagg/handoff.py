@@ -6,8 +6,8 @@ Control messages (typed, see control_messages; keyed by `bootstrap_room`):
   decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum,
                                        cached_pages}
   prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}}
-  decode -> prefill  abort {room, error}
-  prefill -> decode  failed {room, error}  (sent once no write for the room is in flight any more)
+  decode -> prefill  abort {room, error, status}  (also for a request the prefill has not received yet)
+  prefill -> decode  failed {room, error, status}  (sent once no write for the room is in flight any more)
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ class Handoff:
             self.poll, self.error = KVPoll.FAILED, error
         elif state > self.poll:
             self.poll = state
+
+
+def peer_status(status: int | None) -> int:
+    """The HTTP status of a half whose peer failed the request: the peer's own 4xx (the request itself was at fault,
+    so both halves answer the same), else PEER_FAILED (a status from another process is never taken on trust)."""
+    return status if status is not None and 400 <= status < 500 else PEER_FAILED
 
 
 def checked_pages(value, limit: int, expected: int) -> list[int]:

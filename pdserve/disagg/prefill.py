@@ -32,7 +32,7 @@ from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
-                                     checked_cached_pages, checked_pages, validate_pd_request)
+                                     checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs, kv_write_requests,
                                      layout_from_description)
 from pdserve.disagg.control_transport import PeerClients
@@ -205,10 +205,13 @@ class PrefillRole(Role):
             return
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
-        self.early_requests.take_refusal(h.room)  # one left by an earlier request with this room stands no more
+        self.early_requests.refusals.take(h.room)  # one left by an earlier request with this room stands no more
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)
+        aborted = self.early_requests.aborts.take(h.room)
+        if aborted is not None:  # the decode failed its half before this one arrived
+            self._on_peer_abort(aborted)
 
     def refuse(self, req: Req, message: str) -> None:
         """A request failed here before its handoff began: its decode half learns at once, if its claim came
@@ -216,11 +219,12 @@ class PrefillRole(Role):
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_room is None:
             return
         answer = Failed(req.bootstrap_room, message[:MAX_STRING], status=400)
+        self.early_requests.aborts.take(answer.room)  # the decode's abort, if it came first, has nothing left to end
         control = self.early_requests.take_control(answer.room)
         if control is not None:
             self.link.send_control(control, answer)
         else:
-            self.early_requests.refuse(answer, self.link.clock())
+            self.early_requests.refusals.put(answer.room, answer, self.link.clock())
 
     def prepare_step(self) -> bool:
         self.link.handle_events(self.handlers)
@@ -332,7 +336,7 @@ class PrefillRole(Role):
     def _on_transfer_request(self, msg: TransferRequest) -> None:
         room = msg.room
         h = self.link.handoffs.get(room)
-        refused = self.early_requests.take_refusal(room) if h is None else None
+        refused = self.early_requests.refusals.take(room) if h is None else None
         if refused is not None:
             self.link.send_control(msg.control, refused)
             return
@@ -373,12 +377,25 @@ class PrefillRole(Role):
                 for j, (session, base) in enumerate(targets)]
 
     def _on_peer_abort(self, msg: Abort) -> None:
+        """The decode's reason and 4xx end the request, so that the client reads the same answer from either half:
+        at once if it is here (its handoff began, or its grammar still compiles), else as soon as it comes."""
+        error = "aborted by the decode server" + (f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else "")
         h = self.link.handoffs.get(msg.room)
-        if h is None:
-            self._confirm_abort_of_unclaimed(msg.room)
-        else:  # the decode's reason, so that the client reads the same cause from either half
-            cause = f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else ""
-            self._fail(h, f"aborted by the decode server{cause}", reason="peer_aborted")
+        if h is not None:
+            self._fail(h, error, reason="peer_aborted", status=peer_status(msg.status))
+            return
+        self._confirm_abort_of_unclaimed(msg.room)
+        compiling = self._compiling(msg.room)
+        if compiling is None:
+            self.early_requests.aborts.put(msg.room, msg, self.link.clock())
+        else:
+            self.link.transfer_stats.failed("peer_aborted")
+            self.scheduler.end(compiling, FinishReason("abort", message=error, status_code=peer_status(msg.status)))
+
+    def _compiling(self, room: int) -> Req | None:
+        """The request of `room`, a room without a handoff, that waits here for its grammar's compile, if any."""
+        return next((r for r in self.scheduler.reqs.values() if r.bootstrap_room == room and not r.finished
+                     and r.bootstrap_host != FAKE_BOOTSTRAP_HOST), None)
 
     def _confirm_abort_of_unclaimed(self, room: int) -> None:
         """An abort for a room known only by its early transfer_request (kept or dropped): nothing was written,

@@ -72,7 +72,7 @@ class Role:
         self.scheduler.enqueue(req)
 
     def refuse(self, req: Req, message: str) -> None:
-        """The scheduler failed req with a 400 before accepting it (`message`: why); the PD prefill tells its peer."""
+        """The scheduler failed req with a 400 before accepting it (`message`: why); a PD role tells its peer."""
 
     def prepare_step(self) -> bool:
         """Runs first in every step (the PD roles read their peers' messages). False skips this step's forward

@@ -17,6 +17,7 @@ from test_pd_schedulers import check_pd_equals_colocated, make_pair, pd_req, run
 
 from pdserve.cluster_auth import AuthError, ClusterAuth
 from pdserve.disagg.bootstrap import PrefillRankInfo, _request
+from pdserve.disagg.control_messages import Abort
 from pdserve.disagg.early_requests import MAX_EARLY_REQUESTS
 from pdserve.disagg.factory import create_scheduler
 from pdserve.scheduler.scheduler import Scheduler
@@ -117,10 +118,12 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
                              transfer_request(3, extra=1),
                              transfer_request(3, rank_targets=[["127.0.0.1:1", "4096"]]),
                              transfer_request(3, rank_targets="127.0.0.1:1"),
-                             {"type": "abort"})
+                             {"type": "abort"},
+                             {"type": "abort", "room": 3, "status": "400"})
     assert all("never accepted from a peer" in e for e in prefill_errors[:2])
     assert "peer must be dict" in prefill_errors[2]
     assert "rank_targets[] must be int" in prefill_errors[6] and "rank_targets must be a list" in prefill_errors[7]
+    assert "Abort.status must be int" in prefill_errors[9]
     serves_a_pd_request(open_pair, "after-garbage", room=4001)
 
 
@@ -169,14 +172,20 @@ def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
     serves_a_pd_request(open_pair, "after-bad-peers", room=4301)
 
 
-def test_early_claims_for_unknown_rooms_stay_bounded(open_pair):
+def test_early_claims_and_aborts_for_unknown_rooms_stay_bounded(open_pair):
     prefill, _, _ = open_pair
     pool_pages = prefill.runner.pool.layout.num_pages
     delivered(prefill.role.link.channel.endpoint, *(transfer_request(room, dst_pages=list(range(1, 201)))
                                           for room in range(10_000, 12_000)))
+    delivered(prefill.role.link.channel.endpoint,
+              *({"type": "abort", "room": room, "error": "x", "status": 400} for room in range(20_000, 22_000)),
+              {"type": "abort", "room": 9_999})  # an older decode's: no status
     prefill.role.prepare_step()
     assert 0 < len(prefill.role.early_requests) <= MAX_EARLY_REQUESTS
     assert prefill.role.early_requests.pages <= pool_pages and len(prefill.role.early_requests) <= pool_pages // 200
+    aborts = prefill.role.early_requests.aborts
+    assert len(aborts) == MAX_EARLY_REQUESTS and aborts.take(20_000) is None  # the oldest made room
+    assert aborts.take(9_999) == Abort(9_999) and aborts.take(21_999) == Abort(21_999, "x", status=400)
     serves_a_pd_request(open_pair, "after-flood", room=4002)
 
 

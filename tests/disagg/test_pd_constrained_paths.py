@@ -1,12 +1,15 @@
 """Constrained decoding on the PD paths the end-to-end tests do not reach: a grammar request the decode server
 prefills itself (conditional disaggregation), a grammar request that hits the decode-side radix cache, a grammar
-that compiles on one side only (a prefill's failure reaches the decode at once), and outputs cut by `length` (valid prefixes of the grammar).
+that compiles on one side only (either side's failure reaches the other at once), and outputs cut by `length` (valid
+prefixes of the grammar).
 In-process schedulers over the tcp backend (tests/disagg/test_pd_schedulers.py)."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
+import threading
 import time
 
 import jsonschema
@@ -147,9 +150,9 @@ def make_compiles_time_out(sched, monkeypatch) -> None:
 @pytest.mark.parametrize("slow_side", [1, 0], ids=["decode", "prefill"])
 def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_serving(model, monkeypatch, slow_side):
     """One side compiles the grammar, the other's compile outlasts its --grammar-compile-timeout-s: that side
-    answers 400 at once, the other gives the request up at once (the decode: the prefill's 400 reaches it over the
-    control channel), after its 1 s bootstrap timeout (the prefill, when the decode failed), or at once when the
-    router aborts it; both pools end free, and the pair serves the next constrained request."""
+    answers 400 at once, the other gives the request up at once, with the same 400 (the failing side's word reaches
+    it over the control channel) or when the router aborts it; both pools end free, and the pair serves the next
+    constrained request."""
     prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=1.0)
     scheds = [prefill, decode]
     slow, other = scheds[slow_side], scheds[1 - slow_side]
@@ -172,7 +175,7 @@ def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_servin
             outs = run(scheds, timeout=10)
             other_finish = outs[(1 - slow_side, rid)]["finish"]
             assert other_finish["type"] == "abort"
-            assert slow is decode or router_aborts or other_finish["status_code"] == 400, other_finish
+            assert router_aborts or other_finish["status_code"] == 400, other_finish
             assert time.monotonic() - started < 5
             assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
             assert not prefill.has_work() and not decode.has_work()
@@ -212,3 +215,75 @@ def test_a_compile_failing_on_the_prefill_ends_the_decodes_half_at_once(model, m
     finally:
         prefill.close()
         decode.close()
+
+
+@pytest.mark.parametrize("failure_first", [True, False], ids=["failure-first", "request-first"])
+def test_a_compile_failing_on_the_decode_ends_the_prefills_half_at_once(model, monkeypatch, failure_first):
+    """Without a router: the decode's `abort` (with its 400 and cause) reaches the prefill whether the prefill has its
+    request already (it waits for the claim) or not yet (the abort waits for it), long before the prefill's 30 s
+    bootstrap timeout. Round 1 finds no route to the prefill on the decode (it looks it up for the refusal alone),
+    round 2 the one round 1 found; both pools end free, and the pair serves a constrained request afterwards."""
+    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=30.0)
+    try:
+        make_compiles_time_out(decode, monkeypatch)
+        for room in (700, 701):
+            params = SamplingParams(temperature=0, max_tokens=8, regex=f"slow{room}[0-9]")  # uncached on the decode
+            started = time.monotonic()
+            first, second = (decode, prefill) if failure_first else (prefill, decode)
+            first.add_request(req("r", prompt(8, 20), params, port, room))
+            finishes = {}
+            while not (prefill.role.early_requests.aborts.items() if failure_first  # the decode's abort landed
+                       else room in prefill.role.link.handoffs):  # the prefill's compile done, it waits for a claim
+                assert time.monotonic() - started < 5
+                for side, sched in enumerate((prefill, decode)):
+                    finishes |= {side: o.finish_reason for o in sched.step() if o.finish_reason}
+            second.add_request(req("r", prompt(8, 20), params, port, room))
+            finishes |= {side: out["finish"] for (side, _), out in run([prefill, decode], timeout=10).items()}
+            assert_refused_by_the_decode(prefill, decode, finishes)
+            assert time.monotonic() - started < 4
+        monkeypatch.undo()
+        next_params = SamplingParams(temperature=0, max_tokens=8, regex="[0-9]{3}")
+        got = serve_pd((prefill, decode, port), "next", prompt(9, 20), next_params, room=702)
+        assert got["finish"]["type"] == "stop" and re.fullmatch("[0-9]{3}", text_of(decode, got["ids"])), got
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_compile_failing_on_the_decode_ends_the_prefills_half_while_its_compile_still_runs(model, monkeypatch):
+    """The decode's abort reaches a prefill whose own compile of the grammar has not ended: its request ends at once,
+    not once compiled (the compile is held until the test has seen the prefill's answer)."""
+    prefill, decode, port = make_pair(model, disaggregation_bootstrap_timeout=30.0)
+    compile_done = threading.Event()
+    try:
+        make_compiles_time_out(decode, monkeypatch)
+        compile_ = prefill.grammar_queue._compiler().compile
+        monkeypatch.setattr(prefill.grammar_queue.compiler, "compile",
+                            lambda spec: compile_done.wait(30) and compile_(spec))
+        params = SamplingParams(temperature=0, max_tokens=8, regex="slow[0-9]")
+        for s in (prefill, decode):
+            s.add_request(req("r", prompt(8, 20), params, port, 710))
+        finishes, started = {}, time.monotonic()
+        while 0 not in finishes:
+            assert time.monotonic() - started < 5, "the prefill's request waited for its compile"
+            for side, sched in enumerate((prefill, decode)):
+                finishes |= {side: o.finish_reason for o in sched.step() if o.finish_reason}
+        assert prefill.grammar_queue.stats()["grammar_waiting"] == 0 and not compile_done.is_set()
+        compile_done.set()
+        finishes |= {side: out["finish"] for (side, _), out in run([prefill, decode], timeout=10).items()}
+        assert_refused_by_the_decode(prefill, decode, finishes)
+    finally:
+        compile_done.set()
+        prefill.close()
+        decode.close()
+
+
+def assert_refused_by_the_decode(prefill, decode, finishes: dict) -> None:
+    """Both halves ended with the decode's 400 and its cause; nothing is held or kept on either side."""
+    for side in (0, 1):
+        assert finishes[side]["status_code"] == 400, finishes
+        assert "did not compile within 0.05 s" in finishes[side]["message"], finishes
+    assert "aborted by the decode server" in finishes[0]["message"]
+    assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+    assert not prefill.has_work() and not decode.has_work()
+    assert not decode.role.refusals.items() and not prefill.role.early_requests.aborts.items()
