@@ -44,7 +44,8 @@ def main() -> None:
         write_tokenizer(preset, Path(folder))
         tokenizer = AutoTokenizer.from_pretrained(folder)
     started = time.perf_counter()
-    compiler = GrammarCompiler(tokenizer, preset.vocab_size, [tokenizer.eos_token_id], any_whitespace=False)
+    compiler = GrammarCompiler(lambda: tokenizer, preset.vocab_size, [tokenizer.eos_token_id], any_whitespace=False)
+    compiler.vocabulary.result()
     prepare = since_ms(started)
     first = compile_ms(compiler, "first")
     fresh = [compile_ms(compiler, f"fresh{index}") for index in range(args.fresh)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from threading import Lock
@@ -41,23 +42,51 @@ def import_xgrammar() -> Any:
     return xgrammar
 
 
-class GrammarCompiler:
-    """Compiles grammars for one tokenizer in a thread pool; each distinct spec is compiled once."""
+@dataclass(slots=True, frozen=True)
+class _Vocabulary:
+    """What every compile of one tokenizer shares, built once in the compile pool."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], any_whitespace: bool,
-                 max_workers: int = 1):
+    compiler: Any  # xgrammar.GrammarCompiler
+    token_bytes: list[bytes]  # each token's bytes, as xgrammar decodes them
+    utf8_guard: Utf8Guard
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer in a thread pool; each distinct spec is compiled once. The tokenizer's
+    preparation (loading it, xgrammar's tables: seconds for a 128k vocabulary) is the pool's first task, so not
+    even the first grammar holds up the caller's thread."""
+
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: list[int],
+                 any_whitespace: bool, max_workers: int = 1):
         """`stop_ids`: the model's EOS ids, which a grammar allows only where it may end."""
         self.xgr = import_xgrammar()
-        info = self.xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self.compiler = self.xgr.GrammarCompiler(info, max_threads=max_workers)
-        self.token_bytes: list[bytes] = info.decoded_vocab
-        self.utf8_guard = Utf8Guard(self.token_bytes)
         self.any_whitespace = any_whitespace
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
+        self.vocabulary = self.pool.submit(self._prepare, load_tokenizer, vocab_size, stop_ids, max_workers)
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = Lock()
         self.num_compiles = self.num_cache_hits = 0
         self.compile_seconds = 0.0  # summed over compiles, failed ones included
+
+    def _prepare(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: list[int],
+                 max_workers: int) -> _Vocabulary:
+        info = self.xgr.TokenizerInfo.from_huggingface(load_tokenizer(), vocab_size=vocab_size,
+                                                       stop_token_ids=stop_ids)
+        token_bytes = info.decoded_vocab
+        return _Vocabulary(self.xgr.GrammarCompiler(info, max_threads=max_workers), token_bytes,
+                           Utf8Guard(token_bytes))
+
+    @property
+    def compiler(self) -> Any:
+        return self.vocabulary.result().compiler
+
+    @property
+    def token_bytes(self) -> list[bytes]:
+        return self.vocabulary.result().token_bytes
+
+    @property
+    def utf8_guard(self) -> Utf8Guard:
+        return self.vocabulary.result().utf8_guard
 
     def submit(self, spec: GrammarSpec) -> Future:
         """The future compiled grammar of `spec`; it raises GrammarError when the grammar is bad."""

@@ -11,26 +11,27 @@ from typing import Any
 
 import torch
 
-from pdserve.constrained.utf8_guard import Utf8Guard
+from pdserve.constrained.utf8_guard import BOUNDARY, Utf8Guard
 
 
 class RequestGrammar:
     """The matcher of one request: which tokens may come next, and whether the grammar has ended."""
 
-    __slots__ = ("matcher", "guard", "after_surrogate_lead")
+    __slots__ = ("matcher", "guard", "utf8_state")
 
     def __init__(self, compiled: Any, guard: Utf8Guard):
         import xgrammar
 
         self.matcher = xgrammar.GrammarMatcher(compiled)
         self.guard = guard
-        self.after_surrogate_lead = False  # the last accepted token ended with the byte ED
+        self.utf8_state = BOUNDARY  # where the output's bytes so far leave the UTF-8 automaton
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False if the grammar does not allow it (the matcher is then unchanged)."""
-        if not self.guard.allows(token, self.after_surrogate_lead) or not self.matcher.accept_token(token):
+        following = self.guard.advance(self.utf8_state, token)
+        if following is None or not self.matcher.accept_token(token):
             return False
-        self.after_surrogate_lead = token in self.guard.ends_with_lead
+        self.utf8_state = following
         return True
 
     @property
@@ -40,7 +41,7 @@ class RequestGrammar:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
-        self.guard.restrict(bitmask[row], self.after_surrogate_lead)
+        self.guard.restrict(bitmask[row], self.utf8_state)
 
 
 def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:

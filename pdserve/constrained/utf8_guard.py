@@ -1,10 +1,11 @@
-"""Keeps constrained output valid UTF-8 where xgrammar does not: it accepts the three-byte encodings of UTF-16
-surrogates (ED A0..BF xx, U+D800..U+DFFF), which are not UTF-8 and decode to three U+FFFD. A JSON string of
-maxLength 8 could then come back 10 characters long.
+"""Keeps constrained output valid UTF-8 where xgrammar 0.2.8 does not: inside a JSON string it accepts byte
+sequences that are not UTF-8, such as the encodings of UTF-16 surrogates (ED A0..BF xx) and overlong forms
+(E0 80..9F xx, F0 80..8F xx xx). Each decodes to several U+FFFD, so a string of maxLength 8 could come back 10
+characters long.
 
-The guard forbids every token whose bytes hold ED followed by A0..BF, and, right after a token that ends with the
-lead byte ED, every token that starts with A0..BF. ED is always a lead byte in UTF-8, so looking one token back is
-enough.
+The guard runs the UTF-8 automaton over the output bytes. Its state between two tokens is one of eight (on a
+character boundary, or inside a character with the next byte's allowed range known), so for every state it
+precomputes which tokens continue validly and where each leaves it; a step then costs one AND of the bitmask row.
 """
 
 from __future__ import annotations
@@ -13,38 +14,78 @@ from collections.abc import Sequence
 
 import torch
 
-_SURROGATE_LEAD = 0xED
-_SURROGATE_SECOND = range(0xA0, 0xC0)
+BOUNDARY, CONT1, CONT2, CONT3, AFTER_E0, AFTER_ED, AFTER_F0, AFTER_F4 = range(8)
+_NUM_STATES = 8
+_INVALID = 255
+# inside a character: the range of the next byte, and the state after it
+_NEXT_BYTE = {CONT1: (0x80, 0xBF, BOUNDARY), CONT2: (0x80, 0xBF, CONT1), CONT3: (0x80, 0xBF, CONT2),
+              AFTER_E0: (0xA0, 0xBF, CONT1), AFTER_ED: (0x80, 0x9F, CONT1),
+              AFTER_F0: (0x90, 0xBF, CONT2), AFTER_F4: (0x80, 0x8F, CONT2)}
+
+
+def _after_lead(byte: int) -> int:
+    if byte < 0x80:
+        return BOUNDARY
+    if 0xC2 <= byte <= 0xDF:
+        return CONT1
+    special = {0xE0: AFTER_E0, 0xED: AFTER_ED, 0xF0: AFTER_F0, 0xF4: AFTER_F4}
+    if byte in special:
+        return special[byte]
+    if 0xE1 <= byte <= 0xEF:
+        return CONT2
+    return CONT3 if 0xF1 <= byte <= 0xF3 else _INVALID  # 80..C1 and F5..FF never start a character
+
+
+def _transition_table() -> list[bytes]:
+    table = [bytes(_after_lead(b) for b in range(256))]
+    for state in range(1, _NUM_STATES):
+        low, high, then = _NEXT_BYTE[state]
+        table.append(bytes(then if low <= b <= high else _INVALID for b in range(256)))
+    return table
+
+
+_TABLE = _transition_table()
 
 
 class Utf8Guard:
-    """The tokens of one vocabulary that would write a surrogate, as packed bitmask words (bit set = allowed)."""
+    """For one vocabulary: per automaton state, the state each token leads to (255: invalid) and the packed
+    bitmask words of the valid tokens (bit set = allowed)."""
 
-    __slots__ = ("ends_with_lead", "never", "not_after_lead", "allowed_words", "allowed_after_lead_words")
+    __slots__ = ("next_state", "allowed_words")
 
     def __init__(self, token_bytes: Sequence[bytes]):
-        self.never = frozenset(i for i, b in enumerate(token_bytes) if _holds_surrogate(b))
-        self.not_after_lead = frozenset(i for i, b in enumerate(token_bytes) if b and b[0] in _SURROGATE_SECOND)
-        self.ends_with_lead = frozenset(i for i, b in enumerate(token_bytes) if b and b[-1] == _SURROGATE_LEAD)
-        self.allowed_words = _packed_allowed(len(token_bytes), self.never)
-        self.allowed_after_lead_words = _packed_allowed(len(token_bytes), self.never | self.not_after_lead)
+        # an ASCII token keeps a character boundary and breaks a character; the others are run byte by byte
+        self.next_state = [bytearray([BOUNDARY if state == BOUNDARY else _INVALID]) * len(token_bytes)
+                           for state in range(_NUM_STATES)]
+        for token, raw in enumerate(token_bytes):
+            if not raw or not raw.isascii():
+                for state in range(_NUM_STATES):
+                    self.next_state[state][token] = _run(state, raw)
+        self.allowed_words = [_packed_allowed(row) for row in self.next_state]
 
-    def allows(self, token: int, after_lead: bool) -> bool:
-        return token not in self.never and not (after_lead and token in self.not_after_lead)
+    def advance(self, state: int, token: int) -> int | None:
+        """The state after `token`, or None where it would make the output invalid UTF-8."""
+        following = self.next_state[state][token] if 0 <= token < len(self.next_state[state]) else state
+        return None if following == _INVALID else following
 
-    def restrict(self, bitmask_row: torch.Tensor, after_lead: bool) -> None:
-        """Clear the forbidden tokens' bits in one row of an xgrammar bitmask (int32 words, bit j of word w is
-        token 32w + j)."""
-        words = self.allowed_after_lead_words if after_lead else self.allowed_words
+    def restrict(self, bitmask_row: torch.Tensor, state: int) -> None:
+        """Clear the invalid tokens' bits in one row of an xgrammar bitmask (int32 words, bit j of word w is
+        token 32w + j); tokens past the vocabulary are left to xgrammar."""
+        words = self.allowed_words[state]
         bitmask_row[:words.numel()] &= words
 
 
-def _holds_surrogate(token: bytes) -> bool:
-    return any(token[i] == _SURROGATE_LEAD and token[i + 1] in _SURROGATE_SECOND for i in range(len(token) - 1))
+def _run(state: int, raw: bytes) -> int:
+    for byte in raw:
+        state = _TABLE[state][byte]
+        if state == _INVALID:
+            break
+    return state
 
 
-def _packed_allowed(vocab_size: int, forbidden: frozenset[int]) -> torch.Tensor:
-    allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.int64)
-    allowed[list(forbidden)] = 0
-    words = (allowed.view(-1, 32) << torch.arange(32)).sum(dim=1)
+def _packed_allowed(next_state: bytearray) -> torch.Tensor:
+    allowed = torch.frombuffer(next_state, dtype=torch.uint8) != _INVALID
+    padded = torch.ones(-(-len(next_state) // 32) * 32, dtype=torch.int64)
+    padded[:len(next_state)] = allowed.to(torch.int64)
+    words = (padded.view(-1, 32) << torch.arange(32)).sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

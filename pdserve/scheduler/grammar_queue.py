@@ -65,7 +65,7 @@ class GrammarQueue:
             raise GrammarError("structured output is off on this server (--grammar-backend none)")
         if self.compiler is None:
             cfg = self.model_config
-            self.compiler = GrammarCompiler(self.load_tokenizer(), cfg.vocab_size, list(cfg.eos_token_ids),
+            self.compiler = GrammarCompiler(self.load_tokenizer, cfg.vocab_size, list(cfg.eos_token_ids),
                                             self.args.grammar_any_whitespace)
         return self.compiler
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -63,4 +64,25 @@ def test_a_compiled_grammar_is_handed_on_and_shared(tiny_model):
     assert stats | {"grammar_compile_seconds": 0} == {"constrained_requests": 2, "grammar_compiles": 1,
                                                        "grammar_cache_hits": 1, "grammar_compile_seconds": 0,
                                                        "grammar_waiting": 0}
+    q.close()
+
+
+def test_the_first_grammar_prepares_the_tokenizer_off_the_callers_thread(tiny_model):
+    from pdserve.tokenizer import load_tokenizer
+
+    server_args = ServerArgs(model_path=tiny_model, device="cpu")
+
+    def slow_tokenizer():
+        time.sleep(1.0)
+        return load_tokenizer(server_args)
+
+    q = GrammarQueue(server_args, MODEL, slow_tokenizer)
+    started = time.monotonic()
+    q.submit(regex_req())
+    assert time.monotonic() - started < 0.5  # the scheduler goes on stepping meanwhile
+    assert not q.poll()
+    deadline = time.monotonic() + 30
+    while not (outcomes := q.poll()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(outcomes) == 1 and outcomes[0].grammar is not None
     q.close()
