@@ -40,7 +40,7 @@ from pdserve.bench.cli import bench_parser
 from pdserve.bench.client import ClientConfig, RequestResult, merge_extra_body, send
 from pdserve.bench.datasets import BenchRequest, PromptBuilder
 from pdserve.bench.loadgen import LoadRun
-from pdserve.bench.plots import require_matplotlib
+from pdserve.bench.plots import require_matplotlib, save_figure
 from pdserve.bench.serving import add_target_args, client_config, model_info, prompt_builder, server_json
 from pdserve.bench.stats import Slo, error_lines, summarize
 
@@ -273,11 +273,7 @@ def plot(result: dict, out: Path) -> Path:
     fig.suptitle(f"constrained vs free decoding, {result.get('label') or ''} {result['model']}, {result['date']}\n"
                  f"in {result['input_len']} / out {result['output_len']} tokens; first compile of a "
                  f"{COMPILE_PROPERTIES}-property schema {compile_ms:.1f} ms", fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,7 @@ from random import Random
 import torch
 
 from pdserve.bench.cli import bench_parser
+from pdserve.bench.plots import save_figure
 from pdserve.mem_cache.host_pool import MEM_LAYOUTS, HostKVPool
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.models.model_config import ModelConfig, resolve_dtype
@@ -131,11 +132,7 @@ def plot(result: dict, out: Path) -> Path:
                  f"({result['device']})", fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def build_parser() -> argparse.ArgumentParser:

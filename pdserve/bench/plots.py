@@ -66,7 +66,14 @@ def plot_results(paths: list[Path], out: Path) -> Path:
     require_matplotlib()
     import matplotlib.pyplot as plt
 
-    fig = draw_chart([load_result(p) for p in paths])
+    return save_figure(draw_chart([load_result(p) for p in paths]), out)
+
+
+def save_figure(fig: Any, out: Path) -> Path:
+    """Write `fig` as a PNG at `out` (folders made) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
