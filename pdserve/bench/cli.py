@@ -4,6 +4,9 @@ option's default."""
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -19,6 +22,23 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 def bench_parser(description: str | None, **kwargs) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
+
+
+def run_with_plot(argv: list[str] | None, plot_main: Callable[[list[str]], None],
+                  run: Callable[[list[str]], dict]) -> dict | None:
+    """`plot ARGS` draws saved results (`plot_main`); anything else runs the benchmark (`run`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:
+        plot_main(argv[1:])
+        return None
+    return run(argv)
+
+
+def write_result(path: Path | None, result: dict) -> None:
+    """The result as JSON at `path` (folders made); nothing without one."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
 
 
 def engine_bench_parser(description: str | None, out_help: str, out_default: Path | None = None

@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import json
 import statistics
-import sys
 import time
 import urllib.request
 import uuid
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.bench.cli import bench_parser
+from pdserve.bench.cli import bench_parser, run_with_plot, write_result
 from pdserve.bench.client import ClientConfig, RequestResult, merge_extra_body, send
 from pdserve.bench.datasets import BenchRequest, PromptBuilder
 from pdserve.bench.loadgen import LoadRun
@@ -323,20 +322,18 @@ def plot_main(argv: list[str]) -> None:
     print(plot(json.loads(args.result.read_text()), args.output))
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plot"]:
-        plot_main(argv[1:])
-        return None
+def run(argv: list[str]) -> dict:
     args = parse_args(argv)
     result = benchmark(args)
     print(table(result))
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
     if args.plot:
         print(plot(result, args.plot))
     return result
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    return run_with_plot(argv, plot_main, run)
 
 
 if __name__ == "__main__":

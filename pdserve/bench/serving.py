@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import math
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -31,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from random import Random
 
-from pdserve.bench.cli import bench_parser
+from pdserve.bench.cli import bench_parser, run_with_plot, write_result
 from pdserve.bench.client import BACKENDS, ClientConfig, as_record
 from pdserve.bench.datasets import (FIT_POLICIES, BenchRequest, MixShape, PromptBuilder, fit_to_context, mix_dataset,
                                     parse_trace, random_dataset, sessions_dataset, trace_dataset)
@@ -354,19 +353,17 @@ def plot_main(argv: list[str]) -> None:
     print(plot_results(args.results, args.output))
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["plot"]:
-        plot_main(argv[1:])
-        return None
+def run(argv: list[str]) -> dict:
     args = parse_args(argv)
     result = benchmark(args)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(result, indent=2))
+    write_result(args.output, result)
     if args.plot:
         plot_results([args.output], args.plot)
     return result
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    return run_with_plot(argv, plot_main, run)
 
 
 if __name__ == "__main__":

@@ -224,7 +224,8 @@ class ToolCallStream:
         return self._take()
 
     def _char(self, c: str) -> None:
-        raise NotImplementedError
+        """Read one character of the answer; each parser reads its own format, plain text is all content."""
+        self._content(c)
 
     def _flush(self) -> None:
         """Give back the text of a candidate call still undecided at the end of the text."""
