@@ -123,13 +123,18 @@ suite_fp8() {
     --input-lens 4096 --output-lens 64 --out "$OUT/one_batch_4k_bf16"
   TAILN=8 step 120 one_batch_4k_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
     --input-lens 4096 --output-lens 64 --quantization fp8 "${fp8_kv[@]}" --out "$OUT/one_batch_4k_fp8"
-  TAILN=4 step 120 kv_tokens python3 -c "
-import sys
+  local kv kwargs  # one process each: a second engine in the same process finds the first one's memory still held
+  for kv in bf16 fp8_e4m3; do
+    kwargs='{}'
+    [ "$kv" = fp8_e4m3 ] && kwargs="{\"kv_cache_dtype\": \"fp8_e4m3\", \"kv_cache_scales\": \"$scales\"}"
+    TAILN=2 step 120 "kv_tokens_$kv" python3 -c "
+import json, sys
 from pdserve import LLM
-for flags in ({}, {'kv_cache_dtype': 'fp8_e4m3', 'kv_cache_scales': sys.argv[2]}):
-    llm = LLM(sys.argv[1], skip_server_warmup=True, **flags)
-    print(flags.get('kv_cache_dtype', 'bf16'), 'KV tokens', llm.scheduler.runner.pool.layout.num_slots)
-    llm.shutdown()" "$big" "$scales"
+kwargs = json.loads(sys.argv[2])
+llm = LLM(sys.argv[1], skip_server_warmup=True, **kwargs)
+print(kwargs.get('kv_cache_dtype', 'bf16'), 'KV tokens', llm.scheduler.runner.pool.layout.num_slots)
+llm.shutdown()" "$big" "$kwargs"
+  done
 }
 
 suite_fp8_accuracy() {

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from pdserve.attention import create_backend, resolve_backend_name
 from pdserve.attention.base import ForwardContext
@@ -23,6 +24,7 @@ from pdserve.mem_cache.kv_quant import KVScales, cuda_support_problem, is_fp8, k
 from pdserve.models.kv_scales import resolve_kv_scales
 from pdserve.models.loader import checkpoint_files, load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
+from pdserve.quantization.fp8 import tune_skinny_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,10 @@ class ModelRunner:
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
-            SkinnyTuner(rows).tune(self._linear_weights())
+            dense = [m.weight for m in self._linear_layers() if m.weight_scale is None]
+            SkinnyTuner(rows).tune(dense)
+            fp8 = [(m.weight, m.weight_scale) for m in self._linear_layers() if m.weight_scale is not None]
+            tune_skinny_fp8(rows, fp8, self.dtype)
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
@@ -87,9 +92,9 @@ class ModelRunner:
             self.backend_name, self.pool.layout.num_slots, dtype_name(self.kv_dtype), args.page_size,
         )
 
-    def _linear_weights(self) -> list[torch.Tensor]:
+    def _linear_layers(self) -> list[nn.Module]:
         linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-        return [m.weight for m in self.model.modules() if isinstance(m, linears)]
+        return [m for m in self.model.modules() if isinstance(m, linears)]
 
     @property
     def num_kv_heads(self) -> int:

@@ -6,14 +6,15 @@ not on the small ones (H200, 2026-11-23, inside CUDA graphs: llama-3.1-8b qkv 15
 vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling).
 `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured; `linear` then
 routes each call by the recorded choice (cuBLAS for any shape not tuned). From 32 rows on cuBLAS's tiles win
-(pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS.
+(pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS. FP8 weights have their own kernel
+(`pdserve.quantization.fp8.skinny_fp8_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -45,11 +46,17 @@ _choice: dict[tuple[int, int, int, torch.dtype], SkinnyConfig | None] = {}  # No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), through the skinny kernel where `SkinnyTuner` chose it for this shape."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS:
-        cfg = _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype))
-        if cfg is not None:
-            return skinny_linear(x, weight, bias, cfg)
+    if x.is_cuda and (cfg := skinny_choice(x, weight)) is not None:
+        return skinny_linear(x, weight, bias, cfg)
     return F.linear(x, weight, bias)
+
+
+def skinny_choice(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
+    """The config tuned for x's rows times this weight's shape and dtype; None where the baseline measured faster,
+    the shape was not tuned or x has too many rows."""
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+        return None
+    return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig
@@ -93,36 +100,40 @@ def _graph_us(fn, calls: int = 10, reps: int = 7) -> float:
 
 
 class SkinnyTuner:
-    """Times cuBLAS and every candidate config on each weight shape for each row count; records the fastest."""
+    """Times a baseline and every candidate config on each weight shape for each row count; records the fastest
+    for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned apart)."""
 
-    def __init__(self, rows: Iterable[int]):
+    def __init__(self, rows: Iterable[int], label: str = "skinny linear"):
         self.rows = [m for m in rows if m <= MAX_ROWS]
+        self.label = label
 
-    def tune(self, weights: list[torch.Tensor]) -> dict:
+    def tune(self, weights: list[torch.Tensor], x_dtype: torch.dtype | None = None,
+             baseline: Callable = F.linear,
+             candidate: Callable = lambda x, w, cfg: skinny_linear(x, w, None, cfg)) -> dict:
+        """baseline(x, w) and candidate(x, w, cfg) compute x @ w.T; x is x_dtype (None: the weight's)."""
         start = time.perf_counter()
-        shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights
-                  if w.is_cuda and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)}
+        shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if w.is_cuda and w.dim() == 2}
         report = {}
         for (n, k, dtype), w in shapes.items():
             for m in self.rows:
-                x = torch.randn(m, k, device=w.device, dtype=dtype)
-                cublas = _graph_us(lambda: F.linear(x, w))
-                best_us, best = min(self._timings(x, w), key=lambda t: t[0], default=(float("inf"), None))
-                _choice[(m, n, k, dtype)] = best if best_us < cublas else None
-                report[(m, n, k)] = (cublas, best_us)
-        faster = [key for key, (cublas, best) in report.items() if best < cublas]
-        logger.info("skinny linear tuned %d shapes x rows %s in %.1f s; faster than cuBLAS on %d of %d: %s",
+                x = torch.randn(m, k, device=w.device, dtype=x_dtype or dtype)
+                reference = _graph_us(lambda: baseline(x, w))
+                best_us, best = min(self._timings(x, w, candidate), key=lambda t: t[0], default=(float("inf"), None))
+                _choice[(m, n, k, dtype)] = best if best_us < reference else None
+                report[(m, n, k)] = (reference, best_us)
+        faster = [key for key, (reference, best) in report.items() if best < reference]
+        logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,
                     len(shapes), self.rows, time.perf_counter() - start, len(faster), len(report),
                     ", ".join(f"{m}x{n}x{k} {report[(m, n, k)][0]:.1f}->{report[(m, n, k)][1]:.1f} us"
                               for m, n, k in faster))
         return report
 
     @staticmethod
-    def _timings(x: torch.Tensor, w: torch.Tensor) -> list[tuple[float, SkinnyConfig]]:
+    def _timings(x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, SkinnyConfig]]:
         timed = []
         for cfg in CANDIDATES:
             try:
-                timed.append((_graph_us(lambda c=cfg: skinny_linear(x, w, None, c)), cfg))
+                timed.append((_graph_us(lambda c=cfg: candidate(x, w, c)), cfg))
             except Exception as e:  # a block shape this GPU cannot hold in shared memory
                 logger.debug("skinny config %s does not run here: %r", cfg, e)
         return timed

@@ -10,12 +10,18 @@ so it runs inside CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 import torch
 
+from pdserve.kernels.skinny import MAX_ROWS, SkinnyConfig, SkinnyTuner, skinny_choice
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
+# the torch ops, the Triton kernels and every device give the same scale bits
+INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
 MIN_SCALE = 1e-12  # an all-zero row (a padding row, a zero activation) still divides by something
 
 
@@ -37,7 +43,7 @@ def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = N
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_tokens` in torch ops, on any device."""
     if static_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = (x.abs().amax(dim=-1, keepdim=True).float() * INV_FP8_MAX).clamp(min=MIN_SCALE)
     else:
         scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     return to_fp8(x.float() / scale), scale
@@ -58,10 +64,46 @@ def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = 
     block = triton.next_power_of_2(k)
     quantize_tokens_kernel[(m,)](
         x, q, scale, static_scale if static_scale is not None else scale, x.stride(0), q.stride(0), k,
-        FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=static_scale is not None, BLOCK=block,
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=static_scale is not None, BLOCK=block,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
     )
     return q, scale
+
+
+def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
+    """`fp8_linear` of M <= MAX_ROWS rows in one Triton kernel that quantizes the rows itself (the same scales and
+    bytes as `quantize_tokens`) and streams the FP8 weight once; float32 sums, rounded once to x's dtype."""
+    import triton
+
+    from pdserve.quantization.fp8_triton import skinny_fp8_kernel
+
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    skinny_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=input_scale is not None,
+        ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def tune_skinny_fp8(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype
+                    ) -> dict:
+    """Times `quantized_linear` against the skinny FP8 kernel's configs on each (FP8 weight, weight scale) shape
+    for each row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
+    scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
+    return SkinnyTuner(rows, "skinny FP8 linear").tune(
+        [w for w, _ in layers], x_dtype,
+        baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
+        candidate=lambda x, w, cfg: skinny_fp8_linear(x, w, scales[tuple(w.shape)], None, None, cfg),
+    )
 
 
 def to_fp8(values: torch.Tensor) -> torch.Tensor:
@@ -72,14 +114,23 @@ def to_fp8(values: torch.Tensor) -> torch.Tensor:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype."""
+    """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
+    the skinny FP8 kernel where `tune_skinny_fp8` chose it for the shape, else quantize, then the GEMM."""
     rows = x.reshape(-1, x.shape[-1])
-    x_q, x_scale = quantize_tokens(rows, input_scale)
-    gemm = scaled_mm if has_fp8_gemm(x.device) else dequantized_mm
-    out = gemm(x_q, x_scale, weight, weight_scale, x.dtype)
-    if bias is not None:
-        out = out + bias
+    if rows.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
+        out = skinny_fp8_linear(rows, weight, weight_scale, input_scale, bias, cfg)
+    else:
+        out = quantized_linear(rows, weight, weight_scale, input_scale, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def quantized_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """`fp8_linear` of 2-D rows: `quantize_tokens`, then the tensor-core GEMM (or its dequantizing fallback)."""
+    x_q, x_scale = quantize_tokens(rows, input_scale)
+    gemm = scaled_mm if has_fp8_gemm(rows.device) else dequantized_mm
+    out = gemm(x_q, x_scale, weight, weight_scale, rows.dtype)
+    return out if bias is None else out + bias
 
 
 def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

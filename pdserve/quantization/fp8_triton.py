@@ -24,7 +24,8 @@ def _round_to_e4m3(v):
 
 @triton.jit
 def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
-                           MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+                           INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
@@ -32,9 +33,54 @@ def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_
     if STATIC:
         scale = tl.load(StaticScale)
     else:
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, MIN_SCALE)
     v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
     # rounded here, so the cast is exact: the bytes torch's cast gives (Triton's interpreter rounds a value that
     # carries into the next power of two wrongly)
     tl.store(Q + row * stride_q + offs, _round_to_e4m3(v).to(Q.dtype.element_ty), mask=mask)
     tl.store(Scale + row, scale)
+
+
+@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
+def skinny_fp8_kernel(
+    X, W, WScale, StaticScale, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """`quantize_tokens_kernel` and the FP8 GEMM in one: output columns [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS
+    rows. Each program takes the rows' amax (a pass over X, which is small and stays in L2), quantizes each X block
+    as it streams the FP8 weight block once, and scales the float32 sums by the row's and the column's scales."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = tl.arange(0, ROWS)
+    mask_m = offs_m < M
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    if STATIC:
+        x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
+    else:
+        amax = tl.zeros([ROWS], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            in_k = (k0 + offs_k) < K
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        else:
+            in_k = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        v = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX), FP8_MAX)
+        acc = tl.dot(_round_to_e4m3(v).to(w.dtype), tl.trans(w), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    acc = acc * x_scale[:, None] * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])

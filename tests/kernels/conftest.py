@@ -8,8 +8,8 @@ import torch
 def interpreted(monkeypatch):
     """Run the Triton kernels of pdserve.kernels on CPU tensors through Triton's interpreter.
 
-    CPU-only: Triton 3.6's interpreter leaves triton.language patched after nested @jit calls, which breaks
-    later compilation of real kernels in the same process (seen on H200, 2026-11-21); GPU runs test the real ones.
+    CPU-only: GPU runs test the real kernels (and Triton 3.6's interpreter and real compiles do not mix well in one
+    process; seen on H200, 2026-11-21).
     """
     if torch.cuda.is_available():
         pytest.skip("interpreter tests run where there is no CUDA device")
@@ -38,6 +38,19 @@ def interpreted(monkeypatch):
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_tensor_index)
+
+    # A @jit function called from a kernel patches triton.language for the interpreter and never restores it,
+    # which breaks every later real compile in this process (tests/engine/test_compile_watch.py); restore on return.
+    def device_call(self, *args, **kwargs):
+        scope = interpreter._patch_lang(self.fn)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+        finally:
+            scope.restore()
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__call__", device_call)
     # Triton's own library functions (tl.cdiv, tl.sigmoid, tl.random.philox, ...) are jitted at import time as well.
     for module in (attention, fused, gumbel_sampling, skinny_triton, fp8_triton, tl, tl_random, tl_standard):
         for name, obj in list(vars(module).items()):

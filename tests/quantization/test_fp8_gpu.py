@@ -12,7 +12,10 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-MEAN_LOGPROB_GAP = 0.05  # both round their bf16 outputs once, after sums in another order
+# Both round their bf16 outputs once, after sums in another order; a one-ulp bf16 difference that flips one
+# activation's E4M3 rounding (3 mantissa bits: a 6% step) in a later layer grows through a random-weight model's
+# 28 layers (H200, 2026-11-27: a mean gap of 0.175). Wrong scales or layouts give gaps of whole nats.
+MEAN_LOGPROB_GAP = 0.5
 
 
 @pytest.fixture(scope="module")
