@@ -8,6 +8,8 @@
 #   transfer       raw mooncake writes on one GPU (src and dst on GPU 0): contiguous vs scattered pages
 #   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), the same 15 s of requests
 #                  again (steady), the mix at RATE, the decode load (COLOCATED_DECODE=0 skips it)
+#   cold           only the cold and steady runs of `colocated`, the server logging its request timelines
+#                  (LABEL=_x names this run's files and results_x.tgz, e.g. for a run under another environment)
 #   prefill_alone  a prefill server with the fake transfer backend, served directly: the mix
 #   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
@@ -26,7 +28,7 @@ SECONDS_PER_RUN=${SECONDS_PER_RUN:-45}
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/r
 mkdir -p "$OUT"
-trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
+trap 'tar czf "$FINAL_OUT/results${LABEL:-}.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
 MIX=(--dataset mix --mix-output-scale 0.016 --warmup-requests 4 --disable-progress)
 DECODE_LOAD=(--dataset random --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5
              --warmup-requests 4 --disable-progress)
@@ -90,12 +92,23 @@ phase_transfer() {
     --tokens 4096 --page-sizes 16 --patterns contiguous,scattered --iters 5 --src-gpu 0 --dst-gpu 0 --timeout 90
 }
 
+cold_and_steady() {  # NAME URL: the first 15 s after ready at 2 req/s of the mix, then the same 30 requests again
+  bench "$1_cold" "$2" 2 15 "${MIX[@]}" --warmup-requests 0
+  scrape "$1_after_cold" "$2"
+  bench "$1_steady" "$2" 2 15 "${MIX[@]}"
+}
+
+phase_cold() {
+  local pid; pid=$(serve "cold${LABEL:-}" --port 7100 --request-timeline-log "$OUT/timeline_cold${LABEL:-}.jsonl")
+  wait_ready http://127.0.0.1:7100 || return
+  cold_and_steady "colocated${LABEL:-}" http://127.0.0.1:7100
+  stop $pid
+}
+
 phase_colocated() {
   local pid; pid=$(serve colocated --port 7100)
   wait_ready http://127.0.0.1:7100 || return
-  bench colocated_cold http://127.0.0.1:7100 2 15 "${MIX[@]}" --warmup-requests 0
-  scrape colocated_after_cold http://127.0.0.1:7100
-  bench colocated_steady http://127.0.0.1:7100 2 15 "${MIX[@]}"  # the same 30 request shapes as the cold run
+  cold_and_steady colocated http://127.0.0.1:7100
   spy colocated $pid "$SECONDS_PER_RUN"
   bench colocated_mix http://127.0.0.1:7100 "$RATE" "$SECONDS_PER_RUN" "${MIX[@]}"
   [ "${COLOCATED_DECODE:-1}" = 1 ] && decode_loads colocated http://127.0.0.1:7100

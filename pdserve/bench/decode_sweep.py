@@ -1,8 +1,9 @@
 """Block-shape sweep of the paged split-KV decode kernel on one CUDA GPU, against the measured copy ceiling.
 
-python -m pdserve.bench.decode_sweep --out FILE.json
-Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64, qwen3-0.6b heads (16 / 8) at
-batch 256 with uniform and mixed context lengths. Each config's output is checked against the default's.
+python -m pdserve.bench.decode_sweep --out FILE.json [--kv-dtype fp8_e4m3]
+Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64 (1k and 4k contexts), qwen3-0.6b
+heads (16 / 8) at batch 256 with uniform and mixed context lengths. Each config's output is checked against the
+default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep).
 """
 
 from __future__ import annotations
@@ -26,33 +27,38 @@ CASES = [  # name, q heads, kv heads, batch, context lengths (a list: one per re
     ("llama bs1 ctx8192", 32, 8, 1, [8192]),
     ("llama bs8 ctx1024", 32, 8, 8, [1024] * 8),
     ("llama bs64 ctx1024", 32, 8, 64, [1024] * 64),
+    ("llama bs64 ctx4096", 32, 8, 64, [4096] * 64),
     ("qwen bs256 ctx600", 16, 8, 256, [600] * 256),
     ("qwen bs256 ctx100-2048", 16, 8, 256, None),
 ]
 
 
-def configs(batch: int) -> list[DecodeConfig]:
+def configs(batch: int, kv_dtype: torch.dtype) -> list[DecodeConfig]:
     splits = (64, 128, 256) if batch <= 8 else (256,)
-    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product((32, 64, 128), (4, 8), (2, 3), splits)]
+    blocks = (32, 64, 128, 256) if kv_dtype.itemsize == 1 else (32, 64, 128)
+    stages = (2, 3, 4) if kv_dtype.itemsize == 1 else (2, 3)
+    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product(blocks, (4, 8), stages, splits)]
 
 
-def run_case(name, hq, hkv, batch, lens, ceiling_gbps) -> list[dict]:
+def run_case(name, hq, hkv, batch, lens, ceiling_gbps, kv_dtype) -> list[dict]:
     if lens is None:
         gen = torch.Generator().manual_seed(0)
         lens = torch.randint(100, 2049, (batch,), generator=gen).tolist()
     pool = PagedPool(batch * (max(lens) + 16) + 64, hkv, 128, 16)
+    k_cache, v_cache = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
+    del pool.k, pool.v
     table = pool.page_table(batch, max(lens))
     seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, hq, 128, device="cuda", dtype=BF16)
     splits = decode_num_splits(batch, hkv, q.device)
     po, pl = decode_workspace(batch, hq, 128, splits, q.device)
     ref = torch.empty_like(q)
-    decode_attention(q, pool.k, pool.v, table, seq_lens, ref, 0.088, 16, splits, po, pl, DecodeConfig())
-    nbytes = sum(lens) * hkv * 128 * 2 * 2 + 2 * q.numel() * 2
+    decode_attention(q, k_cache, v_cache, table, seq_lens, ref, 0.088, 16, splits, po, pl, DecodeConfig())
+    nbytes = sum(lens) * hkv * 128 * 2 * kv_dtype.itemsize + 2 * q.numel() * 2
     rows = []
-    for cfg in configs(batch):
+    for cfg in configs(batch, kv_dtype):
         out = torch.full_like(q, float("nan"))
-        fn = lambda: decode_attention(q, pool.k, pool.v, table, seq_lens, out, 0.088, 16, splits, po, pl, cfg)  # noqa: E731
+        fn = lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, out, 0.088, 16, splits, po, pl, cfg)  # noqa: E731
         try:
             fn()
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -69,16 +75,21 @@ def run_case(name, hq, hkv, batch, lens, ceiling_gbps) -> list[dict]:
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__)
     parser.add_argument("--out", required=True, help="the JSON file of every configuration's timing")
+    parser.add_argument("--kv-dtype", choices=["bf16", "fp8_e4m3"], default="bf16", help="the KV cache's dtype")
+    parser.add_argument("--cases", nargs="*", help="only the cases whose name contains one of these")
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
     ceiling = Ceilings.measure().hbm_gbps
+    kv_dtype = {"bf16": BF16, "fp8_e4m3": torch.float8_e4m3fn}[args.kv_dtype]
     rows = []
     for case in CASES:
+        if args.cases and not any(part in case[0] for part in args.cases):
+            continue
         t = time.perf_counter()
-        case_rows = run_case(*case, ceiling)
+        case_rows = run_case(*case, ceiling, kv_dtype)
         rows += case_rows
         ok = [r for r in case_rows if "us" in r and r["rel_err"] < 2e-2]
         default = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 4, 2)
@@ -90,7 +101,7 @@ def main() -> None:
               f"s={best['num_stages']} split={best['min_split_len']}  failed {len(bad)}  [{time.perf_counter() - t:.0f} s]")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
-                   "copy_gbps": ceiling, "rows": rows}, f, indent=1)
+                   "kv_dtype": args.kv_dtype, "copy_gbps": ceiling, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
