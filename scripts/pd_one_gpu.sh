@@ -101,6 +101,7 @@ cold_and_steady() {  # NAME URL: the first 15 s after ready at 2 req/s of the mi
 phase_cold() {
   local pid; pid=$(serve "cold${LABEL:-}" --port 7100 --request-timeline-log "$OUT/timeline_cold${LABEL:-}.jsonl")
   wait_ready http://127.0.0.1:7100 || return
+  spy "cold${LABEL:-}" $pid 15
   cold_and_steady "colocated${LABEL:-}" http://127.0.0.1:7100
   stop $pid
 }

@@ -1,7 +1,9 @@
 """Few-row linear layers on one CUDA GPU: cuBLAS against the skinny Triton kernel's block shapes, on the weight
 shapes of qwen3-0.6b and llama-3.1-8b, timed inside CUDA graphs (as the decode step runs them).
 
-python -m pdserve.bench.skinny_sweep --out FILE.json
+python -m pdserve.bench.skinny_sweep --out FILE.json [--weights fp8 --shapes llama]
+With `--weights fp8` the weights are E4M3 with per-row scales and the baseline is quantize + `torch._scaled_mm`
+(`pdserve.quantization.fp8.quantized_linear`) against the skinny FP8 kernel, which quantizes the rows itself.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import triton.testing
 from pdserve.bench.cli import bench_parser
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
+from pdserve.quantization.fp8 import FP8_CANDIDATES, quantize_rows, quantized_linear, skinny_fp8_linear
 
 SHAPES = {  # name: (out features N, in features K)
     "llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096), "llama down": (4096, 14336),
@@ -26,6 +29,21 @@ SHAPES = {  # name: (out features N, in features K)
 }
 SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
          if bn * bk <= 16384]
+FP8_SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (256, 512, 1024), (3, 4))
+             if bn * bk <= 32768]
+
+
+def operands(n: int, k: int, m: int, weights: str):
+    """(weight, baseline(), candidate(cfg), the float32 reference product, the configs to sweep) for m random rows."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if weights == "bf16":
+        return (w, lambda: F.linear(x, w), lambda cfg: skinny_linear(x, w, None, cfg), F.linear(x.float(), w.float()),
+                SWEEP)
+    w_q, scale = quantize_rows(w)
+    return (w_q, lambda: quantized_linear(x, w_q, scale, None, None),
+            lambda cfg: skinny_fp8_linear(x, w_q, scale, None, None, cfg),
+            quantized_linear(x.float(), w_q, scale, None, None), FP8_SWEEP)
 
 
 def graph_us(fn) -> float:
@@ -36,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__)
     parser.add_argument("--out", required=True, help="the JSON file of every configuration's timing")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="activation rows (batch) measured")
+    parser.add_argument("--weights", choices=["bf16", "fp8"], default="bf16", help="the weights' dtype")
+    parser.add_argument("--shapes", nargs="*", help="only the shapes whose name contains one of these")
     return parser
 
 
@@ -43,36 +63,35 @@ def main() -> None:
     args = build_parser().parse_args()
     ceiling = Ceilings.measure().hbm_gbps
     rows = []
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), args.rows):
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ref = F.linear(x.float(), w.float())
-        nbytes = w.numel() * 2
-        cublas = graph_us(lambda: F.linear(x, w))
+    shapes = {name: nk for name, nk in SHAPES.items() if not args.shapes or any(p in name for p in args.shapes)}
+    for (name, (n, k)), m in itertools.product(shapes.items(), args.rows):
+        w, baseline, candidate, ref, sweep = operands(n, k, m, args.weights)
+        nbytes = w.numel() * w.element_size()
+        cublas = graph_us(baseline)
         best = None
-        for cfg in SWEEP:
+        for cfg in sweep:
             try:
-                out = skinny_linear(x, w, None, cfg)
+                out = candidate(cfg)
             except Exception as e:  # a block shape whose row tile does not fit in shared memory
                 rows.append(dict(shape=name, rows=m, config=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages],
                                  error=repr(e)[:200]))
                 continue
             err = ((out.float() - ref).norm() / ref.norm()).item()
-            us = graph_us(lambda c=cfg: skinny_linear(x, w, None, c))
+            us = graph_us(lambda c=cfg: candidate(c))
             row = dict(shape=name, n=n, k=k, rows=m, config=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages],
-                       candidate=cfg in CANDIDATES, us=us, rel_err=err, cublas_us=cublas,
+                       candidate=cfg in (CANDIDATES if args.weights == "bf16" else FP8_CANDIDATES), us=us, rel_err=err, cublas_us=cublas,
                        frac_copy=nbytes / us / 1e3 / ceiling, cublas_frac_copy=nbytes / cublas / 1e3 / ceiling)
             rows.append(row)
             if err < 1e-2 and (best is None or us < best["us"]):
                 best = row
         cand = min((r for r in rows if r["shape"] == name and r["rows"] == m and r.get("candidate")),
-                   key=lambda r: r["us"])
-        print(f"{name:14s} M={m}  cuBLAS {cublas:7.1f} us ({100 * nbytes / cublas / 1e3 / ceiling:4.1f}%)  "
+                   key=lambda r: r["us"], default={"us": float("nan"), "config": None})
+        print(f"{name:14s} M={m}  baseline {cublas:7.1f} us ({100 * nbytes / cublas / 1e3 / ceiling:4.1f}%)  "
               f"best {best['us']:7.1f} us ({100 * best['frac_copy']:4.1f}%) {best['config']}  "
               f"best candidate {cand['us']:7.1f} us {cand['config']}")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "copy_gbps": ceiling,
-                   "rows": rows}, f, indent=1)
+                   "weights": args.weights, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -103,9 +103,11 @@ class SkinnyTuner:
     """Times a baseline and every candidate config on each weight shape for each row count; records the fastest
     for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned apart)."""
 
-    def __init__(self, rows: Iterable[int], label: str = "skinny linear"):
+    def __init__(self, rows: Iterable[int], label: str = "skinny linear",
+                 candidates: tuple[SkinnyConfig, ...] = CANDIDATES):
         self.rows = [m for m in rows if m <= MAX_ROWS]
         self.label = label
+        self.candidates = candidates
 
     def tune(self, weights: list[torch.Tensor], x_dtype: torch.dtype | None = None,
              baseline: Callable = F.linear,
@@ -128,10 +130,9 @@ class SkinnyTuner:
                               for m, n, k in faster))
         return report
 
-    @staticmethod
-    def _timings(x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, SkinnyConfig]]:
+    def _timings(self, x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, SkinnyConfig]]:
         timed = []
-        for cfg in CANDIDATES:
+        for cfg in self.candidates:
             try:
                 timed.append((_graph_us(lambda c=cfg: candidate(x, w, c)), cfg))
             except Exception as e:  # a block shape this GPU cannot hold in shared memory

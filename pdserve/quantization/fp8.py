@@ -19,6 +19,14 @@ from pdserve.kernels.skinny import MAX_ROWS, SkinnyConfig, SkinnyTuner, skinny_c
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# the skinny FP8 kernel's block shapes the tuner tries: a weight block of BLOCK_N x BLOCK_K bytes, twice the K of
+# the bf16 kernel's for the same bytes in flight
+FP8_CANDIDATES = (
+    SkinnyConfig(32, 512, 4, 4),
+    SkinnyConfig(16, 512, 4, 3),
+    SkinnyConfig(64, 256, 4, 4),
+    SkinnyConfig(32, 1024, 4, 3),
+)
 # activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
 # the torch ops, the Triton kernels and every device give the same scale bits
 INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
@@ -99,7 +107,7 @@ def tune_skinny_fp8(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.
     """Times `quantized_linear` against the skinny FP8 kernel's configs on each (FP8 weight, weight scale) shape
     for each row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
-    return SkinnyTuner(rows, "skinny FP8 linear").tune(
+    return SkinnyTuner(rows, "skinny FP8 linear", FP8_CANDIDATES).tune(
         [w for w, _ in layers], x_dtype,
         baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
         candidate=lambda x, w, cfg: skinny_fp8_linear(x, w, scales[tuple(w.shape)], None, None, cfg),

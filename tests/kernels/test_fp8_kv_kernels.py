@@ -72,10 +72,16 @@ def fp8_copy(pool: KVPool, dtype: torch.dtype, scales: KVScales) -> KVPool:
     return fp8
 
 
+DECODE_SPECS = [(0, 1), (70, 1), (600, 1)]
+
+
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("mode, specs", [(ForwardMode.DECODE, [(0, 1), (70, 1), (600, 1)]),
-                                         (ForwardMode.EXTEND, [(0, 9), (6, 40), (45, 1)])])
-def test_decode_and_extend_read_fp8_pages(interpreted, dtype, mode, specs):
+@pytest.mark.parametrize("mode, specs, q_dtype, tolerance", [
+    (ForwardMode.DECODE, DECODE_SPECS, torch.float32, 1e-5),
+    (ForwardMode.DECODE, DECODE_SPECS, torch.bfloat16, 5e-3),  # the decode kernel's fp16 dots (FP16_DOTS)
+    (ForwardMode.EXTEND, [(0, 9), (6, 40), (45, 1)], torch.float32, 1e-5),
+])
+def test_decode_and_extend_read_fp8_pages(interpreted, dtype, mode, specs, q_dtype, tolerance):
     from pdserve.attention.triton_backend import TritonAttnBackend
 
     batch, pool, q, k, v = make_batch(specs, page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -90,9 +96,10 @@ def test_decode_and_extend_read_fp8_pages(interpreted, dtype, mode, specs):
     dequantized.buffer[0, 0], dequantized.buffer[1, 0] = (dequantize(fp8.buffer[i, 0], s) for i, s in
                                                           ((0, 0.02), (1, 0.03)))
     k_rt, v_rt = round_trip(k, 0.02, dtype), round_trip(v, 0.03, dtype)
+    q = q.to(q_dtype).float()  # the reference sees the queries the kernels get
     ref = reference_attention(q, k_rt, v_rt, dequantized, batch, 0.125)
-    out = backend.forward(q, k, v, 0, fp8, 0.125)
-    assert rel_err(out, ref) < 1e-5
+    out = backend.forward(q.to(q_dtype), k, v, 0, fp8, 0.125)
+    assert rel_err(out.float(), ref) < tolerance
     unquantized = reference_attention(q, k, v, pool, batch, 0.125)
     assert rel_err(out, unquantized) > 1e-3  # the FP8 pages were read, not some full-precision copy
 

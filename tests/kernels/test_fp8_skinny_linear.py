@@ -43,9 +43,9 @@ def test_fp8_linear_routes_few_rows_by_the_tuned_choice(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as on a GPU, computed on the CPU
     monkeypatch.setattr(fp8, "quantize_tokens", fp8.quantize_tokens_torch)
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8), skinny.CANDIDATES[0])
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8), fp8.FP8_CANDIDATES[0])
     assert torch.equal(fp8.fp8_linear(x, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
-    assert len(calls) == 1 and calls[0][-1] == skinny.CANDIDATES[0]
+    assert len(calls) == 1 and calls[0][-1] == fp8.FP8_CANDIDATES[0]
     fp8.fp8_linear(torch.randn(4, 32), w_q, w_scale)  # 4 rows were not tuned: quantize + GEMM
     assert len(calls) == 1
 
@@ -57,7 +57,7 @@ def test_skinny_fp8_on_gpu_and_tuner_choice(dtype):
         pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
     for m, n, k in ((1, 4096, 4096), (7, 6144, 4096), (16, 4096, 14336)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
-        for cfg in skinny.CANDIDATES:
+        for cfg in fp8.FP8_CANDIDATES:
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg)
     report = fp8.tune_skinny_fp8([1, 16], [(w_q, w_scale)], dtype)
     assert set(report) == {(1, 4096, 14336), (16, 4096, 14336)}
