@@ -9,14 +9,14 @@
 #   colocated      one server: the first 15 s after ready at 2 req/s of the mix (cold), the same 15 s of requests
 #                  again (steady), the mix at RATE, the decode load (COLOCATED_DECODE=0 skips it)
 #   cold           only the cold and steady runs of `colocated`, the server logging its request timelines
-#                  (LABEL=_x names this run's files and results_x.tgz, e.g. for a run under another environment)
+#                  (LABEL=_x names this run's files and pd_one_gpu_x.tgz, e.g. for a run under another environment)
 #   prefill_alone  a prefill server with the fake transfer backend, served directly: the mix
 #   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
 #                  timelines on all three: the mix fresh, 30 s of the decode load to fill both pools, the mix again;
 #                  then `pdserve.bench.timeline` over the logs
 #   cluster        `python -m pdserve.launch_cluster` on the one GPU and the README's curl
-# Set PYSPY=1 for py-spy profiles of the servers under the mix. Results land in $OUT/results.tgz (the device tool
+# Set PYSPY=1 for py-spy profiles of the servers under the mix. Results land in $OUT/pd_one_gpu.tgz (the device tool
 # brings back 8 files at most).
 set -u
 source scripts/gpu_env.sh || exit 1
@@ -28,7 +28,7 @@ SECONDS_PER_RUN=${SECONDS_PER_RUN:-45}
 FINAL_OUT=$OUT
 OUT=$FINAL_OUT/r
 mkdir -p "$OUT"
-trap 'tar czf "$FINAL_OUT/results${LABEL:-}.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
+trap 'tar czf "$FINAL_OUT/pd_one_gpu${LABEL:-}.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
 MIX=(--dataset mix --mix-output-scale 0.016 --warmup-requests 4 --disable-progress)
 DECODE_LOAD=(--dataset random --random-input-len 512 --random-output-len 512 --random-range-ratio 0.5
              --warmup-requests 4 --disable-progress)
