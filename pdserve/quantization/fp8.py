@@ -15,17 +15,17 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.kernels.skinny import MAX_ROWS, SkinnyConfig, SkinnyTuner, skinny_choice
+from pdserve.kernels.skinny import SkinnyConfig, SkinnyTuner, skinny_choice
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-# the skinny FP8 kernel's block shapes the tuner tries: a weight block of BLOCK_N x BLOCK_K bytes, twice the K of
-# the bf16 kernel's for the same bytes in flight
+FP8_MAX_ROWS = 4  # the skinny FP8 kernel's rows (CUDA-core products); more rows go to quantize + _scaled_mm
+# the skinny FP8 kernel's block shapes the tuner tries (a weight block of BLOCK_N x BLOCK_K bytes)
 FP8_CANDIDATES = (
-    SkinnyConfig(32, 512, 4, 4),
+    SkinnyConfig(32, 256, 4, 3),
+    SkinnyConfig(64, 128, 4, 3),
     SkinnyConfig(16, 512, 4, 3),
-    SkinnyConfig(64, 256, 4, 4),
-    SkinnyConfig(32, 1024, 4, 3),
+    SkinnyConfig(64, 256, 8, 3),
 )
 # activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
 # the torch ops, the Triton kernels and every device give the same scale bits
@@ -54,7 +54,7 @@ def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = N
         scale = (x.abs().amax(dim=-1, keepdim=True).float() * INV_FP8_MAX).clamp(min=MIN_SCALE)
     else:
         scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return to_fp8(x.float() / scale), scale
+    return to_fp8(x.float() * torch.reciprocal(scale)), scale
 
 
 def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
@@ -80,8 +80,8 @@ def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = 
 
 def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
-    """`fp8_linear` of M <= MAX_ROWS rows in one Triton kernel that quantizes the rows itself (the same scales and
-    bytes as `quantize_tokens`) and streams the FP8 weight once; float32 sums, rounded once to x's dtype."""
+    """`fp8_linear` of M <= FP8_MAX_ROWS rows in one Triton kernel that quantizes the rows itself (the same scales
+    and bytes as `quantize_tokens`) and streams the FP8 weight once; float32 sums, rounded once to x's dtype."""
     import triton
 
     from pdserve.quantization.fp8_triton import skinny_fp8_kernel
@@ -90,13 +90,13 @@ def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     skinny_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=input_scale is not None,
-        ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
+        ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
@@ -107,6 +107,7 @@ def tune_skinny_fp8(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.
     """Times `quantized_linear` against the skinny FP8 kernel's configs on each (FP8 weight, weight scale) shape
     for each row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
+    rows = [m for m in rows if m <= FP8_MAX_ROWS]
     return SkinnyTuner(rows, "skinny FP8 linear", FP8_CANDIDATES).tune(
         [w for w, _ in layers], x_dtype,
         baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),

@@ -34,7 +34,7 @@ def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_
         scale = tl.load(StaticScale)
     else:
         scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, MIN_SCALE)
-    v = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    v = tl.minimum(tl.maximum(x * tl.div_rn(1.0, scale), -FP8_MAX), FP8_MAX)
     # rounded here, so the cast is exact: the bytes torch's cast gives (Triton's interpreter rounds a value that
     # carries into the next power of two wrongly)
     tl.store(Q + row * stride_q + offs, _round_to_e4m3(v).to(Q.dtype.element_ty), mask=mask)
@@ -47,9 +47,11 @@ def skinny_fp8_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """`quantize_tokens_kernel` and the FP8 GEMM in one: output columns [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS
-    rows. Each program takes the rows' amax (a pass over X, which is small and stays in L2), quantizes each X block
-    as it streams the FP8 weight block once, and scales the float32 sums by the row's and the column's scales."""
+    """`quantize_tokens_kernel` and the FP8 product in one, on the CUDA cores: output columns
+    [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS rows. Each program takes the rows' amax (a pass over X, which is small
+    and stays in L2), quantizes each X block as it streams the FP8 weight block once, multiplies in float32 (every
+    product of two E4M3 values is exact there) and scales the sums by the row's and the column's scales. For a few
+    rows the weight read is the bound; an MMA tile would pad the rows to 16 and quantize the padding too."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
@@ -65,6 +67,7 @@ def skinny_fp8_kernel(
             x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
+    x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -75,10 +78,9 @@ def skinny_fp8_kernel(
             in_k = (k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
-        v = tl.minimum(tl.maximum(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX), FP8_MAX)
-        # fp16 operands (exact: every E4M3 value is an fp16) for full float32 sums: Hopper's FP8 MMA adds with
-        # fewer bits (0.3% off over 14k terms, H200 2026-11-27); the kernel is bound by the weight read anyway
-        acc = tl.dot(_round_to_e4m3(v).to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+        v = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv_scale[:, None], -FP8_MAX), FP8_MAX)
+        x_q = _round_to_e4m3(v)
+        acc += tl.sum(x_q[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     acc = acc * x_scale[:, None] * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]

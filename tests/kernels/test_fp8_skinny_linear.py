@@ -22,14 +22,18 @@ def operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dtype = t
 
 
 def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg):
+    """Against the float64 product of the same quantized operands (`torch._scaled_mm`, the GEMM of more rows, is
+    no reference here: Hopper's FP8 MMA sums with fewer bits and rounds to bf16 before an fp16 output)."""
     for static in (None, torch.tensor(0.02, device=x.device)):
-        expected = fp8.quantized_linear(x, w_q, w_scale, static, bias).float()
-        got = fp8.skinny_fp8_linear(x, w_q, w_scale, static, bias, cfg).float()
-        tolerance = 1e-5 if x.dtype == torch.float32 else 1e-2  # the bf16 output's rounding
-        assert torch.allclose(got, expected, rtol=tolerance, atol=tolerance), (got - expected).abs().max()
+        x_q, x_scale = fp8.quantize_tokens_torch(x, static)
+        exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
+        got = fp8.skinny_fp8_linear(x, w_q, w_scale, static, bias, cfg).double()
+        assert torch.equal(fp8.quantize_tokens(x, static)[0].view(torch.uint8), x_q.view(torch.uint8))
+        tolerance = 1e-6 if x.dtype == torch.float32 else 4e-3  # float32 sums; the 16-bit output's rounding
+        assert ((got - exact).norm(dim=1) <= tolerance * exact.norm(dim=1)).all(), (got - exact).abs().max()
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (5, 40, 96), (16, 64, 200)])
+@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (3, 40, 96), (4, 64, 200)])
 def test_skinny_fp8_matches_quantized_linear_interpreted(interpreted, m, n, k):
     x, w_q, w_scale, bias = operands(m, n, k)
     for cfg in (skinny.SkinnyConfig(16, 32, 4, 1), skinny.SkinnyConfig(32, 64, 4, 1)):
@@ -55,10 +59,10 @@ def test_fp8_linear_routes_few_rows_by_the_tuned_choice(monkeypatch):
 def test_skinny_fp8_on_gpu_and_tuner_choice(dtype):
     if not fp8.has_fp8_gemm(torch.device("cuda")):
         pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
-    for m, n, k in ((1, 4096, 4096), (7, 6144, 4096), (16, 4096, 14336)):
+    for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (4, 4096, 14336)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
         for cfg in fp8.FP8_CANDIDATES:
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg)
-    report = fp8.tune_skinny_fp8([1, 16], [(w_q, w_scale)], dtype)
-    assert set(report) == {(1, 4096, 14336), (16, 4096, 14336)}
+    report = fp8.tune_skinny_fp8([1, 4, 16], [(w_q, w_scale)], dtype)
+    assert set(report) == {(1, 4096, 14336), (4, 4096, 14336)}  # more rows than FP8_MAX_ROWS are not tuned
     assert all(reference > 0 and best > 0 for reference, best in report.values())
