@@ -1,5 +1,7 @@
-"""Prefill without a cached prefix through torch SDPA (FlashAttention / cuDNN inside PyTorch) on the new q, k, v
-as the layer left them in its qkv output. Measured on H200 (2026-11-21): one 8k-token prompt 2x faster than the
+"""Prefill without a cached prefix through torch SDPA (FlashAttention inside PyTorch) on the new q, k, v as the
+layer left them in its qkv output. cuDNN's attention is left out: it builds an execution plan for every new sequence
+length, tens of milliseconds on the host the first time a prompt length comes (`scripts/sdpa_shape_cost.py`), which
+made a fresh server's first requests 4x slower than the same requests again (issue 21's cold start). Measured on H200 (2026-11-21): one 8k-token prompt 2x faster than the
 Triton extend kernel, but 16 prompts of 512 tokens 4x slower (one SDPA call per request), so requests shorter
 than SDPA_MIN_LEN, decode and prefix-extend batches all go to the Triton backend. With an FP8 KV cache the long
 prompts attend over their K and V round-tripped through the cache's quantization, as every path reading the cache
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pdserve.attention.base import AttentionBackend
 from pdserve.forward_batch import ForwardBatch, ForwardMode
@@ -20,6 +23,7 @@ from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.mem_cache.kv_quant import is_fp8, round_trip
 
 SDPA_MIN_LEN = 1024
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # no per-shape plans
 
 
 @dataclass(slots=True)
@@ -68,13 +72,14 @@ class SdpaAttnBackend(AttentionBackend):
         )
         if is_fp8(k_cache.dtype):  # attend to what the cache holds, as every other path does
             k, v = round_trip(k, k_scale, k_cache.dtype), round_trip(v, v_scale, v_cache.dtype)
-        for start, length in split.long_rows:
-            rows = slice(start, start + length)
-            o = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
-                is_causal=True, scale=scaling, enable_gqa=self.gqa,
-            )
-            out[rows] = o[0].transpose(0, 1)
+        with sdpa_kernel(SDPA_BACKENDS):
+            for start, length in split.long_rows:
+                rows = slice(start, start + length)
+                o = F.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1)[None], k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None],
+                    is_causal=True, scale=scaling, enable_gqa=self.gqa,
+                )
+                out[rows] = o[0].transpose(0, 1)
         return out
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
