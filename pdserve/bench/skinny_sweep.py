@@ -29,8 +29,8 @@ SHAPES = {  # name: (out features N, in features K)
 }
 SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
          if bn * bk <= 16384]
-FP8_SWEEP = [SkinnyConfig(bn, bk, w, 3) for bn, bk, w in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8))
-             if bn * bk <= 16384]
+FP8_SWEEP = [SkinnyConfig(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8),
+                                                                              (2, 3)) if bn * bk <= 16384]
 
 
 def operands(n: int, k: int, m: int, weights: str):

@@ -22,10 +22,10 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MAX_ROWS = 4  # the skinny FP8 kernel's rows (CUDA-core products); more rows go to quantize + _scaled_mm
 # the skinny FP8 kernel's block shapes the tuner tries (a weight block of BLOCK_N x BLOCK_K bytes)
 FP8_CANDIDATES = (
-    SkinnyConfig(32, 256, 4, 3),
-    SkinnyConfig(64, 128, 4, 3),
     SkinnyConfig(16, 512, 4, 3),
-    SkinnyConfig(64, 256, 8, 3),
+    SkinnyConfig(16, 256, 4, 3),
+    SkinnyConfig(32, 256, 8, 3),
+    SkinnyConfig(8, 1024, 4, 3),
 )
 # activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
 # the torch ops, the Triton kernels and every device give the same scale bits

@@ -69,7 +69,7 @@ def skinny_fp8_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    partial = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed across threads once, after the loop
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
@@ -79,11 +79,10 @@ def skinny_fp8_kernel(
             w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
         v = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv_scale[:, None], -FP8_MAX), FP8_MAX)
-        x_q = _round_to_e4m3(v)
-        acc += tl.sum(x_q[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        partial += _round_to_e4m3(v)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = acc * x_scale[:, None] * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]
+    acc = tl.sum(partial, axis=2) * x_scale[:, None] * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
