@@ -92,10 +92,10 @@ phase_transfer() {
     --tokens 4096 --page-sizes 16 --patterns contiguous,scattered --iters 5 --src-gpu 0 --dst-gpu 0 --timeout 90
 }
 
-cold_and_steady() {  # NAME URL: the first 15 s after ready at 2 req/s of the mix, then the same 30 requests again
-  bench "$1_cold" "$2" 2 15 "${MIX[@]}" --warmup-requests 0
+cold_and_steady() {  # NAME URL: the first 15 s after ready at 2 req/s of the mix, then the same 30 request shapes
+  bench "$1_cold" "$2" 2 15 "${MIX[@]}" --warmup-requests 0  # again with other words: no prefix-cache hits
   scrape "$1_after_cold" "$2"
-  bench "$1_steady" "$2" 2 15 "${MIX[@]}"
+  bench "$1_steady" "$2" 2 15 "${MIX[@]}" --words-offset 1
 }
 
 phase_cold() {

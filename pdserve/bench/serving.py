@@ -64,6 +64,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--dataset", choices=DATASETS, default="random", help="the workload's shapes")
     data.add_argument("--num-prompts", type=int, default=200, help="requests per run")
     data.add_argument("--seed", type=int, default=1, help="seeds the shapes and the arrival times")
+    data.add_argument("--words-offset", type=int, default=0,
+                      help="draws other words for the same shapes (another invocation with the same --seed finds "
+                           "none of this one's prompts in a prefix cache)")
     data.add_argument("--fit-to-context", choices=FIT_POLICIES, default="drop",
                       help="requests whose prompt + output exceed the server's context length: drop them (as "
                            "SGLang's --sharegpt-context-len), clip their prompts, or refuse to start; the count is "
@@ -193,7 +196,7 @@ class Workload:
 
 def words_seed(args: argparse.Namespace, run_index: int) -> int:
     """Run k (the warm-up is -1) draws its own words: no run finds another's prompts in a prefix cache."""
-    return args.seed * 7919 + run_index + 1
+    return args.seed * 7919 + args.words_offset * 104729 + run_index + 1
 
 
 def warmup_requests(builder: PromptBuilder, requests: list[BenchRequest], count: int) -> list[BenchRequest]:
