@@ -17,7 +17,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.constrained.compiler import GrammarError
-from pdserve.constrained.matcher import mask_logits
+from pdserve.constrained.matcher import RequestGrammar, TokenBitmask
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
 from pdserve.forward_batch import ForwardBatch
@@ -69,6 +69,7 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
+        self.token_bitmask = TokenBitmask(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
         self.role = role or Role()
         self.role.bind(self)
@@ -500,12 +501,17 @@ class Scheduler:
                         r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
-        grammars = [r.grammar for r in reqs]
-        if any(grammars):
-            logits = mask_logits(logits, grammars)
-            self.num_masked_rows += sum(g is not None for g in grammars)
-            self.num_masked_steps += 1
+        logits = self._masked(logits, [r.grammar for r in reqs])
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
+
+    def _masked(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """A float32 copy of `logits` where each row allows only what its grammar allows next; `logits` itself
+        where no row has a grammar."""
+        if not any(grammars):
+            return logits
+        self.num_masked_rows += sum(g is not None for g in grammars)
+        self.num_masked_steps += 1
+        return self.token_bitmask.mask(logits, grammars)
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:
         logprobs, tops = result.logprobs, result.top_logprobs
