@@ -209,6 +209,7 @@ class Scheduler:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
         self.num_masked_rows = self.num_masked_steps = 0
+        self.grammar_queue.reset_stats()
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
