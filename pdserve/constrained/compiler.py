@@ -135,6 +135,13 @@ class GrammarCompiler:
                  for s in tag["structures"]]
         return self.compiler.compile_structural_tag(items, tag["triggers"])
 
+    def reset(self) -> None:
+        """No grammar cached and the counters at zero, as before any compile (the tokenizer's tables stay)."""
+        with self.lock:
+            self.cache.clear()
+            self.num_compiles = self.num_cache_hits = 0
+            self.compile_seconds = 0.0
+
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 

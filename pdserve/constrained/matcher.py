@@ -1,8 +1,10 @@
-"""One request's grammar state and the token bitmask it puts on the logits.
+"""One request's grammar state and the token bitmask a batch puts on its logits.
 
-The bitmask of the constrained rows is filled on the CPU and applied to a float32 copy of the logits by xgrammar's
-`apply_token_bitmask_inplace` (its CUDA kernel on a GPU, its CPU kernel elsewhere); rows without a grammar are left
-as they are.
+The bitmask lives in buffers kept across steps (`TokenBitmask`): filled on the CPU (pinned memory on a GPU), copied
+to the device in one transfer and applied to a float32 copy of the logits by xgrammar's `apply_token_bitmask_inplace`
+(its Triton kernel on a GPU, its CPU kernel elsewhere) over every row at once: a row without a grammar allows every
+token, so no row indices are uploaded, and the kernel's variants depend on the batch size alone (== 1, a multiple
+of 16, other), which the warm-up reaches.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pdserve.constrained.utf8_guard import BOUNDARY, Utf8Guard
+from pdserve.constrained.utf8_guard import BOUNDARY, UNRESTRICTED, Utf8Guard
 
 
 class RequestGrammar:
@@ -39,19 +41,59 @@ class RequestGrammar:
         """The grammar accepted its end (a stop token): nothing more may follow."""
         return self.matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        self.guard.restrict(bitmask[row], self.utf8_state)
+
+def fill_bitmask(bitmask: torch.Tensor, grammars: list[RequestGrammar | None]) -> None:
+    """Row i of `bitmask` [B, W]: the tokens grammars[i] allows next, every token where it is None."""
+    states, guard = [], None
+    for i, grammar in enumerate(grammars):
+        if grammar is None:
+            bitmask[i].fill_(-1)
+            states.append(UNRESTRICTED)
+        else:
+            grammar.matcher.fill_next_token_bitmask(bitmask, i)
+            states.append(grammar.utf8_state)
+            guard = grammar.guard  # one per vocabulary: every grammar of a server has the same
+    if guard is not None:
+        guard.restrict(bitmask, states)
 
 
-def mask_logits(logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
-    """A float32 copy of `logits` [B, V] where row i allows only the tokens grammars[i] allows next."""
-    import xgrammar
+class TokenBitmask:
+    """The bitmask buffers of one scheduler: `host` [rows, W] int32 and its device copy (the same tensor on a CPU),
+    sized for `max_rows` and grown if a batch is larger."""
 
-    rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
-    masked = logits.to(torch.float32, copy=True)
-    bitmask = xgrammar.allocate_token_bitmask(len(grammars), logits.shape[1])
-    for i in rows:
-        grammars[i].fill(bitmask, i)
-    xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device, non_blocking=True), indices=rows)
-    return masked
+    def __init__(self, max_rows: int):
+        self.max_rows = max_rows
+        self.host: torch.Tensor | None = None
+        self.on_device: torch.Tensor | None = None
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy from `host`
+
+    def mask(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """A float32 copy of `logits` [B, V] where row i allows only the tokens grammars[i] allows next."""
+        import xgrammar
+
+        host = self._host_rows(len(grammars), logits)
+        fill_bitmask(host, grammars)
+        masked = logits.to(torch.float32, copy=True)
+        xgrammar.apply_token_bitmask_inplace(masked, self._to_device(host))
+        return masked
+
+    def _host_rows(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
+        if self.host is None or rows > self.host.shape[0]:
+            self._allocate(max(rows, self.max_rows), -(-logits.shape[1] // 32), logits.device)
+        elif self.copied is not None:
+            self.copied.synchronize()  # the last copy has read the buffer (by now it has: its step was read back)
+        return self.host[:rows]
+
+    def _allocate(self, rows: int, words: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.host = torch.empty(rows, words, dtype=torch.int32, pin_memory=cuda)
+        self.on_device = torch.empty_like(self.host, device=device) if cuda else self.host
+        self.copied = torch.cuda.Event() if cuda else None
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        if self.copied is None:
+            return host
+        rows = self.on_device[: host.shape[0]]
+        rows.copy_(host, non_blocking=True)
+        self.copied.record()
+        return rows

@@ -5,7 +5,8 @@ characters long.
 
 The guard runs the UTF-8 automaton over the output bytes. Its state between two tokens is one of eight (on a
 character boundary, or inside a character with the next byte's allowed range known), so for every state it
-precomputes which tokens continue validly and where each leaves it; a step then costs one AND of the bitmask row.
+precomputes which tokens continue validly and where each leaves it; a step then costs one AND over the batch's
+bitmask.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 BOUNDARY, CONT1, CONT2, CONT3, AFTER_E0, AFTER_ED, AFTER_F0, AFTER_F4 = range(8)
 _NUM_STATES = 8
+UNRESTRICTED = _NUM_STATES  # `restrict`'s state for a row it leaves as it is (a row without a grammar)
 _INVALID = 255
 # inside a character: the range of the next byte, and the state after it
 _NEXT_BYTE = {CONT1: (0x80, 0xBF, BOUNDARY), CONT2: (0x80, 0xBF, CONT1), CONT3: (0x80, 0xBF, CONT2),
@@ -49,7 +51,7 @@ _TABLE = _transition_table()
 
 class Utf8Guard:
     """For one vocabulary: per automaton state, the state each token leads to (255: invalid) and the packed
-    bitmask words of the valid tokens (bit set = allowed)."""
+    bitmask words of the valid tokens (bit set = allowed; one more row of all bits set, for UNRESTRICTED)."""
 
     __slots__ = ("next_state", "allowed_words")
 
@@ -61,18 +63,19 @@ class Utf8Guard:
             if not raw or not raw.isascii():
                 for state in range(_NUM_STATES):
                     self.next_state[state][token] = _run(state, raw)
-        self.allowed_words = [_packed_allowed(row) for row in self.next_state]
+        allowed = [_packed_allowed(row) for row in self.next_state]
+        self.allowed_words = torch.stack([*allowed, torch.full_like(allowed[0], -1)])
 
     def advance(self, state: int, token: int) -> int | None:
         """The state after `token`, or None where it would make the output invalid UTF-8."""
         following = self.next_state[state][token] if 0 <= token < len(self.next_state[state]) else state
         return None if following == _INVALID else following
 
-    def restrict(self, bitmask_row: torch.Tensor, state: int) -> None:
-        """Clear the invalid tokens' bits in one row of an xgrammar bitmask (int32 words, bit j of word w is
-        token 32w + j); tokens past the vocabulary are left to xgrammar."""
-        words = self.allowed_words[state]
-        bitmask_row[:words.numel()] &= words
+    def restrict(self, bitmask: torch.Tensor, states: list[int]) -> None:
+        """Clear the invalid tokens' bits in the rows of an xgrammar bitmask [B, W] (int32 words, bit j of word w
+        is token 32w + j), row i for the automaton state states[i], in one operation; tokens past the vocabulary
+        are left to xgrammar."""
+        bitmask[:, :self.allowed_words.shape[1]] &= self.allowed_words.index_select(0, torch.tensor(states))
 
 
 def _run(state: int, raw: bytes) -> int:

@@ -33,15 +33,16 @@ class DecodeInputBatch:
         self.sampling = SamplingTensors.of([r.sampling_params for r in reqs], device)
         self.plain_rows = [SamplingRow(r.sampling_params, r.input_ids, r.output_ids, [], None) for r in reqs]
         self._host_sampling = any(_needs_host_sampling(r) for r in reqs)
+        self.constrained = any(r.grammar is not None for r in reqs)  # sampled after its rows' token bitmask
         self._before_min_tokens = [r for r in reqs if len(r.output_ids) < r.sampling_params.min_tokens]
 
     def matches(self, reqs: list[Req]) -> bool:
         return reqs == self.reqs and all(r.pages is p for r, p in zip(reqs, self._pages))
 
     def device_sampling_only(self) -> bool:
-        """No request needs host-side sampling state at this step (penalties, a seed, logprobs, pending min_tokens,
-        a grammar's token mask):
-        `sampling` alone samples the batch, so its tokens can stay on the device."""
+        """No request needs host-side sampling state at this step (penalties, a seed, logprobs, pending min_tokens):
+        `sampling` alone samples the batch (after the token bitmask where it is `constrained`), so its tokens can
+        stay on the device."""
         if self._before_min_tokens:
             self._before_min_tokens = [r for r in self._before_min_tokens
                                        if len(r.output_ids) < r.sampling_params.min_tokens]
@@ -95,4 +96,4 @@ class DecodeInputBatch:
 
 def _needs_host_sampling(req: Req) -> bool:
     p = req.sampling_params
-    return p.has_penalties or req.return_logprob or (p.seed is not None and not p.is_greedy) or req.grammar is not None
+    return p.has_penalties or req.return_logprob or (p.seed is not None and not p.is_greedy)

@@ -60,6 +60,11 @@ class GrammarQueue:
         self.pending.append(PendingGrammar(req, future, time.monotonic() + timeout))
         self.num_submitted += 1
 
+    def compile_untimed(self, spec: GrammarSpec) -> None:
+        """Compile `spec` now, however long it takes (the warm-up's grammar: the first compile also builds the
+        tokenizer's tables, which --grammar-compile-timeout-s does not bound); requests for it then find it cached."""
+        self._compiler().submit(spec).result()
+
     def _compiler(self) -> GrammarCompiler:
         if self.args.grammar_backend == "none":
             raise GrammarError("structured output is off on this server (--grammar-backend none)")
@@ -104,6 +109,12 @@ class GrammarQueue:
                 "grammar_cache_hits": compiler.num_cache_hits if compiler else 0,
                 "grammar_compile_seconds": round(compiler.compile_seconds, 6) if compiler else 0.0,
                 "grammar_waiting": len(self.pending)}
+
+    def reset_stats(self) -> None:
+        """Counters and the compile cache start over (after the warm-up)."""
+        self.num_submitted = 0
+        if self.compiler is not None:
+            self.compiler.reset()
 
     def close(self) -> None:
         if self.compiler is not None:

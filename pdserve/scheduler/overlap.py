@@ -3,8 +3,10 @@
 The CPU work of reading a step back (appending tokens, stop checks, outputs) and of preparing the next one then
 runs while the GPU computes. Greedy and sampled requests take part when the batch's device sampling tensors alone
 sample them (greedy and temperature-only batches inside the decode CUDA graph, `ModelRunner.decode_tokens`); a batch
-with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. Pages of a
-request that ends while a launched batch still writes its KV are freed once that batch has been read back.
+with host-side sampling state (penalties, a seed, logprobs, pending min_tokens) decodes synchronously. A batch with
+a grammar launches its forward, reads step N back while it runs (the matchers take N's tokens), fills its token
+bitmask on the CPU, then masks and samples on the device. Pages of a request that ends while a launched batch still
+writes its KV are freed once that batch has been read back.
 
 The scheduler launches and reads back (`Scheduler._launch_overlapped`, `_read_back`); this module holds the batch in
 flight and the device-side helpers.
@@ -23,14 +25,19 @@ from pdserve.scheduler.request import Req
 
 @dataclass(slots=True, eq=False)
 class InflightDecode:
-    """A decode batch launched but not yet read back (overlap scheduling)."""
+    """A decode batch launched but not yet read back (overlap scheduling); a constrained batch is in flight from its
+    forward's launch, before its tokens are sampled."""
 
     reqs: list[Req]
-    tokens: torch.Tensor  # sampled tokens, on the device
-    host_tokens: torch.Tensor  # their host copy, valid once `done` has completed
-    done: torch.cuda.Event | None
     req_ids: frozenset[int]  # id() of each request in `reqs`
+    tokens: torch.Tensor | None = None  # sampled tokens, on the device
+    host_tokens: torch.Tensor | None = None  # their host copy, valid once `done` has completed
+    done: torch.cuda.Event | None = None
     deferred_pages: list[int] = field(default_factory=list)  # freed once this batch has been read back
+
+    def sampled(self, tokens: torch.Tensor, copier: HostCopier) -> None:
+        self.tokens = tokens
+        self.host_tokens, self.done = copier.copy(tokens)
 
 
 def _copy_rows(input_ids: torch.Tensor, dst: torch.Tensor, tokens: torch.Tensor, src: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from pdserve.config import ServerArgs
 from pdserve.constrained.compiler import GrammarError
-from pdserve.constrained.matcher import mask_logits
+from pdserve.constrained.matcher import RequestGrammar, TokenBitmask
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampler import SampleResult, SamplingRow, SamplingTensors, prompt_logprobs
 from pdserve.forward_batch import ForwardBatch
@@ -69,6 +69,7 @@ class Scheduler:
         self.overlap = not args.disable_overlap_schedule
         self.inflight: InflightDecode | None = None
         self.host_copier = HostCopier(args.max_running_requests)
+        self.token_bitmask = TokenBitmask(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
         self.role = role or Role()
         self.role.bind(self)
@@ -208,6 +209,7 @@ class Scheduler:
         """Counters and measurements start over (after the warm-up)."""
         self.num_retracted = 0
         self.num_masked_rows = self.num_masked_steps = 0
+        self.grammar_queue.reset_stats()
         self.prefill_meter = PrefillRateMeter()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
@@ -241,9 +243,7 @@ class Scheduler:
 
     def add_token(self, req: Req, token: int, logprob: float | None = None, top_logprobs: list | None = None) -> None:
         """Append req's next token (and its logprobs when req asked for them); finish req if it stops there."""
-        if req.grammar is not None and not req.grammar.accept(token):
-            self.end(req, FinishReason("abort", message=f"token {token} breaks the request's grammar (the prefill "
-                                       "and decode sides disagree)", status_code=500))
+        if self._refused_by_grammar(req, token):
             return
         req.output_ids.append(token)
         req.stage_marks.mark(OUTPUT_TOKEN)
@@ -254,6 +254,14 @@ class Scheduler:
         reason = self.role.check_stop(req)
         if reason is not None:
             self.finish(req, reason)
+
+    def _refused_by_grammar(self, req: Req, token: int) -> bool:
+        """req's grammar takes `token`, or req ends with a 500 and this is True."""
+        if req.grammar is None or req.grammar.accept(token):
+            return False
+        self.end(req, FinishReason("abort", message=f"token {token} breaks the request's grammar (the prefill and "
+                                   "decode sides disagree)", status_code=500))
+        return True
 
     def has_new_outputs(self) -> bool:
         """Some request has tokens or an end this step has not reported yet."""
@@ -391,7 +399,7 @@ class Scheduler:
             return
         state = self._input_batch_of(reqs)
         batch = self._decode_batch(state, [r.num_cached_tokens for r in reqs], [r.output_ids[-1] for r in reqs])
-        if state.device_sampling_only():
+        if state.device_sampling_only() and not state.constrained:
             self._append_sampled(reqs, SampleResult(self._device_tokens(state, batch).tolist(), None, None))
         else:
             self._sample_and_append(reqs, self.runner.forward(batch), state.sampling)
@@ -410,11 +418,27 @@ class Scheduler:
             return False
         prev = self.inflight
         input_ids, fix_ids = decode_inputs(prev, reqs, self.device)
-        tokens = self._device_tokens(state, self._decode_batch(state, positions, input_ids, fix_ids))
-        self.inflight = InflightDecode(reqs, tokens, *self.host_copier.copy(tokens), req_ids=state.req_ids)
+        batch = self._decode_batch(state, positions, input_ids, fix_ids)
+        if state.constrained:
+            self._launch_constrained(state, batch, prev)
+            return True
+        self.inflight = InflightDecode(reqs, state.req_ids)
+        self.inflight.sampled(self._device_tokens(state, batch), self.host_copier)
         if prev is not None:
             self._read_back(prev)
         return True
+
+    def _launch_constrained(self, state: DecodeInputBatch, batch: ForwardBatch, prev: InflightDecode | None) -> None:
+        """Launch the forward, read `prev` back while it runs (the matchers take its tokens), then fill the token
+        bitmask of the rows still going and mask and sample on the device. The batch is in flight from the launch:
+        pages of requests that end in the read-back wait for it."""
+        logits = self.runner.forward(batch)
+        self.inflight = launched = InflightDecode(state.reqs, state.req_ids)
+        if prev is not None:
+            self._read_back(prev)
+        grammars = [None if r.finished else r.grammar for r in state.reqs]
+        launched.sampled(self.sampler.sample_tokens(self._masked(logits, grammars), state.plain_rows, state.sampling),
+                         self.host_copier)
 
     def _ensure_decode_pages(self, reqs: list[Req], positions: list[int]) -> bool:
         """A KV slot at every request's position; only requests whose last page is full get a new one."""
@@ -432,8 +456,8 @@ class Scheduler:
             batch.done.synchronize()
         changed, check_stop, now = self._changed, self.role.check_stop, time.monotonic()
         for req, token in zip(batch.reqs, batch.host_tokens.tolist()):
-            if req.finish_reason is not None:
-                continue  # ended while the batch ran (stop, abort): its extra token is dropped
+            if req.finish_reason is not None or self._refused_by_grammar(req, token):
+                continue  # ended while the batch ran (stop, abort) or its grammar refused the token: dropped
             req.output_ids.append(token)
             req.stage_marks.mark(OUTPUT_TOKEN, now)
             changed[req.rid] = req
@@ -500,12 +524,17 @@ class Scheduler:
                         r.top_logprobs_num if r.return_logprob else None)
             for r in reqs
         ]
-        grammars = [r.grammar for r in reqs]
-        if any(grammars):
-            logits = mask_logits(logits, grammars)
-            self.num_masked_rows += sum(g is not None for g in grammars)
-            self.num_masked_steps += 1
+        logits = self._masked(logits, [r.grammar for r in reqs])
         self._append_sampled(reqs, self.sampler.sample(logits, rows, tensors))
+
+    def _masked(self, logits: torch.Tensor, grammars: list[RequestGrammar | None]) -> torch.Tensor:
+        """A float32 copy of `logits` where each row allows only what its grammar allows next; `logits` itself
+        where no row has a grammar."""
+        if not any(grammars):
+            return logits
+        self.num_masked_rows += sum(g is not None for g in grammars)
+        self.num_masked_steps += 1
+        return self.token_bitmask.mask(logits, grammars)
 
     def _append_sampled(self, reqs: list[Req], result: SampleResult) -> None:
         logprobs, tops = result.logprobs, result.top_logprobs

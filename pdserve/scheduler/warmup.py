@@ -11,19 +11,23 @@ so what varies with traffic is the paths taken; the plan reaches them with lengt
 - batches of 2, 3 and 4 prompts of mixed lengths in one extend, each then decoding as a batch of its size;
 - with a prefix cache, extends of 1, 15, 16 and 33 new tokens over a cached prompt of whole pages, alone and all
   four in one extend;
-- the samplers (greedy; temperature with top-k, top-p and min-p; penalties, which sample on the host side).
+- the samplers (greedy; temperature with top-k, top-p and min-p; penalties, which sample on the host side);
+- with a grammar backend, batches of 1, 3 and 16 requests under a regex (greedy and temperature rows): xgrammar's
+  bitmask kernel specializes on its row count (== 1, a multiple of 16, other), the sampler on float32 logits.
 Decode batch sizes up to the largest captured one also run in CUDA graphs (`engine/cuda_graph.py`, at start).
-On the CPU, where torch compiles nothing, one short prompt alone and one batch run the same code paths.
-Requests go through the scheduler as real ones do; afterwards the cache, the sampler's seed and the prefill-rate
-meter are as they were, so a warmed server answers exactly as an unwarmed one.
+On the CPU, where torch compiles nothing, one short prompt alone, one batch and one constrained request run the
+same code paths. Requests go through the scheduler as real ones do; afterwards the cache, the sampler's seed, the
+prefill-rate meter and the grammar counters and compile cache are as they were (the tokenizer's grammar tables stay
+built), so a warmed server answers exactly as an unwarmed one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pdserve.constrained.compiler import GrammarError, GrammarSpec, import_xgrammar
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler.request import Req
@@ -44,6 +48,13 @@ SAMPLINGS = {
     "penalties": SamplingParams(temperature=0.7, frequency_penalty=0.5, presence_penalty=0.2,
                                 repetition_penalty=1.1, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
 }
+CONSTRAINED_BATCHES = (1, 3, 16)  # the bitmask kernel's row counts: == 1, other, a multiple of 16
+CONSTRAINED_PROMPT = 17
+GRAMMAR = "[0-9]{128}"  # no MAX_NEW_TOKENS tokens hold 128 digits: every request decodes to its length
+CONSTRAINED_SAMPLINGS = (  # both sampled on the device after the mask, so these batches decode overlapped
+    SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, regex=GRAMMAR),
+    SamplingParams(temperature=0.8, max_tokens=MAX_NEW_TOKENS, regex=GRAMMAR),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +63,11 @@ class WarmupPlan:
     batches: tuple[tuple[int, ...], ...]  # prompt lengths run together, one batch after the other
     prefix: int = 0  # tokens of the cached prompt the prefix-hit extends run over (0: none)
     extensions: tuple[int, ...] = ()  # new tokens of each prefix-hit extend: one at a time, then all together
+    constrained: tuple[int, ...] = ()  # sizes of the batches of requests under GRAMMAR, one after the other
 
 
 CPU_PLAN = WarmupPlan(alone=(32,), batches=((32,) * len(SAMPLINGS),))  # every sampling in one batched decode
+CPU_CONSTRAINED = (1,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,33 +77,51 @@ class WarmupReport:
     extend_tokens: tuple[int, ...]  # tokens of each extend forward that ran
     prefix_hit_extends: tuple[int, ...]  # new tokens of each extended request whose KV started past a cached prefix
     decode_batch_sizes: tuple[int, ...]  # batch size of each decode forward that ran
+    constrained_batches: tuple[int, ...]  # sizes of the batches under a grammar
+    masked_rows: int  # sampled rows the grammar's bitmask masked
     seconds: float
 
     def describe(self) -> dict:
         return {"prompt_lengths": list(self.prompt_lengths), "samplings": list(self.samplings),
                 "extend_tokens": list(self.extend_tokens), "prefix_hit_extends": list(self.prefix_hit_extends),
-                "decode_batch_sizes": list(self.decode_batch_sizes), "seconds": round(self.seconds, 3)}
+                "decode_batch_sizes": list(self.decode_batch_sizes),
+                "constrained_batches": list(self.constrained_batches), "masked_rows": self.masked_rows,
+                "seconds": round(self.seconds, 3)}
 
 
-def gpu_plan(room: int, chunk: int, page_size: int, prefix_cache: bool) -> WarmupPlan:
-    """The plan on CUDA for prompts of at most `room` tokens and prefill chunks of `chunk`."""
+def gpu_plan(room: int, chunk: int, page_size: int, prefix_cache: bool, grammar_rows: int = 0) -> WarmupPlan:
+    """The plan on CUDA for prompts of at most `room` tokens and prefill chunks of `chunk`; `grammar_rows`: the most
+    requests a constrained batch may have (0: no grammar backend)."""
     def fit(lengths) -> tuple[int, ...]:
         return tuple(min(n, room) for n in lengths)
 
     alone = tuple(sorted({n for n in fit((*ALONE_LENGTHS, chunk + 32)) if n > 0}))
     batches = tuple(fit(lengths) for lengths in MIXED_BATCHES)
+    constrained = tuple(sorted({min(n, grammar_rows) for n in CONSTRAINED_BATCHES})) if grammar_rows else ()
     prefix = PREFIX_PAGES * page_size
     if not prefix_cache or prefix + max(PREFIX_EXTENSIONS) > room:
-        return WarmupPlan(alone, batches)
-    return WarmupPlan(alone, batches, prefix, PREFIX_EXTENSIONS)
+        return WarmupPlan(alone, batches, constrained=constrained)
+    return WarmupPlan(alone, batches, prefix, PREFIX_EXTENSIONS, constrained)
 
 
 def warmup_plan(sched: Scheduler) -> WarmupPlan:
+    grammar_rows = sched.args.max_running_requests if grammar_backend_active(sched.args.grammar_backend) else 0
     if sched.device.type != "cuda":
-        return CPU_PLAN
+        return replace(CPU_PLAN, constrained=CPU_CONSTRAINED if grammar_rows else ())
     room = min(sched.context_len, sched.allocator.capacity * sched.page_size // 2) - MAX_NEW_TOKENS
     chunk = min(sched.args.chunked_prefill_size, sched.args.max_prefill_tokens)
-    return gpu_plan(room, chunk, sched.page_size, sched.args.keeps_prefix_cache)
+    return gpu_plan(room, chunk, sched.page_size, sched.args.keeps_prefix_cache, grammar_rows)
+
+
+def grammar_backend_active(backend: str) -> bool:
+    """Grammar requests would be compiled here: `--grammar-backend` is not none and xgrammar imports."""
+    if backend == "none":
+        return False
+    try:
+        import_xgrammar()
+    except GrammarError:
+        return False
+    return True
 
 
 class ForwardLog:
@@ -119,14 +150,17 @@ def warm_up(sched: Scheduler, plan: WarmupPlan | None = None) -> WarmupReport:
         _run_plan(sched, plan, WarmupPrompts(sched))
     finally:
         sched.runner.forward_observers.remove(log.observe)
+    masked_rows = sched.num_masked_rows
     sched.sampler.reseed(sched.args.random_seed)
     sched.reset_stats()
     report = WarmupReport(plan.alone, tuple(SAMPLINGS), tuple(log.extend_tokens), tuple(log.prefix_hit_extends),
-                          tuple(log.decode_sizes), time.perf_counter() - started)
+                          tuple(log.decode_sizes), plan.constrained, masked_rows, time.perf_counter() - started)
     logger.info("warm-up done in %.1f s: prompts of %s tokens alone, batches of %s, extends of %s tokens over a "
-                "cached %d-token prefix, samplings %s; %d extend and %d decode forwards", report.seconds,
+                "cached %d-token prefix, samplings %s, constrained batches of %s (%d masked rows); %d extend and %d "
+                "decode forwards; seed, caches and counters reset: answers as an unwarmed server's", report.seconds,
                 list(plan.alone), [list(b) for b in plan.batches], list(plan.extensions), plan.prefix,
-                ", ".join(SAMPLINGS), len(log.extend_tokens), len(log.decode_sizes))
+                ", ".join(SAMPLINGS), list(plan.constrained), masked_rows, len(log.extend_tokens),
+                len(log.decode_sizes))
     return report
 
 
@@ -143,6 +177,10 @@ def _run_plan(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> Non
         for n in plan.extensions:
             _run(sched, [prompts.extending(base, n)], flush=False)
         _run(sched, [prompts.extending(base, n) for n in plan.extensions])
+    if plan.constrained:
+        sched.grammar_queue.compile_untimed(GrammarSpec("regex", GRAMMAR))
+    for size in plan.constrained:
+        _run(sched, [prompts.constrained(CONSTRAINED_PROMPT) for _ in range(size)])
 
 
 class WarmupPrompts:
@@ -156,6 +194,10 @@ class WarmupPrompts:
     def fresh(self, length: int) -> Req:
         return self._request(self._ids(length))
 
+    def constrained(self, length: int) -> Req:
+        """A fresh prompt under GRAMMAR, the constrained samplings taken in turn."""
+        return self._request(self._ids(length), CONSTRAINED_SAMPLINGS[self.count % len(CONSTRAINED_SAMPLINGS)])
+
     def extending(self, base: Req, new_tokens: int) -> Req:
         """`base`'s prompt followed by `new_tokens` tokens no other prompt has."""
         return self._request(base.input_ids + self._ids(new_tokens))
@@ -163,9 +205,9 @@ class WarmupPrompts:
     def _ids(self, length: int) -> list[int]:
         return [(self.count * 7 + i * 7919 + 17) % (self.vocab - 1) + 1 for i in range(length)]
 
-    def _request(self, ids: list[int]) -> Req:
+    def _request(self, ids: list[int], params: SamplingParams | None = None) -> Req:
         names = list(SAMPLINGS)
-        params = SamplingParams.from_dict(SAMPLINGS[names[self.count % len(names)]].to_dict())
+        params = SamplingParams.from_dict((params or SAMPLINGS[names[self.count % len(names)]]).to_dict())
         req = Req.of(f"warmup-{self.count}", ids, params, **self.bootstrap)
         self.count += 1
         return req

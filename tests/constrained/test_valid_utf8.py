@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.constrained.compiler import GrammarCompiler, GrammarSpec
-from pdserve.constrained.matcher import RequestGrammar
+from pdserve.constrained.matcher import RequestGrammar, fill_bitmask
 
 xgrammar = pytest.importorskip("xgrammar")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
@@ -47,7 +47,7 @@ def inside_string(setup) -> RequestGrammar:
 
 def allowed_tokens(grammar: RequestGrammar, vocab_size: int) -> list[int]:
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
-    grammar.fill(bitmask, 0)
+    fill_bitmask(bitmask, [grammar])
     bits = ((bitmask[0].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1).flatten()[:vocab_size]
     return bits.nonzero().flatten().tolist()
 
