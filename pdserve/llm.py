@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import weakref
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
+import torch
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
@@ -60,8 +62,13 @@ class LLM:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the other ranks' processes and leave the group (also done when the LLM is garbage-collected)."""
+        """Stop the other ranks' processes, leave the group (also done when the LLM is garbage-collected) and give
+        the engine's device memory back, so another engine fits in this process; the LLM cannot generate after."""
         self._shutdown()
+        del self.scheduler
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def generate(
         self,
