@@ -6,14 +6,21 @@ import torch
 from pdserve.tools.make_model import make_model
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m gpu` selects: the fp8_gpu tests carry the gpu mark by then
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` (see pyproject.toml) are skipped where torch sees no CUDA device."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Tests marked `gpu` (see pyproject.toml) are skipped where torch sees no CUDA device, those marked `fp8_gpu`
+    also where the GPU has no FP8 tensor cores (before sm89)."""
+    from pdserve.quantization.fp8 import has_fp8_gemm
+
+    cuda = torch.cuda.is_available()
+    fp8 = cuda and has_fp8_gemm(torch.device("cuda"))
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "fp8_gpu" in item.keywords:
+            item.add_marker(pytest.mark.gpu)
+            if not fp8:
+                item.add_marker(pytest.mark.skip(reason="needs FP8 tensor cores (sm89+)"))
+        elif "gpu" in item.keywords and not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
 class TinyModels(dict):

@@ -1,11 +1,11 @@
 """Prefill without a cached prefix through torch SDPA (FlashAttention inside PyTorch) on the new q, k, v as the
 layer left them in its qkv output. cuDNN's attention is left out: it builds an execution plan for every new sequence
 length, tens of milliseconds on the host the first time a prompt length comes (`scripts/sdpa_shape_cost.py`), which
-made a fresh server's first requests 4x slower than the same requests again (issue 21's cold start). Measured on H200 (2026-11-21): one 8k-token prompt 2x faster than the
-Triton extend kernel, but 16 prompts of 512 tokens 4x slower (one SDPA call per request), so requests shorter
-than SDPA_MIN_LEN, decode and prefix-extend batches all go to the Triton backend. With an FP8 KV cache the long
-prompts attend over their K and V round-tripped through the cache's quantization, as every path reading the cache
-does."""
+made a fresh server's first requests 4x slower than the same requests again (issue 21's cold start). Measured on
+H200 (2026-11-21, cuDNN then included): one 8k-token prompt 2x faster than the Triton extend kernel, but 16 prompts
+of 512 tokens 4x slower (one SDPA call per request), so requests shorter than SDPA_MIN_LEN, decode and
+prefix-extend batches all go to the Triton backend. With an FP8 KV cache the long prompts attend over their K and V
+round-tripped through the cache's quantization, as every path reading the cache does."""
 
 from __future__ import annotations
 

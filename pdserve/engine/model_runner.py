@@ -76,10 +76,10 @@ class ModelRunner:
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
         if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
-            dense = [m.weight for m in self._linear_layers() if m.weight_scale is None]
-            SkinnyTuner(rows).tune(dense)
-            fp8 = [(m.weight, m.weight_scale) for m in self._linear_layers() if m.weight_scale is not None]
-            tune_skinny_fp8(rows, fp8, self.dtype)
+            linears = self._linear_layers()
+            SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
+            if fp8 := [(m.weight, m.weight_scale) for m in linears if m.weight_scale is not None]:
+                tune_skinny_fp8(rows, fp8, self.dtype)
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:

@@ -6,6 +6,16 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
+    """One K block of the weight rows [BLOCK_N, BLOCK_K] and of the activation rows [ROWS, BLOCK_K], zero outside
+    the rows (and outside K unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(w_ptrs, mask=mask_n[:, None], other=0.0), tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+    return (tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0),
+            tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0))
+
+
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def skinny_kernel(
     X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
@@ -22,13 +32,7 @@ def skinny_kernel(
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            in_k = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < K, EVEN_K)
         acc = tl.dot(x, tl.trans(w), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K

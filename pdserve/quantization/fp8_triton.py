@@ -8,6 +8,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pdserve.kernels.skinny_triton import load_blocks
+
 
 @triton.jit
 def _round_to_e4m3(v):
@@ -71,13 +73,7 @@ def skinny_fp8_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     partial = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed across threads once, after the loop
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        else:
-            in_k = (k0 + offs_k) < K
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0)
+        w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < K, EVEN_K)
         v = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv_scale[:, None], -FP8_MAX), FP8_MAX)
         partial += _round_to_e4m3(v)[:, None, :] * w.to(tl.float32)[None, :, :]
         w_ptrs += BLOCK_K

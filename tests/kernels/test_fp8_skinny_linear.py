@@ -54,11 +54,9 @@ def test_fp8_linear_routes_few_rows_by_the_tuned_choice(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_skinny_fp8_on_gpu_and_tuner_choice(dtype):
-    if not fp8.has_fp8_gemm(torch.device("cuda")):
-        pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
     for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (4, 4096, 14336)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
         for cfg in fp8.FP8_CANDIDATES:

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.fp8_gpu
 
 # Both round their bf16 outputs once, after sums in another order; a one-ulp bf16 difference that flips one
 # activation's E4M3 rounding (3 mantissa bits: a 6% step) in a later layer grows through a random-weight model's
@@ -23,15 +23,7 @@ def qwen3_06b(tiny_models):
     return tiny_models["qwen3-0.6b"]
 
 
-def _need_fp8_gemm():
-    from pdserve.quantization.fp8 import has_fp8_gemm
-
-    if not has_fp8_gemm(torch.device("cuda")):
-        pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
-
-
 def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
-    _need_fp8_gemm()
     from pdserve import LLM, SamplingParams
     from pdserve.quantization import fp8
 
@@ -70,7 +62,6 @@ def _kv_tokens_and_linear_bytes(path: str, quantization: str | None) -> tuple[in
 
 
 def test_fp8_weights_leave_room_for_more_kv(qwen3_06b):
-    _need_fp8_gemm()
     bf16_tokens, bf16_bytes = _kv_tokens_and_linear_bytes(qwen3_06b, None)
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device before the second measures it

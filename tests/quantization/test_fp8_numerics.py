@@ -70,11 +70,9 @@ def test_no_fp8_gemm_on_the_cpu():
     assert not has_fp8_gemm(torch.device("cpu"))
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_scaled_mm_matches_the_fallback_on_cuda(dtype):
-    if not has_fp8_gemm(torch.device("cuda")):
-        pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for m in (1, 7, 64, 300):
         x = torch.randn(m, 4096, device="cuda", dtype=dtype, generator=gen)
@@ -86,10 +84,8 @@ def test_scaled_mm_matches_the_fallback_on_cuda(dtype):
         torch.testing.assert_close(fast, reference, rtol=1e-2, atol=1e-2 * reference.abs().max().item())
 
 
-@pytest.mark.gpu
+@pytest.mark.fp8_gpu
 def test_fp8_linear_replays_in_a_cuda_graph():
-    if not has_fp8_gemm(torch.device("cuda")):
-        pytest.skip("no FP8 tensor cores (sm89+) on this GPU")
     x = torch.randn(8, 512, device="cuda", dtype=torch.bfloat16)
     w_q, w_scale = quantize_rows(torch.randn(256, 512, device="cuda"))
     eager = fp8_linear(x, w_q, w_scale)
