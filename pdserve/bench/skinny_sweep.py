@@ -3,7 +3,8 @@ shapes of qwen3-0.6b and llama-3.1-8b, timed inside CUDA graphs (as the decode s
 
 python -m pdserve.bench.skinny_sweep --out FILE.json [--weights fp8 --shapes llama]
 With `--weights fp8` the weights are E4M3 with per-row scales and the baseline is quantize + `torch._scaled_mm`
-(`pdserve.quantization.fp8.quantized_linear`) against the skinny FP8 kernel, which quantizes the rows itself.
+(`pdserve.quantization.fp8.quantized_linear`) against the FP8 rows kernel, with the rows quantized in the kernel
+(up to 16 rows) or by one launch before it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,14 @@ import triton.testing
 from pdserve.bench.cli import bench_parser
 from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
-from pdserve.quantization.fp8 import FP8_CANDIDATES, quantize_rows, quantized_linear, skinny_fp8_linear
+from pdserve.quantization.fp8 import (
+    FP8_CANDIDATES,
+    FP8_IN_KERNEL_ROWS,
+    Fp8RowsConfig,
+    fp8_rows_linear,
+    quantize_rows,
+    quantized_linear,
+)
 
 SHAPES = {  # name: (out features N, in features K)
     "llama qkv": (6144, 4096), "llama o": (4096, 4096), "llama gate_up": (28672, 4096), "llama down": (4096, 14336),
@@ -29,8 +37,8 @@ SHAPES = {  # name: (out features N, in features K)
 }
 SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
          if bn * bk <= 16384]
-FP8_SWEEP = [SkinnyConfig(bn, bk, w, s) for bn, bk, w, s in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8),
-                                                                              (2, 3)) if bn * bk <= 16384]
+FP8_SWEEP = [Fp8RowsConfig(bn, bk, 8 if bn == 128 else 4, s, q)
+             for bn, bk, s, q in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 4), (True, False))]
 
 
 def operands(n: int, k: int, m: int, weights: str):
@@ -42,8 +50,13 @@ def operands(n: int, k: int, m: int, weights: str):
                 SWEEP)
     w_q, scale = quantize_rows(w)
     return (w_q, lambda: quantized_linear(x, w_q, scale, None, None),
-            lambda cfg: skinny_fp8_linear(x, w_q, scale, None, None, cfg),
-            quantized_linear(x.float(), w_q, scale, None, None), FP8_SWEEP)
+            lambda cfg: fp8_rows_linear(x, w_q, scale, None, None, cfg),
+            quantized_linear(x.float(), w_q, scale, None, None),
+            [cfg for cfg in FP8_SWEEP if m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel])
+
+
+def config_fields(cfg) -> list:
+    return [getattr(cfg, field) for field in cfg.__slots__]
 
 
 def graph_us(fn) -> float:
@@ -73,13 +86,13 @@ def main() -> None:
             try:
                 out = candidate(cfg)
             except Exception as e:  # a block shape whose row tile does not fit in shared memory
-                rows.append(dict(shape=name, rows=m, config=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages],
-                                 error=repr(e)[:200]))
+                rows.append(dict(shape=name, rows=m, config=config_fields(cfg), error=repr(e)[:200]))
                 continue
             err = ((out.float() - ref).norm() / ref.norm()).item()
             us = graph_us(lambda c=cfg: candidate(c))
-            row = dict(shape=name, n=n, k=k, rows=m, config=[cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages],
-                       candidate=cfg in (CANDIDATES if args.weights == "bf16" else FP8_CANDIDATES), us=us, rel_err=err, cublas_us=cublas,
+            row = dict(shape=name, n=n, k=k, rows=m, config=config_fields(cfg),
+                       candidate=cfg in (CANDIDATES if args.weights == "bf16" else FP8_CANDIDATES), us=us,
+                       rel_err=err, cublas_us=cublas,
                        frac_copy=nbytes / us / 1e3 / ceiling, cublas_frac_copy=nbytes / cublas / 1e3 / ceiling)
             rows.append(row)
             if err < 1e-2 and (best is None or us < best["us"]):

@@ -24,7 +24,7 @@ from pdserve.mem_cache.kv_quant import KVScales, cuda_support_problem, is_fp8, k
 from pdserve.models.kv_scales import resolve_kv_scales
 from pdserve.models.loader import checkpoint_files, load_model
 from pdserve.models.model_config import ModelConfig, resolve_dtype
-from pdserve.quantization.fp8 import tune_skinny_fp8
+from pdserve.quantization.fp8 import tune_fp8_rows
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ModelRunner:
             linears = self._linear_layers()
             SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
             if fp8 := [(m.weight, m.weight_scale) for m in linears if m.weight_scale is not None]:
-                tune_skinny_fp8(rows, fp8, self.dtype)
+                tune_fp8_rows(rows, fp8, self.dtype)
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:

@@ -7,7 +7,7 @@ vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it a
 `SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured; `linear` then
 routes each call by the recorded choice (cuBLAS for any shape not tuned). From 32 rows on cuBLAS's tiles win
 (pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS. FP8 weights have their own kernel
-(`pdserve.quantization.fp8.skinny_fp8_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
+(`pdserve.quantization.fp8.fp8_rows_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ CANDIDATES = (
     SkinnyConfig(32, 128, 4, 3),
 )
 
-_choice: dict[tuple[int, int, int, torch.dtype], SkinnyConfig | None] = {}  # None: cuBLAS measured faster
+_choice: dict[tuple[int, int, int, torch.dtype], object] = {}  # a config, or None: the baseline measured faster
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,9 +52,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def skinny_choice(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
-    """The config tuned for x's rows times this weight's shape and dtype; None where the baseline measured faster,
-    the shape was not tuned or x has too many rows."""
-    if x.dim() != 2 or x.shape[0] > MAX_ROWS:
+    """The config tuned for x's rows times this weight's shape and dtype; None where the baseline measured faster or
+    the shape and row count were not tuned."""
+    if x.dim() != 2:
         return None
     return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype))
 
@@ -100,14 +100,15 @@ def _graph_us(fn, calls: int = 10, reps: int = 7) -> float:
 
 
 class SkinnyTuner:
-    """Times a baseline and every candidate config on each weight shape for each row count; records the fastest
-    for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned apart)."""
+    """Times a baseline and every candidate config on each weight shape for each row count up to max_rows; records
+    the fastest for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned
+    apart). candidates: the configs, or a function of the row count giving them."""
 
     def __init__(self, rows: Iterable[int], label: str = "skinny linear",
-                 candidates: tuple[SkinnyConfig, ...] = CANDIDATES):
-        self.rows = [m for m in rows if m <= MAX_ROWS]
+                 candidates: tuple | Callable[[int], tuple] = CANDIDATES, max_rows: int = MAX_ROWS):
+        self.rows = [m for m in rows if m <= max_rows]
         self.label = label
-        self.candidates = candidates
+        self.candidates = candidates if callable(candidates) else lambda rows: candidates
 
     def tune(self, weights: list[torch.Tensor], x_dtype: torch.dtype | None = None,
              baseline: Callable = F.linear,
@@ -130,9 +131,9 @@ class SkinnyTuner:
                               for m, n, k in faster))
         return report
 
-    def _timings(self, x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, SkinnyConfig]]:
+    def _timings(self, x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, object]]:
         timed = []
-        for cfg in self.candidates:
+        for cfg in self.candidates(x.shape[0]):
             try:
                 timed.append((_graph_us(lambda c=cfg: candidate(x, w, c)), cfg))
             except Exception as e:  # a block shape this GPU cannot hold in shared memory

@@ -3,30 +3,56 @@ activations are quantized per token (a float32 scale per row: its amax over FP8_
 scale) right before the GEMM, so the product is `(x_q * scale_x) @ (w_q * scale_w).T`.
 
 On a GPU with FP8 tensor cores (sm89+) the GEMM is `torch._scaled_mm` with rowwise scales (its kernel writes
-bfloat16; another model dtype is cast after); everywhere else the same quantized operands are dequantized to
-float32 and multiplied. Everything is fixed-shape tensor work with no host sync,
-so it runs inside CUDA graphs.
+bfloat16; another model dtype is cast after), or for a decode batch's few rows the Triton `fp8_rows_kernel` where
+the tuner measured it faster (cuBLAS's 128-row tiles leave most SMs idle there); everywhere else the same quantized
+operands are dequantized to float32 and multiplied. Everything is fixed-shape tensor work with no host sync, so it
+runs inside CUDA graphs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-from pdserve.kernels.skinny import SkinnyConfig, SkinnyTuner, skinny_choice
+from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
-FP8_MAX_ROWS = 4  # the skinny FP8 kernel's rows (CUDA-core products); more rows go to quantize + _scaled_mm
-# the skinny FP8 kernel's block shapes the tuner tries (a weight block of BLOCK_N x BLOCK_K bytes)
-FP8_CANDIDATES = (
-    SkinnyConfig(16, 512, 4, 3),
-    SkinnyConfig(16, 256, 4, 3),
-    SkinnyConfig(32, 256, 8, 3),
-    SkinnyConfig(8, 1024, 4, 3),
+FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
+FP8_IN_KERNEL_ROWS = 16  # up to this many rows the rows kernel may quantize them itself (one MMA tile's rows)
+PROMOTE_K = 32  # the FP8 MMA's partial sums are added in float32 every PROMOTE_K products (one MMA's K)
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8RowsConfig:
+    """A block shape of `fp8_rows_kernel`: a weight block of block_n x block_k bytes; quantize_in_kernel: the kernel
+    quantizes the rows itself (<= FP8_IN_KERNEL_ROWS rows), else one `quantize_tokens` launch before it."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    quantize_in_kernel: bool
+
+
+FP8_CANDIDATES = (  # the block shapes the tuner tries
+    Fp8RowsConfig(64, 256, 4, 4, True),
+    Fp8RowsConfig(32, 512, 4, 4, True),
+    Fp8RowsConfig(128, 256, 4, 3, True),
+    Fp8RowsConfig(64, 256, 4, 4, False),
+    Fp8RowsConfig(32, 256, 4, 4, False),
+    Fp8RowsConfig(64, 128, 4, 4, False),
+    Fp8RowsConfig(128, 128, 8, 3, False),
 )
+
+
+def fp8_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
+    return tuple(cfg for cfg in FP8_CANDIDATES if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+
+
 # activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
 # the torch ops, the Triton kernels and every device give the same scale bits
 INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
@@ -78,40 +104,46 @@ def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = 
     return q, scale
 
 
-def skinny_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: SkinnyConfig) -> torch.Tensor:
-    """`fp8_linear` of M <= FP8_MAX_ROWS rows in one Triton kernel that quantizes the rows itself (the same scales
-    and bytes as `quantize_tokens`) and streams the FP8 weight once; float32 sums, rounded once to x's dtype."""
+def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
+    """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
+    once into the MMA): the rows quantized by the kernel itself or by `quantize_tokens` first, as cfg says (the same
+    bytes and scales either way); float32 sums, rounded once to x's dtype."""
     import triton
 
-    from pdserve.quantization.fp8_triton import skinny_fp8_kernel
+    from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = weight.shape[0]
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
+    if cfg.quantize_in_kernel:
+        rows, row_scale = x, weight_scale  # row_scale: unused
+    else:
+        rows, row_scale = quantize_tokens(x, input_scale)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    skinny_fp8_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=input_scale is not None,
-        ROWS=triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+        rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
+        bias if bias is not None else weight_scale, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, QUANTIZE=cfg.quantize_in_kernel,
+        STATIC=input_scale is not None, HW_CAST=x.is_cuda, ROWS=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
+        PROMOTE_K=PROMOTE_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
-def tune_skinny_fp8(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype
-                    ) -> dict:
-    """Times `quantized_linear` against the skinny FP8 kernel's configs on each (FP8 weight, weight scale) shape
-    for each row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
+def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype
+                  ) -> dict:
+    """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
+    row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
-    rows = [m for m in rows if m <= FP8_MAX_ROWS]
-    return SkinnyTuner(rows, "skinny FP8 linear", FP8_CANDIDATES).tune(
+    return SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
         [w for w, _ in layers], x_dtype,
         baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
-        candidate=lambda x, w, cfg: skinny_fp8_linear(x, w, scales[tuple(w.shape)], None, None, cfg),
+        candidate=lambda x, w, cfg: fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg),
     )
 
 
@@ -124,10 +156,10 @@ def to_fp8(values: torch.Tensor) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
-    the skinny FP8 kernel where `tune_skinny_fp8` chose it for the shape, else quantize, then the GEMM."""
+    the FP8 rows kernel where `tune_fp8_rows` chose it for the shape, else quantize, then the GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
-        out = skinny_fp8_linear(rows, weight, weight_scale, input_scale, bias, cfg)
+        out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg)
     else:
         out = quantized_linear(rows, weight, weight_scale, input_scale, bias)
     return out.reshape(*x.shape[:-1], weight.shape[0])

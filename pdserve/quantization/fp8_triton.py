@@ -1,7 +1,7 @@
-"""Per-token FP8 quantization of activations in one Triton kernel, launched on CUDA by
-`pdserve.quantization.fp8.quantize_tokens_triton` instead of its torch ops (about 9 small kernels per linear
-layer, each one more launch in the decode CUDA graphs): one program per row loads it once, takes its amax (or the
-static scale) and writes the float8 row and its float32 scale."""
+"""The Triton kernels of FP8 linear layers (imports Triton), launched by `pdserve.quantization.fp8`:
+`quantize_tokens_kernel`, per-token quantization of activations in one launch instead of its torch ops (about 9
+small kernels per linear layer, each one more launch in the decode CUDA graphs), and `fp8_rows_kernel`, the
+product of a decode batch's few rows with an FP8 weight."""
 
 from __future__ import annotations
 
@@ -43,43 +43,58 @@ def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_
     tl.store(Scale + row, scale)
 
 
+@triton.jit
+def _quantize_block(x, x_inv_scale, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
+    """x [ROWS, BLOCK_K] times each row's reciprocal scale, saturated and rounded to E4M3 (ties to even): on a GPU
+    by the hardware conversion (two values an instruction), in the interpreter by `_round_to_e4m3` first."""
+    v = x.to(tl.float32) * x_inv_scale[:, None]
+    if HW_CAST:
+        return v.to(tl.float8e4nv)
+    return _round_to_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)).to(tl.float8e4nv)
+
+
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
-def skinny_fp8_kernel(
-    X, W, WScale, StaticScale, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
-    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+def fp8_rows_kernel(
+    X, XScale, W, WScale, StaticScale, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
+    STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr,
 ):
-    """`quantize_tokens_kernel` and the FP8 product in one, on the CUDA cores: output columns
-    [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS rows. Each program takes the rows' amax (a pass over X, which is small
-    and stays in L2), quantizes each X block as it streams the FP8 weight block once, multiplies in float32 (every
-    product of two E4M3 values is exact there) and scales the sums by the row's and the column's scales. For a few
-    rows the weight read is the bound; an MMA tile would pad the rows to 16 and quantize the padding too."""
+    """Output columns [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS rows on the FP8 tensor cores, the weight block as
+    the MMA's wide side and the rows as its narrow side (16 rows at least), so the FP8 weight is streamed once
+    straight into the MMA, never converted. QUANTIZE: X holds the rows in the model dtype and each program
+    quantizes them itself (a pass for their amax, which stays in L2, then each block as it streams: the same bytes
+    and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in XScale. Hopper's FP8 MMA
+    sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K products."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
-    if STATIC:
+    if not QUANTIZE:
+        x_scale = tl.load(XScale + offs_m, mask=mask_m, other=0.0)
+    elif STATIC:
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
         amax = tl.zeros([ROWS], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            in_k = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
-    x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    if QUANTIZE:
+        x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-    partial = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed across threads once, after the loop
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < K, EVEN_K)
-        v = tl.minimum(tl.maximum(x.to(tl.float32) * x_inv_scale[:, None], -FP8_MAX), FP8_MAX)
-        partial += _round_to_e4m3(v)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if QUANTIZE:
+            x = _quantize_block(x, x_inv_scale, FP8_MAX, HW_CAST)
+        acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = tl.sum(partial, axis=2) * x_scale[:, None] * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[None, :]
+    acc = acc * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[:, None] * x_scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])

@@ -1,6 +1,6 @@
-"""The skinny FP8 kernel (rows quantized in the kernel, FP8 weight streamed once) gives what quantize +
-GEMM gives: the same quantized operands, float32 sums in another order (CPU interpreter and GPU); `fp8_linear`
-routes few rows to it only where the tuner chose it."""
+"""The FP8 rows kernel (a decode batch's rows times an FP8 weight on the FP8 MMA, rows quantized in the kernel or
+before it) gives what quantize + GEMM gives: the same quantized operands, float32 sums in another order (CPU
+interpreter and GPU); `fp8_linear` routes a batch's rows to it only where the tuner chose it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import torch
 
 from pdserve.kernels import skinny
 from pdserve.quantization import fp8
+
+IN_KERNEL = fp8.Fp8RowsConfig(16, 32, 4, 1, True)
+QUANTIZED_FIRST = fp8.Fp8RowsConfig(32, 64, 4, 1, False)
 
 
 def operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -21,29 +24,34 @@ def operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dtype = t
     return x.to(device, dtype), w_q.to(device), w_scale.to(device), bias.to(device, dtype)
 
 
-def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg):
+def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance: float):
     """Against the float64 product of the same quantized operands (`torch._scaled_mm`, the GEMM of more rows, is
-    no reference here: Hopper's FP8 MMA sums with fewer bits and rounds to bf16 before an fp16 output)."""
+    no reference here: it rounds to bf16 before an fp16 output)."""
     for static in (None, torch.tensor(0.02, device=x.device)):
         x_q, x_scale = fp8.quantize_tokens_torch(x, static)
         exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
-        got = fp8.skinny_fp8_linear(x, w_q, w_scale, static, bias, cfg).double()
+        got = fp8.fp8_rows_linear(x, w_q, w_scale, static, bias, cfg).double()
         assert torch.equal(fp8.quantize_tokens(x, static)[0].view(torch.uint8), x_q.view(torch.uint8))
-        tolerance = 1e-6 if x.dtype == torch.float32 else 4e-3  # float32 sums; the 16-bit output's rounding
         assert ((got - exact).norm(dim=1) <= tolerance * exact.norm(dim=1)).all(), (got - exact).abs().max()
 
 
-@pytest.mark.parametrize("m, n, k", [(1, 48, 64), (3, 40, 96), (4, 64, 200)])
-def test_skinny_fp8_matches_quantized_linear_interpreted(interpreted, m, n, k):
+@pytest.mark.parametrize("m, n, k, cfg", [(1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (16, 64, 200, IN_KERNEL),
+                                          (4, 48, 64, QUANTIZED_FIRST), (17, 40, 200, QUANTIZED_FIRST)])
+def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n, k, cfg):
     x, w_q, w_scale, bias = operands(m, n, k)
-    for cfg in (skinny.SkinnyConfig(16, 32, 4, 1), skinny.SkinnyConfig(32, 64, 4, 1)):
-        assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg)
+    assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=1e-6)
 
 
-def test_fp8_linear_routes_few_rows_by_the_tuned_choice(monkeypatch):
+def test_candidates_quantize_in_the_kernel_only_up_to_one_tile_of_rows():
+    assert any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS))
+    assert fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1)
+    assert not any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1))
+
+
+def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     x, w_q, w_scale, _ = operands(3, 48, 32)
     calls = []
-    monkeypatch.setattr(fp8, "skinny_fp8_linear", lambda *a: calls.append(a) or fp8.quantized_linear(*a[:5]))
+    monkeypatch.setattr(fp8, "fp8_rows_linear", lambda *a: calls.append(a) or fp8.quantized_linear(*a[:5]))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as on a GPU, computed on the CPU
     monkeypatch.setattr(fp8, "quantize_tokens", fp8.quantize_tokens_torch)
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
@@ -56,11 +64,13 @@ def test_fp8_linear_routes_few_rows_by_the_tuned_choice(monkeypatch):
 
 @pytest.mark.fp8_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_skinny_fp8_on_gpu_and_tuner_choice(dtype):
-    for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (4, 4096, 14336)):
+def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
+    """On the GPU the MMA's partial sums are promoted to float32 every PROMOTE_K products: float32-level error,
+    then the 16-bit output's rounding."""
+    for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
-        for cfg in fp8.FP8_CANDIDATES:
-            assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg)
-    report = fp8.tune_skinny_fp8([1, 4, 16], [(w_q, w_scale)], dtype)
-    assert set(report) == {(1, 4096, 14336), (4, 4096, 14336)}  # more rows than FP8_MAX_ROWS are not tuned
+        for cfg in fp8.fp8_candidates(m):
+            assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
+    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
+    assert set(report) == {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
     assert all(reference > 0 and best > 0 for reference, best in report.values())
