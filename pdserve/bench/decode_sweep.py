@@ -1,12 +1,9 @@
 """Block-shape sweep of the paged split-KV decode kernel on one CUDA GPU, against the measured copy ceiling.
 
-python -m pdserve.bench.decode_sweep --out FILE.json [--kv-dtype fp8_e4m3] [--cases NAME ...]
+python -m pdserve.bench.decode_sweep --out FILE.json [--kv-dtype fp8_e4m3]
 Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64 (1k and 4k contexts), qwen3-0.6b
 heads (16 / 8) at batch 256 with uniform and mixed context lengths. Each config's output is checked against the
-default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep)
-and DecodeConfig's FP8 variants (fp8_bits, cuda_cores, k_rows) are swept too; each row of the JSON records its
-flags, and the log gives the best config of every flag combination under the case's default and best.
-`--cases` keeps the cases whose name contains one of its arguments, e.g. `--cases "llama bs64 ctx4096"`.
+default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep).
 """
 
 from __future__ import annotations
@@ -36,28 +33,11 @@ CASES = [  # name, q heads, kv heads, batch, context lengths (a list: one per re
 ]
 
 
-# FP8 block shapes (block_n, num_warps, num_stages): tensor-core ones, and narrow KV blocks for the CUDA-core variant,
-# whose broadcast products hold BLOCK_H x HEAD_DIM x BLOCK_N values per block in registers.
-FP8_MMA_SHAPES = ((64, 4, 2), (64, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3), (256, 4, 4))
-FP8_CORE_SHAPES = ((16, 4, 2), (32, 4, 3), (32, 8, 3), (64, 8, 3))
-FLAGS = ("fp8_bits", "cuda_cores", "k_rows")
-
-
 def configs(batch: int, kv_dtype: torch.dtype) -> list[DecodeConfig]:
     splits = (64, 128, 256) if batch <= 8 else (256,)
-    if kv_dtype.itemsize == 2:
-        return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product((32, 64, 128), (4, 8), (2, 3), splits)]
-    return fp8_configs(splits)
-
-
-def fp8_configs(splits: tuple[int, ...]) -> list[DecodeConfig]:
-    """Every FP8 variant (DecodeConfig's flags) at 256-token splits, 40 configs; the shorter splits of small batches
-    on the plain kernel only (the variants target per-token work, which large batches expose)."""
-    variants = [dict(fp8_bits=b, k_rows=r) for b in (False, True) for r in (False, True)]
-    rows = [DecodeConfig(*shape, 256, cuda_cores=False, **v) for shape in FP8_MMA_SHAPES for v in variants]
-    rows += [DecodeConfig(*shape, 256, cuda_cores=True, **v) for shape in FP8_CORE_SHAPES for v in variants]
-    rows += [DecodeConfig(*shape, ms) for shape in FP8_MMA_SHAPES for ms in splits if ms != 256]
-    return rows
+    blocks = (32, 64, 128, 256) if kv_dtype.itemsize == 1 else (32, 64, 128)
+    stages = (2, 3, 4) if kv_dtype.itemsize == 1 else (2, 3)
+    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product(blocks, (4, 8), stages, splits)]
 
 
 def run_case(name, hq, hkv, batch, lens, ceiling_gbps, kv_dtype) -> list[dict]:
@@ -87,31 +67,9 @@ def run_case(name, hq, hkv, batch, lens, ceiling_gbps, kv_dtype) -> list[dict]:
             rows.append(dict(case=name, config=cfg.__repr__(), error=repr(e)[:200]))
             continue
         rows.append(dict(case=name, batch=batch, block_n=cfg.block_n, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
-                         **{flag: getattr(cfg, flag) for flag in FLAGS}, max_splits=splits, us=us,
+                         num_stages=cfg.num_stages, min_split_len=cfg.min_split_len, max_splits=splits, us=us,
                          gbps=nbytes / us / 1e3, frac_copy=nbytes / us / 1e3 / ceiling_gbps, rel_err=err))
     return rows
-
-
-def describe(row: dict) -> str:
-    """A timing row in one line: time, share of the copy ceiling, block shape and the FP8 flags that are on."""
-    flags = "".join(f" {flag}" for flag in FLAGS if row[flag])
-    return (f"{row['us']:8.1f} us ({100 * row['frac_copy']:5.1f}%) bn={row['block_n']} w={row['num_warps']} "
-            f"s={row['num_stages']} split={row['min_split_len']}{flags}")
-
-
-def report(name: str, case_rows: list[dict], seconds: float) -> None:
-    """The case's default and best configs; with FP8 variants, the best of each flag combination below."""
-    ok = [r for r in case_rows if "us" in r and r["rel_err"] < 2e-2]
-    shape = lambda r: (r["block_n"], r["num_warps"], r["num_stages"], r["min_split_len"])  # noqa: E731
-    default = next(r for r in ok if shape(r) == (64, 4, 2, 256) and not any(r[flag] for flag in FLAGS))
-    bad = [r for r in case_rows if "error" in r or r.get("rel_err", 0) >= 2e-2]
-    print(f"{name:24s} default {describe(default)}\n{'':24s} best    {describe(min(ok, key=lambda r: r['us']))}"
-          f"  failed {len(bad)}  [{seconds:.0f} s]")
-    combos = sorted({tuple(r[flag] for flag in FLAGS) for r in ok})
-    for combo in combos if len(combos) > 1 else ():
-        best = min((r for r in ok if tuple(r[flag] for flag in FLAGS) == combo), key=lambda r: r["us"])
-        print(f"{'':24s}   {describe(best)}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +91,14 @@ def main() -> None:
         t = time.perf_counter()
         case_rows = run_case(*case, ceiling, kv_dtype)
         rows += case_rows
-        report(case[0], case_rows, time.perf_counter() - t)
+        ok = [r for r in case_rows if "us" in r and r["rel_err"] < 2e-2]
+        default = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == (64, 4, 2)
+                       and r["min_split_len"] == 256)
+        best = min(ok, key=lambda r: r["us"])
+        bad = [r for r in case_rows if "error" in r or r.get("rel_err", 0) >= 2e-2]
+        print(f"{case[0]:24s} default {default['us']:8.1f} us ({100 * default['frac_copy']:4.1f}%)  best "
+              f"{best['us']:8.1f} us ({100 * best['frac_copy']:4.1f}%) bn={best['block_n']} w={best['num_warps']} "
+              f"s={best['num_stages']} split={best['min_split_len']}  failed {len(bad)}  [{time.perf_counter() - t:.0f} s]")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                    "kv_dtype": args.kv_dtype, "copy_gbps": ceiling, "rows": rows}, f, indent=1)

@@ -4,7 +4,7 @@ shapes of qwen3-0.6b and llama-3.1-8b, timed inside CUDA graphs (as the decode s
 python -m pdserve.bench.skinny_sweep --out FILE.json [--weights fp8 --shapes llama]
 With `--weights fp8` the weights are E4M3 with per-row scales and the baseline is quantize + `torch._scaled_mm`
 (`pdserve.quantization.fp8.quantized_linear`) against the FP8 rows kernel, with the rows quantized in the kernel
-(up to 16 rows) or by one launch before it.
+or by one launch before it, and K split across 1, 2 or 4 programs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
 from pdserve.quantization.fp8 import (
     FP8_CANDIDATES,
-    FP8_IN_KERNEL_ROWS,
     Fp8RowsConfig,
     fp8_rows_linear,
     quantize_rows,
@@ -37,8 +36,9 @@ SHAPES = {  # name: (out features N, in features K)
 }
 SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256, 512), (3, 4))
          if bn * bk <= 16384]
-FP8_SWEEP = [Fp8RowsConfig(bn, bk, 8 if bn == 128 else 4, s, q)
-             for bn, bk, s, q in itertools.product((16, 32, 64, 128), (128, 256, 512), (3, 4), (True, False))]
+FP8_SWEEP = [Fp8RowsConfig(bn, bk, 8 if bn == 128 else 4, s, q, split)
+             for bn, bk, s, q, split in itertools.product((32, 64, 128), (128, 256, 512), (3, 4), (True, False), (1, 2, 4))
+             if split == 1 or (bk, s) == (256, 4)]
 
 
 def operands(n: int, k: int, m: int, weights: str):
@@ -52,7 +52,7 @@ def operands(n: int, k: int, m: int, weights: str):
     return (w_q, lambda: quantized_linear(x, w_q, scale, None, None),
             lambda cfg: fp8_rows_linear(x, w_q, scale, None, None, cfg),
             quantized_linear(x.float(), w_q, scale, None, None),
-            [cfg for cfg in FP8_SWEEP if m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel])
+            FP8_SWEEP)
 
 
 def config_fields(cfg) -> list:

@@ -30,11 +30,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split_len: int = 256
-    # Variants for an FP8 cache, where the kernel is bound by per-token work rather than bytes (H200, batch 64 x 4k:
-    # 58% of the copy ceiling, bf16 at 103%); forced off for other caches. See _decode_split_kernel.
-    fp8_bits: bool = False
-    cuda_cores: bool = False
-    k_rows: bool = False
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
@@ -115,71 +110,6 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
     return tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_LEN), MAX_SPLITS), 1)
 
 
-@triton.jit
-def _e4m3_quads_to_fp16(w):
-    """int32 words of 4 E4M3 bytes -> their values times 2^-8 as fp16, shaped [..., 2, 2] (row-major: byte order).
-
-    E4M3's 7 magnitude bits shifted left by 7 land in fp16's exponent and top mantissa bits: exponent bias 7 read
-    with bias 15 is a factor 2^-8, exact for normals and subnormals (only NaN, which a cache never holds, breaks).
-    Working on whole words turns 4 bytes into 2 fp16 pairs with a few 32-bit masks and shifts, where per-byte
-    widening costs several 16-bit ops a value."""
-    w = w.to(tl.uint32, bitcast=True)
-    even = ((w & 0x007F007F) << 7) | ((w & 0x00800080) << 8)  # bytes 0 and 2 in the low and high halves
-    odd = ((w & 0x7F007F00) >> 1) | (w & 0x80008000)  # bytes 1 and 3
-    b0, b2 = _fp16_halves(even)
-    b1, b3 = _fp16_halves(odd)
-    return tl.join(tl.join(b0, b2), tl.join(b1, b3))
-
-
-@triton.jit
-def _fp16_halves(w):
-    """uint32 words holding two fp16 bit patterns -> (low, high) as fp16."""
-    return w.to(tl.uint16).to(tl.float16, bitcast=True), (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _kv_tile(Ptr, slot, mask_n, stride_t, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-             FP8_BITS: tl.constexpr):
-    """One kv head's tile at `slot`: [BLOCK_N, HEAD_DIM] if ROWS, else the transposed pointer view [HEAD_DIM, BLOCK_N].
-    FP8_BITS: Ptr (and stride_t) count int32 words of 4 E4M3 bytes; the tile is fp16, 2^-8 times the values."""
-    if FP8_BITS:
-        offs = tl.arange(0, HEAD_DIM // 4)
-    else:
-        offs = tl.arange(0, HEAD_DIM)
-    if ROWS:
-        x = tl.load(Ptr + slot[:, None] * stride_t + offs[None, :], mask=mask_n[:, None], other=0.0)
-        if FP8_BITS:
-            x = tl.reshape(_e4m3_quads_to_fp16(x), (BLOCK_N, HEAD_DIM))
-    else:
-        x = tl.load(Ptr + slot[None, :] * stride_t + offs[:, None], mask=mask_n[None, :], other=0.0)
-        if FP8_BITS:
-            x = tl.reshape(tl.permute(_e4m3_quads_to_fp16(x), (0, 2, 3, 1)), (HEAD_DIM, BLOCK_N))
-    return x
-
-
-@triton.jit
-def _scores(q, k, K_ROWS: tl.constexpr, CUDA_CORES: tl.constexpr):
-    """q [BLOCK_H, D] against the K tile: [BLOCK_H, BLOCK_N] fp32. CUDA_CORES: q is fp32, broadcast products."""
-    if CUDA_CORES:
-        if K_ROWS:
-            qk = tl.sum(q[:, None, :] * k[None, :, :].to(tl.float32), 2)
-        else:
-            qk = tl.sum(q[:, :, None] * k[None, :, :].to(tl.float32), 1)
-    else:
-        if K_ROWS:
-            k = tl.trans(k)
-        qk = tl.dot(q, k.to(q.dtype))
-    return qk
-
-
-@triton.jit
-def _weighted_values(p, v, CUDA_CORES: tl.constexpr):
-    """p [BLOCK_H, BLOCK_N] (already in the dots' dtype) times the V tile [BLOCK_N, D]: [BLOCK_H, D] fp32."""
-    if CUDA_CORES:
-        return tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), 1)
-    return tl.dot(p, v.to(p.dtype))
-
-
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
@@ -187,22 +117,12 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    FP8_BITS: tl.constexpr, CUDA_CORES: tl.constexpr, K_ROWS: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
-    FP16_DOTS (an FP8 cache read by bf16 or fp16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3
-    to fp16 is one instruction for two values, to bf16 four) and with half the bytes per token the bf16 conversion
+    FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
+    fp16 is one instruction for two values, to bf16 four) and with half the bytes per token the bf16 conversion
     was the bound (H200, 2026-11-27: batch 64 x 4k at 54% of the copy ceiling). q is rounded to fp16 once (exact
-    in fp16's normal range; a query beyond 65504 would overflow) and the probabilities get 10 mantissa bits.
-
-    Variants for an FP8 cache (DecodeConfig; pdserve.bench.decode_sweep times them), all equal up to fp32 rounding:
-    FP8_BITS: K and V load as int32 words and become fp16 by integer masks and shifts (_e4m3_quads_to_fp16) instead
-    of the conversion instruction, whose throughput may be the bound; the launcher folds the 2^8 into the scales.
-    CUDA_CORES: no tl.dot: BLOCK_H is GROUP rounded up to a power of 2 (not 16 MMA rows, 4x the work at GROUP 4),
-    products in fp32 on the CUDA cores, and no MMA operand layout for the 8-bit V tile (its reduction axis, the
-    tokens, is not contiguous in memory: bytes of 4 rows per operand register).
-    K_ROWS: K loads as [BLOCK_N, HEAD_DIM] rows and is transposed in registers, giving the compiler the same
-    row-contiguous layout as V instead of the transposed pointer view."""
+    in fp16's normal range; a query beyond 65504 would overflow) and the probabilities get 10 mantissa bits."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -221,8 +141,6 @@ def _decode_split_kernel(
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     if FP16_DOTS:
         q = q.to(tl.float16)
-    if CUDA_CORES:
-        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -233,15 +151,15 @@ def _decode_split_kernel(
         mask_n = pos < end
         page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        k = _kv_tile(K + kvh * stride_kh, slot, mask_n, stride_kt, HEAD_DIM, BLOCK_N, K_ROWS, FP8_BITS)
-        qk = _scores(q, k, K_ROWS, CUDA_CORES) * sm_scale_log2
+        k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
+        qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _kv_tile(V + kvh * stride_vh, slot, mask_n, stride_vt, HEAD_DIM, BLOCK_N, True, FP8_BITS)
-        acc = acc * alpha[:, None] + _weighted_values(p.to(q.dtype), v, CUDA_CORES)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
@@ -286,19 +204,6 @@ def decode_workspace(batch_size: int, num_heads: int, head_dim: int, max_splits:
     return partial_o, partial_lse
 
 
-def _decode_variant(cfg: DecodeConfig, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> dict:
-    """The split kernel's constexpr flags: cfg's FP8 variants apply to an FP8 cache only (bf16 caches are at the copy
-    ceiling already), FP8_BITS further to E4M3 read through fp16 dots (its fp16 tiles feed them as they are)."""
-    fp8 = kv_dtype.itemsize == 1
-    fp16_dots = fp8 and q_dtype in (torch.bfloat16, torch.float16)
-    return dict(
-        FP16_DOTS=fp16_dots,
-        FP8_BITS=cfg.fp8_bits and fp16_dots and kv_dtype == torch.float8_e4m3fn and head_dim % 4 == 0,
-        CUDA_CORES=cfg.cuda_cores and fp8,
-        K_ROWS=cfg.k_rows and fp8,
-    )
-
-
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scaling: float, page_size: int, max_splits: int,
@@ -321,19 +226,14 @@ def decode_attention(
     if max_splits > 1 and partial_o is None:
         partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
     cfg = config or decode_config(batch)
-    variant = _decode_variant(cfg, q.dtype, k_cache.dtype, head_dim)
-    if variant["FP8_BITS"]:  # int32 words of 4 bytes; the tiles come out 2^-8 times the values
-        k_cache, v_cache = k_cache.view(torch.int32), v_cache.view(torch.int32)
-        k_scale, v_scale = k_scale * 256.0, v_scale * 256.0
-    padded = 1 if variant["CUDA_CORES"] else 16  # MMA rows
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         scaling * LOG2E * k_scale, v_scale,
-        GROUP=group, BLOCK_H=max(padded, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len, **variant,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if max_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

@@ -22,35 +22,43 @@ from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
-FP8_IN_KERNEL_ROWS = 16  # up to this many rows the rows kernel may quantize them itself (one MMA tile's rows)
 PROMOTE_K = 32  # the FP8 MMA's partial sums are added in float32 every PROMOTE_K products (one MMA's K)
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8RowsConfig:
     """A block shape of `fp8_rows_kernel`: a weight block of block_n x block_k bytes; quantize_in_kernel: the kernel
-    quantizes the rows itself (<= FP8_IN_KERNEL_ROWS rows), else one `quantize_tokens` launch before it."""
+    quantizes the rows itself, else one `quantize_tokens` launch before it; split_k: programs per column block."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     quantize_in_kernel: bool
+    split_k: int = 1
 
 
 FP8_CANDIDATES = (  # the block shapes the tuner tries
     Fp8RowsConfig(64, 256, 4, 4, True),
-    Fp8RowsConfig(32, 512, 4, 4, True),
-    Fp8RowsConfig(128, 256, 4, 3, True),
+    Fp8RowsConfig(32, 256, 4, 4, True),
+    Fp8RowsConfig(128, 256, 8, 3, True),
+    Fp8RowsConfig(64, 256, 4, 4, True, 4),
     Fp8RowsConfig(64, 256, 4, 4, False),
     Fp8RowsConfig(32, 256, 4, 4, False),
-    Fp8RowsConfig(64, 128, 4, 4, False),
     Fp8RowsConfig(128, 128, 8, 3, False),
+    Fp8RowsConfig(64, 256, 4, 4, False, 4),
 )
+SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)
+_split_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def fp8_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
-    return tuple(cfg for cfg in FP8_CANDIDATES if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+def split_counters(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 counters split-K launches on this device's current stream count in; each launch leaves
+    them zero again, and launches on one stream run one after another, so they never share a live counter."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    if key not in _split_counters:
+        _split_counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _split_counters[key]
 
 
 # activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
@@ -118,19 +126,27 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     m, k = x.shape
     n = weight.shape[0]
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
-    assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
     if cfg.quantize_in_kernel:
         rows, row_scale = x, weight_scale  # row_scale: unused
     else:
         rows, row_scale = quantize_tokens(x, input_scale)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    fp8_rows_kernel[(triton.cdiv(n, cfg.block_n),)](
+    padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(n, cfg.block_n)
+    k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    partial, counters = weight_scale, weight_scale  # unused unless split
+    if cfg.split_k > 1:
+        assert column_blocks <= SPLIT_COUNTERS
+        partial = torch.empty(cfg.split_k * column_blocks * cfg.block_n * padded_rows, dtype=torch.float32,
+                              device=x.device)
+        counters = split_counters(x.device)
+    fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, QUANTIZE=cfg.quantize_in_kernel,
-        STATIC=input_scale is not None, HW_CAST=x.is_cuda, ROWS=max(16, triton.next_power_of_2(m)),
+        bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
+        weight.stride(0), out.stride(0), FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE,
+        QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=x.is_cuda, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        PROMOTE_K=PROMOTE_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -140,7 +156,7 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
-    return SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
+    return SkinnyTuner(rows, "FP8 rows linear", FP8_CANDIDATES, FP8_MAX_ROWS).tune(
         [w for w, _ in layers], x_dtype,
         baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
         candidate=lambda x, w, cfg: fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg),

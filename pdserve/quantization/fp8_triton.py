@@ -55,18 +55,23 @@ def _quantize_block(x, x_inv_scale, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
-    X, XScale, W, WScale, StaticScale, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """Output columns [pid * BLOCK_N, +BLOCK_N) of the M <= ROWS rows on the FP8 tensor cores, the weight block as
-    the MMA's wide side and the rows as its narrow side (16 rows at least), so the FP8 weight is streamed once
-    straight into the MMA, never converted. QUANTIZE: X holds the rows in the model dtype and each program
-    quantizes them itself (a pass for their amax, which stays in L2, then each block as it streams: the same bytes
-    and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in XScale. Hopper's FP8 MMA
-    sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K products."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows on the FP8 tensor cores, the weight block as
+    the MMA's wide side and the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight
+    is streamed once straight into the MMA, never converted. QUANTIZE: X holds the rows in the model dtype and each
+    program quantizes them itself (a pass for their amax, which stays in L2, then each block as it streams: the
+    same bytes and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in XScale.
+    Hopper's FP8 MMA sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K
+    products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
+    programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
+    itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
@@ -84,15 +89,29 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    k_start = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
+    x_ptrs += k_start
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < K, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         if QUANTIZE:
             x = _quantize_block(x, x_inv_scale, FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + offs_m[None, :]
+        tl.store(Partial + (tl.program_id(1) * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile, acc)
+        tl.debug_barrier()  # every thread's partial stored before the counter's release
+        if tl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+        for split in range(SPLIT_K):
+            acc += tl.load(Partial + (split * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile,
+                           cache_modifier=".cg")
+        tl.store(Counters + pid_n, 0)
     acc = acc * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[:, None] * x_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]

@@ -10,13 +10,10 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from paged_attention_reference import make_batch, reference_attention, rel_err
 from pdserve import SamplingParams
 from pdserve.forward_batch import ForwardMode
-from pdserve.kernels import attention
 from pdserve.kernels import build_cos_sin_cache, qk_norm_rope_store_kv_ref
 from pdserve.mem_cache.kv_pool import KVPool
 from pdserve.mem_cache.kv_quant import KVScales, dequantize, round_trip
@@ -193,65 +190,3 @@ def test_fp8_store_and_attention_cuda(dtype):
         ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
                                   reference_pool, batch, 128**-0.5)
         assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
-
-
-@triton.jit
-def _e4m3_words_kernel(Words, Out, N: tl.constexpr):
-    w = tl.load(Words + tl.arange(0, N))
-    tl.store(Out + tl.arange(0, 4 * N), tl.reshape(attention._e4m3_quads_to_fp16(w), (4 * N,)))
-
-
-def test_e4m3_words_become_fp16_times_2_pow_minus_8(interpreted):
-    """Every E4M3 byte but NaN, 4 to an int32 word, comes out as its value times 2^-8 in fp16, in byte order."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    convert = InterpretedFunction(_e4m3_words_kernel.fn)
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 254 + 2 pad
-    out = torch.empty(256, dtype=torch.float16)
-    convert[(1,)](codes.view(torch.int32), out, N=64)
-    expected = codes.view(torch.float8_e4m3fn).float() * 2.0**-8
-    assert torch.equal(out.float(), expected)
-
-
-FP8_VARIANTS = [dict(fp8_bits=b, cuda_cores=c, k_rows=r) for b in (False, True) for c in (False, True)
-                for r in (False, True)][1:]
-
-
-def fp8_decode_case(group: int):
-    """A decode batch over an E4M3 cache holding subnormals and +-448 (seq lens 1, 38, 151: none a multiple of the
-    kernel's 32-token blocks), bf16 queries, and the float32 reference over the dequantized pages."""
-    batch, pool, q, _, _ = make_batch([(0, 1), (37, 1), (150, 1)], page_size=4, num_heads=2 * group, num_kv_heads=2,
-                                      head_dim=32, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
-    values = pool.buffer[:, 0] * 8
-    values[..., 0] *= 2.0**-9  # subnormal in E4M3
-    values[..., 1] = values[..., 1].sign() * 448  # the largest E4M3
-    k_cache, v_cache = values.to(torch.float8_e4m3fn)
-    dequantized = KVPool(pool.layout, "cpu")
-    dequantized.buffer[0, 0], dequantized.buffer[1, 0] = k_cache.float() * 0.02, v_cache.float() * 0.03
-    new = batch.out_cache_loc
-    q = q.to(torch.bfloat16)
-    ref = reference_attention(q.float(), dequantized.k_buffer(0)[new], dequantized.v_buffer(0)[new], dequantized,
-                              batch, 0.125)
-    return batch, q, k_cache, v_cache, ref
-
-
-@pytest.mark.parametrize("group", [2, 4])
-@pytest.mark.parametrize("max_splits", [1, 4])
-def test_fp8_decode_variants_match_the_default(interpreted, group, max_splits):
-    """DecodeConfig's FP8 variants (pdserve.bench.decode_sweep times them) compute the default kernel's output: the
-    bit conversion and the K row tiles exactly (up to fp32 reassociation), the CUDA-core products up to the default's
-    fp16 rounding of the probabilities."""
-    from pdserve.kernels.attention import DecodeConfig, decode_attention
-
-    batch, q, k_cache, v_cache, ref = fp8_decode_case(group)
-
-    def decode(**variant) -> torch.Tensor:
-        out = torch.empty_like(q)
-        cfg = DecodeConfig(block_n=32, num_warps=4, num_stages=1, min_split_len=32, **variant)
-        return decode_attention(q, k_cache, v_cache, batch.page_table, batch.seq_lens, out, 0.125, 4, max_splits,
-                                config=cfg, k_scale=0.02, v_scale=0.03).float()
-
-    default = decode()
-    assert rel_err(default, ref) < 5e-3
-    for variant in FP8_VARIANTS:
-        assert rel_err(decode(**variant), default) < (1e-4 if variant["cuda_cores"] else 1e-6), variant

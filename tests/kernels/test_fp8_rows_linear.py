@@ -12,6 +12,8 @@ from pdserve.quantization import fp8
 
 IN_KERNEL = fp8.Fp8RowsConfig(16, 32, 4, 1, True)
 QUANTIZED_FIRST = fp8.Fp8RowsConfig(32, 64, 4, 1, False)
+IN_KERNEL_SPLIT = fp8.Fp8RowsConfig(16, 32, 4, 1, True, 3)
+QUANTIZED_FIRST_SPLIT = fp8.Fp8RowsConfig(16, 64, 4, 1, False, 2)
 
 
 def operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -35,17 +37,16 @@ def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance: floa
         assert ((got - exact).norm(dim=1) <= tolerance * exact.norm(dim=1)).all(), (got - exact).abs().max()
 
 
-@pytest.mark.parametrize("m, n, k, cfg", [(1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (16, 64, 200, IN_KERNEL),
-                                          (4, 48, 64, QUANTIZED_FIRST), (17, 40, 200, QUANTIZED_FIRST)])
+@pytest.mark.parametrize("m, n, k, cfg", [
+    (1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (16, 64, 200, IN_KERNEL), (4, 48, 64, QUANTIZED_FIRST),
+    (17, 40, 200, QUANTIZED_FIRST), (3, 40, 200, IN_KERNEL_SPLIT), (5, 48, 256, QUANTIZED_FIRST_SPLIT),
+])
 def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n, k, cfg):
+    """Split K included (K = 200 in splits of 96, 96 and 8): the last program of a column block adds the partials
+    and leaves the counters zero for the next launch."""
     x, w_q, w_scale, bias = operands(m, n, k)
     assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=1e-6)
-
-
-def test_candidates_quantize_in_the_kernel_only_up_to_one_tile_of_rows():
-    assert any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS))
-    assert fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1)
-    assert not any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1))
+    assert not fp8.split_counters(x.device).any()
 
 
 def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
@@ -66,11 +67,12 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
     """On the GPU the MMA's partial sums are promoted to float32 every PROMOTE_K products: float32-level error,
-    then the 16-bit output's rounding."""
+    then the 16-bit output's rounding; split-K launches leave the counters zero."""
     for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
-        for cfg in fp8.fp8_candidates(m):
+        for cfg in fp8.FP8_CANDIDATES:
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
+    assert not fp8.split_counters(x.device).any()
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
     assert set(report) == {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
     assert all(reference > 0 and best > 0 for reference, best in report.values())
