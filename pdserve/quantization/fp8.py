@@ -38,16 +38,22 @@ class Fp8RowsConfig:
     split_k: int = 1
 
 
-FP8_CANDIDATES = (  # the block shapes the tuner tries
-    Fp8RowsConfig(64, 256, 4, 4, True),
-    Fp8RowsConfig(32, 256, 4, 4, True),
-    Fp8RowsConfig(128, 256, 8, 3, True),
-    Fp8RowsConfig(64, 256, 4, 4, True, 4),
-    Fp8RowsConfig(64, 256, 4, 4, False),
-    Fp8RowsConfig(32, 256, 4, 4, False),
-    Fp8RowsConfig(128, 128, 8, 3, False),
-    Fp8RowsConfig(64, 256, 4, 4, False, 4),
-)
+# the block shapes the tuner tries: the fastest of pdserve.bench.skinny_sweep --weights fp8 for each llama-3.1-8b
+# projection at 1 and 64 rows (H200, 2026-11-27; rows quantized before the kernel), the 1-row ones also quantizing
+# the rows in the kernel, which saves a launch where the amax pass is one load (FP8_IN_KERNEL_ROWS)
+_ROW_SHAPES = ((64, 256, 4, 4, 4), (64, 256, 4, 3, 1), (32, 512, 4, 4, 1))
+_BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (128, 256, 8, 4, 4))
+FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
+                       for in_kernel in (True, False)) + tuple(
+    Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
+FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
+AMAX_ELEMENTS = 16384  # the in-kernel amax pass loads up to this many elements at once (a row of K <= 16384)
+
+
+def fp8_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
+    return tuple(cfg for cfg in FP8_CANDIDATES if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+
+
 SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)
 _split_counters: dict[tuple[torch.device, int], torch.Tensor] = {}
 
@@ -126,6 +132,7 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     m, k = x.shape
     n = weight.shape[0]
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
+    assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
     if cfg.quantize_in_kernel:
         rows, row_scale = x, weight_scale  # row_scale: unused
     else:
@@ -146,6 +153,7 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=x.is_cuda, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
+        AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
         num_stages=cfg.num_stages,
     )
     return out
@@ -156,7 +164,7 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
-    return SkinnyTuner(rows, "FP8 rows linear", FP8_CANDIDATES, FP8_MAX_ROWS).tune(
+    return SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
         [w for w, _ in layers], x_dtype,
         baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
         candidate=lambda x, w, cfg: fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg),

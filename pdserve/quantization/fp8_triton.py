@@ -59,12 +59,15 @@ def fp8_rows_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows on the FP8 tensor cores, the weight block as
     the MMA's wide side and the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight
     is streamed once straight into the MMA, never converted. QUANTIZE: X holds the rows in the model dtype and each
-    program quantizes them itself (a pass for their amax, which stays in L2, then each block as it streams: the
-    same bytes and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in XScale.
+    program quantizes them itself (a pass for their amax in AMAX_BLOCK columns at a time, a whole row of a few rows
+    in one load: that pass is a chain of L2 round trips before the first weight block; then each block as it
+    streams: the same bytes and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in
+    XScale.
     Hopper's FP8 MMA sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
@@ -83,8 +86,10 @@ def fp8_rows_kernel(
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
         amax = tl.zeros([ROWS], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & ((k0 + offs_k) < K)[None, :], other=0.0)
+        offs_a = tl.arange(0, AMAX_BLOCK)
+        for k0 in range(0, K, AMAX_BLOCK):
+            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :],
+                        mask=mask_m[:, None] & ((k0 + offs_a) < K)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:

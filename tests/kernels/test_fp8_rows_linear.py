@@ -38,8 +38,9 @@ def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance: floa
 
 
 @pytest.mark.parametrize("m, n, k, cfg", [
-    (1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (16, 64, 200, IN_KERNEL), (4, 48, 64, QUANTIZED_FIRST),
+    (1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (4, 48, 64, QUANTIZED_FIRST),
     (17, 40, 200, QUANTIZED_FIRST), (3, 40, 200, IN_KERNEL_SPLIT), (5, 48, 256, QUANTIZED_FIRST_SPLIT),
+    (8, 32, 2100, IN_KERNEL),  # an amax pass of 2048 + 52 columns
 ])
 def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n, k, cfg):
     """Split K included (K = 200 in splits of 96, 96 and 8): the last program of a column block adds the partials
@@ -47,6 +48,12 @@ def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n,
     x, w_q, w_scale, bias = operands(m, n, k)
     assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=1e-6)
     assert not fp8.split_counters(x.device).any()
+
+
+def test_only_few_rows_are_quantized_in_the_kernel():
+    assert any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS))
+    assert not any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1))
+    assert fp8.fp8_candidates(fp8.FP8_MAX_ROWS)
 
 
 def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
@@ -70,7 +77,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
     then the 16-bit output's rounding; split-K launches leave the counters zero."""
     for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
-        for cfg in fp8.FP8_CANDIDATES:
+        for cfg in fp8.fp8_candidates(m):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
     assert not fp8.split_counters(x.device).any()
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
