@@ -1,6 +1,7 @@
 """Draw docs/img/*.png from the GPU results kept in benchmarks/results/<date>/ (JSON and logs the benchmarks wrote).
 
-python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21] [--out docs/img]
+python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
+    [--fp8-results benchmarks/results/2026-11-27b/call3] [--out docs/img]
 """
 
 from __future__ import annotations
@@ -111,14 +112,37 @@ def plot_pd_ttft(results: Path, out: Path) -> None:
     finish(fig, ax, "added TTFT over colocated (ms)", "PD vs colocated TTFT, llama-3.1-8b, concurrency 1, 2x H200, 2026-11-21", out / "pd_ttft.png")
 
 
+def plot_fp8_decode(results: Path, out: Path) -> None:
+    """bf16 against FP8 time between tokens, one_batch JSON of one call (ob_bf16, ob_fp8, ob4k_bf16, ob4k_fp8)."""
+    cases = []
+    for suffix, label in (("", "FP8 weights"), ("4k", "FP8 weights + KV")):
+        bf16, fp8 = (json.loads((results / f"ob{suffix}_{q}" / "one_batch.json").read_text())["rows"]
+                     for q in ("bf16", "fp8"))
+        for base, cand in zip(bf16, fp8):
+            cases.append((f"bs={base['batch_size']} in={base['input_len']}\n{label}", 1e3 * base["tbt_s"],
+                          1e3 * cand["tbt_s"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(cases))
+    ax.bar([x - 0.2 for x in xs], [c[1] for c in cases], width=0.4, label="bf16")
+    bars = ax.bar([x + 0.2 for x in xs], [c[2] for c in cases], width=0.4, label="FP8")
+    for bar, (_, base, cand) in zip(bars, cases):
+        ax.annotate(f"{cand / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom")
+    ax.set_xticks(list(xs), [c[0] for c in cases])
+    finish(fig, ax, "time between tokens (ms)", "llama-3.1-8b decode, bf16 vs FP8, H200, 2026-11-27",
+           out / "fp8_decode.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
+    parser.add_argument("--fp8-results", type=Path, default=Path("benchmarks/results/2026-11-27b/call3"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for plot in (plot_offline, plot_decode, plot_kv_transfer, plot_pd_ttft):
         plot(args.results, args.out)
+    plot_fp8_decode(args.fp8_results, args.out)
 
 
 if __name__ == "__main__":
