@@ -37,8 +37,11 @@ model() {
 }
 
 suite_tests() {
-  TAILN=40 step 170 gpu_tests python3 -m pytest -q -p no:cacheprovider tests -m gpu
-  CUDA_LAUNCH_BLOCKING=1 TAILN=40 step 60 graph_tests python3 -m pytest -q -p no:cacheprovider tests -m gpu -k cuda_graph
+  # modules importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh) are
+  # reported as collection errors; the rest still run
+  TAILN=40 step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests -m gpu
+  CUDA_LAUNCH_BLOCKING=1 TAILN=40 step 60 graph_tests python3 -m pytest -q -p no:cacheprovider \
+    --continue-on-collection-errors tests -m gpu -k cuda_graph
 }
 
 suite_engine() {
