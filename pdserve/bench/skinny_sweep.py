@@ -23,8 +23,8 @@ from pdserve.bench.roofline import Ceilings
 from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
 from pdserve.quantization.fp8 import (
     FP8_CANDIDATES,
-    FP8_IN_KERNEL_ROWS,
     Fp8RowsConfig,
+    fp8_candidates,
     fp8_rows_linear,
     quantize_rows,
     quantized_linear,
@@ -53,7 +53,7 @@ def operands(n: int, k: int, m: int, weights: str):
     return (w_q, lambda: quantized_linear(x, w_q, scale, None, None),
             lambda cfg: fp8_rows_linear(x, w_q, scale, None, None, cfg),
             quantized_linear(x.float(), w_q, scale, None, None),
-            [cfg for cfg in FP8_SWEEP if m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel])
+            fp8_candidates(m, FP8_SWEEP))
 
 
 def config_fields(cfg) -> list:

@@ -21,6 +21,10 @@ from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+# activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
+# the torch ops, the Triton kernels and every device give the same scale bits
+INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
+MIN_SCALE = 1e-12  # an all-zero row (a padding row, a zero activation) still divides by something
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
 PROMOTE_K = 32  # the FP8 MMA's partial sums are added in float32 every PROMOTE_K products (one MMA's K)
 
@@ -50,8 +54,9 @@ FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 AMAX_ELEMENTS = 16384  # the in-kernel amax pass loads up to this many elements at once (a row of K <= 16384)
 
 
-def fp8_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
-    return tuple(cfg for cfg in FP8_CANDIDATES if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+def fp8_candidates(rows: int, configs: Iterable[Fp8RowsConfig] = FP8_CANDIDATES) -> tuple[Fp8RowsConfig, ...]:
+    """The configs that may run `rows` rows: those quantizing in the kernel only up to FP8_IN_KERNEL_ROWS."""
+    return tuple(cfg for cfg in configs if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
 
 
 SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)
@@ -65,12 +70,6 @@ def split_counters(device: torch.device) -> torch.Tensor:
     if key not in _split_counters:
         _split_counters[key] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return _split_counters[key]
-
-
-# activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
-# the torch ops, the Triton kernels and every device give the same scale bits
-INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
-MIN_SCALE = 1e-12  # an all-zero row (a padding row, a zero activation) still divides by something
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
