@@ -19,7 +19,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 DECODE_MAX_SPLITS = 64
-V_WORDS = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,16 +110,6 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
     return tl.maximum(tl.minimum(tl.cdiv(seq_len, MIN_SPLIT_LEN), MAX_SPLITS), 1)
 
 
-@triton.jit
-def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS // 4] int32 words, each four FP8 values in memory order, -> [ROWS, COLS] in dtype."""
-    b0 = (words & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
-    b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
-    b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
-    b3 = ((words >> 24) & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
-    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [ROWS, COLS])
-
-
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
@@ -128,7 +117,6 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    V_WORDS: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -150,7 +138,6 @@ def _decode_split_kernel(
     mask_g = offs_g < GROUP
     heads = kvh * GROUP + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_w = tl.arange(0, HEAD_DIM // 4)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g[:, None], other=0.0)
     if FP16_DOTS:
         q = q.to(tl.float16)
@@ -171,13 +158,7 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_WORDS:
-            words = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :], mask=mask_n[:, None],
-                            other=0)
-            v = _fp8_words_to(words, K.dtype.element_ty, q.dtype, BLOCK_N, HEAD_DIM)
-        else:
-            v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None],
-                        other=0.0)
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
@@ -245,18 +226,14 @@ def decode_attention(
     if max_splits > 1 and partial_o is None:
         partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
     cfg = config or decode_config(batch)
-    fp8 = k_cache.dtype.itemsize == 1
-    v_words = fp8 and V_WORDS and head_dim % 4 == 0
-    v_arg = v_cache.view(torch.int32) if v_words else v_cache
-    div = 4 if v_words else 1
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_arg, page_table, seq_lens, out, partial_o, partial_lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0) // div, v_cache.stride(1) // div,
+        q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=v_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if max_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](

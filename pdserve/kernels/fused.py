@@ -6,14 +6,73 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.mem_cache.kv_quant import float32, fp8_max, is_fp8
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest E4M3 value, ties to even: the spacing is 2^(exponent - 3), at least
+    2^-9 (subnormals); |v| / spacing < 16, where adding and subtracting 2^23 rounds to an integer, ties to even.
+    The sign bit is v's (a negative value rounding to zero is -0, as torch's cast gives)."""
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    per_spacing = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / spacing, exact
+    magnitude = ((tl.abs(v) * per_spacing + 8388608.0) - 8388608.0) * spacing
+    return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_fp8_rows(y, rows, cols, mask, n_rows, QOut, QScale, StaticScale, stride_q, FP8_MAX: tl.constexpr,
+                   INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
+    """Rows y [R, BLOCK] (float32, zero outside mask) quantized per row into QOut (E4M3) with their scales in
+    QScale: amax * INV_FP8_MAX (at least MIN_SCALE) or the static scale, values times the scale's float32
+    reciprocal, clamped and rounded here, so the cast is exact (Triton's interpreter rounds a value that carries into
+    the next power of two wrongly) and every kernel writes the bytes and scales of `ops.quantize_tokens_ref`."""
+    if STATIC:
+        scale = tl.zeros_like(tl.max(y, 1)) + tl.load(StaticScale)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(y), 1) * INV_FP8_MAX, MIN_SCALE)
+    v = tl.minimum(tl.maximum(y * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], -FP8_MAX), FP8_MAX)
+    tl.store(QOut + rows[:, None] * stride_q + cols[None, :], round_to_e4m3(v).to(QOut.dtype.element_ty), mask=mask)
+    tl.store(QScale + rows, scale, mask=rows < n_rows)
+
+
+@triton.jit
+def _quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
+                            INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < K)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    store_fp8_rows(x, rows, cols, mask, rows + 1, Q, Scale, StaticScale, stride_q, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
+                   STATIC)
+
+
+def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.quantize_tokens` of a 2-D x in one launch instead of its torch ops (about 9 small kernels a linear
+    layer, each one more launch in the decode CUDA graphs): the same bytes and scales."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q, scale = fp8.empty(m, k, x.device)
+    block = triton.next_power_of_2(k)
+    _quantize_tokens_kernel[(m,)](
+        x, q, scale, fp8.scale_arg(scale), x.stride(0), q.stride(0), k, **fp8.constants(), BLOCK=block,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+    )
+    return q, scale
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _rmsnorm_kernel(
-    X, Res, W, Out, ResOut, n_rows, stride_x, stride_r, stride_o, stride_ro, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    X, Res, W, Out, ResOut, QScale, StaticScale, n_rows, stride_x, stride_r, stride_o, stride_ro, eps,
+    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
 ):
+    """QUANT: Out is FP8 and takes the normed rows quantized per row (`store_fp8_rows`), their scales in QScale."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -25,32 +84,36 @@ def _rmsnorm_kernel(
         x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / N + eps)
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-    y = (x * rstd[:, None]).to(Out.dtype.element_ty).to(tl.float32) * w[None, :]
-    tl.store(Out + rows[:, None] * stride_o + cols[None, :], y.to(Out.dtype.element_ty), mask=mask)
+    y = ((x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * w[None, :]).to(X.dtype.element_ty)
+    if QUANT:
+        store_fp8_rows(y.to(tl.float32), rows, cols, mask, n_rows, Out, QScale, StaticScale, stride_o, FP8_MAX,
+                       INV_FP8_MAX, MIN_SCALE, STATIC)
+    else:
+        tl.store(Out + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            fp8: Fp8Output | None = None):
+    """`ops.rmsnorm`; with fp8, the normed rows come out quantized per row: (values, scales) in place of them."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, n)
+    if fp8 is None:
+        out2, scale = torch.empty_like(x2), None
+    else:
+        out2, scale = fp8.empty(x2.shape[0], n, x.device)
     block = triton.next_power_of_2(n)
     rows_per_prog = max(1, min(16, 2048 // block))
     grid = (triton.cdiv(x2.shape[0], rows_per_prog),)
-    if residual is None:
-        _rmsnorm_kernel[grid](
-            x2, x2, weight, out2, out2, x2.shape[0], x2.stride(0), 0, out2.stride(0), 0, eps,
-            N=n, BLOCK=block, ROWS=rows_per_prog, HAS_RESIDUAL=False, num_warps=4 if block <= 2048 else 8,
-        )
-        return out
-    r2 = residual.reshape(-1, n)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    res2 = new_residual.view(-1, n)
+    r2 = x2 if residual is None else residual.reshape(-1, n)
+    res2 = x2 if residual is None else torch.empty_like(x2)
     _rmsnorm_kernel[grid](
-        x2, r2, weight, out2, res2, x2.shape[0], x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps,
-        N=n, BLOCK=block, ROWS=rows_per_prog, HAS_RESIDUAL=True, num_warps=4 if block <= 2048 else 8,
+        x2, r2, weight, out2, res2, scale if fp8 else x2, fp8.scale_arg(scale) if fp8 else x2, x2.shape[0],
+        x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,
+        HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
+        num_warps=4 if block <= 2048 else 8,
     )
-    return out, new_residual
+    out = out2.view(x.shape) if fp8 is None else (out2, scale)
+    return out if residual is None else (out, res2.view(x.shape))
 
 
 @triton.jit
@@ -188,25 +251,36 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Out, stride_x, stride_o, INTER: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _silu_and_mul_kernel(X, Out, QScale, StaticScale, n_rows, stride_x, stride_o, INTER: tl.constexpr,
+                         BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
+                         MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
+    """QUANT: one program a row (BLOCK >= INTER); Out is FP8 and takes the row quantized (`store_fp8_rows`)."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < INTER
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + INTER + cols, mask=mask, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
-    tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
+    mask = (cols < INTER)[None, :]
+    gate = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + rows[:, None] * stride_x + INTER + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
+    if QUANT:
+        store_fp8_rows(out.to(tl.float32), rows, cols, mask, n_rows, Out, QScale, StaticScale, stride_o, FP8_MAX,
+                       INV_FP8_MAX, MIN_SCALE, STATIC)
+    else:
+        tl.store(Out + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
+    """`ops.silu_and_mul`; with fp8, the rows come out quantized per row: (values, scales) in place of them."""
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
-    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
-    out2 = out.view(-1, inter)
-    if x2.shape[0] == 0:
-        return out
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-        x2, out2, x2.stride(0), out2.stride(0), INTER=inter, BLOCK=block, num_warps=4,
-    )
-    return out
+    if fp8 is None:
+        out2, scale = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device), None
+    else:
+        out2, scale = fp8.empty(x2.shape[0], inter, x.device)
+    if x2.shape[0] > 0:
+        block = triton.next_power_of_2(inter) if fp8 else min(1024, triton.next_power_of_2(inter))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
+            x2, out2, scale if fp8 else x2, fp8.scale_arg(scale) if fp8 else x2, x2.shape[0], x2.stride(0),
+            out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        )
+    return out2.view(*x.shape[:-1], inter) if fp8 is None else (out2, scale)

@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from pdserve.kernels.fp8_rows import Fp8Output, Fp8Rows, quantize_tokens_ref
 from pdserve.mem_cache.kv_quant import write_slots
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -28,19 +29,45 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     return out if residual is None else (out, x)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+            fp8: Fp8Output | None = None):
     """RMSNorm over the last dim, HF-exact: y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
 
     x: [..., N] any float dtype (last dim contiguous); weight: [N]. Inputs are never modified.
     residual=None: returns y (new tensor, x's shape and dtype).
     residual [..., N] given: h = (x + residual) rounded to x.dtype; returns (rmsnorm(h), h), both new tensors;
     h is the residual stream for the next layer.
+    fp8 given (the next layer has FP8 weights): y comes as `Fp8Rows` of 2-D rows instead, quantized per token in
+    the same kernel (`quantize_tokens` of y: the same bytes and scales).
     """
     if _use_triton(x):
         from pdserve.kernels import fused
 
-        return fused.rmsnorm(x, weight, eps, residual)
-    return rmsnorm_ref(x, weight, eps, residual)
+        out = fused.rmsnorm(x, weight, eps, residual, fp8)
+    else:
+        out = rmsnorm_ref(x, weight, eps, residual)
+    if fp8 is None:
+        return out
+    if residual is None:
+        return _fp8_rows(out, fp8, x.dtype)
+    return _fp8_rows(out[0], fp8, x.dtype), out[1]
+
+
+def _fp8_rows(out, fp8: Fp8Output, dtype: torch.dtype) -> Fp8Rows:
+    """A kernel's quantized (values, scales), or rows the torch path computed in `dtype`, quantized here."""
+    if isinstance(out, tuple):
+        return Fp8Rows(*out, dtype)
+    return Fp8Rows(*quantize_tokens_ref(out.reshape(-1, out.shape[-1]), fp8.static_scale), dtype)
+
+
+def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale. On
+    CUDA one Triton kernel computes the same bytes and scales."""
+    if _use_triton(x):
+        from pdserve.kernels import fused
+
+        return fused.quantize_tokens(x, Fp8Output(static_scale))
+    return quantize_tokens_ref(x, static_scale)
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -119,10 +146,13 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., 2I] = cat(gate, up) -> new tensor [..., I] = silu(gate) * up (fp32 math, x's dtype)."""
+def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
+    """x: [..., 2I] = cat(gate, up) -> new tensor [..., I] = silu(gate) * up (fp32 math, x's dtype); with fp8 (the
+    next layer has FP8 weights) as `Fp8Rows` of 2-D rows, quantized per token in the same kernel."""
     if _use_triton(x):
         from pdserve.kernels import fused
 
-        return fused.silu_and_mul(x)
-    return silu_and_mul_ref(x)
+        out = fused.silu_and_mul(x, fp8)
+    else:
+        out = silu_and_mul_ref(x)
+    return out if fp8 is None else _fp8_rows(out, fp8, x.dtype)

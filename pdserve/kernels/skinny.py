@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.fp8_rows import Fp8Rows
+
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # the rows of one MMA tile; fewer rows are padded
@@ -41,7 +43,8 @@ CANDIDATES = (
     SkinnyConfig(32, 128, 4, 3),
 )
 
-_choice: dict[tuple[int, int, int, torch.dtype], object] = {}  # a config, or None: the baseline measured faster
+# (rows, out, in, weight dtype, input dtype: FP8 for `Fp8Rows`) -> a config, or None: the baseline measured faster
+_choice: dict[tuple[int, int, int, torch.dtype, torch.dtype], object] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,12 +54,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_choice(x: torch.Tensor, weight: torch.Tensor) -> SkinnyConfig | None:
-    """The config tuned for x's rows times this weight's shape and dtype; None where the baseline measured faster or
-    the shape and row count were not tuned."""
-    if x.dim() != 2:
+def skinny_choice(x: torch.Tensor | Fp8Rows, weight: torch.Tensor) -> SkinnyConfig | None:
+    """The config tuned for x's rows times this weight's shape and dtype (and x's kind: model-dtype rows or FP8
+    `Fp8Rows`); None where the baseline measured faster or the shape and row count were not tuned."""
+    rows = x.values if isinstance(x, Fp8Rows) else x
+    if rows.dim() != 2:
         return None
-    return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype))
+    return _choice.get((rows.shape[0], weight.shape[0], weight.shape[1], weight.dtype, rows.dtype))
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig
@@ -112,17 +116,21 @@ class SkinnyTuner:
 
     def tune(self, weights: list[torch.Tensor], x_dtype: torch.dtype | None = None,
              baseline: Callable = F.linear,
-             candidate: Callable = lambda x, w, cfg: skinny_linear(x, w, None, cfg)) -> dict:
-        """baseline(x, w) and candidate(x, w, cfg) compute x @ w.T; x is x_dtype (None: the weight's)."""
+             candidate: Callable = lambda x, w, cfg: skinny_linear(x, w, None, cfg),
+             prepare: Callable | None = None) -> dict:
+        """baseline(x, w) and candidate(x, w, cfg) compute x @ w.T; x is x_dtype (None: the weight's), or what
+        prepare makes of it outside the timing (`Fp8Rows`: the choice is then recorded for such rows)."""
         start = time.perf_counter()
         shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if w.is_cuda and w.dim() == 2}
         report = {}
         for (n, k, dtype), w in shapes.items():
             for m in self.rows:
                 x = torch.randn(m, k, device=w.device, dtype=x_dtype or dtype)
+                x = prepare(x) if prepare else x
                 reference = _graph_us(lambda: baseline(x, w))
                 best_us, best = min(self._timings(x, w, candidate), key=lambda t: t[0], default=(float("inf"), None))
-                _choice[(m, n, k, dtype)] = best if best_us < reference else None
+                rows = x.values if isinstance(x, Fp8Rows) else x
+                _choice[(m, n, k, dtype, rows.dtype)] = best if best_us < reference else None
                 report[(m, n, k)] = (reference, best_us)
         faster = [key for key, (reference, best) in report.items() if best < reference]
         logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,
@@ -131,7 +139,7 @@ class SkinnyTuner:
                               for m, n, k in faster))
         return report
 
-    def _timings(self, x: torch.Tensor, w: torch.Tensor, candidate: Callable) -> list[tuple[float, object]]:
+    def _timings(self, x: torch.Tensor | Fp8Rows, w: torch.Tensor, candidate: Callable) -> list[tuple[float, object]]:
         timed = []
         for cfg in self.candidates(x.shape[0]):
             try:

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads_per_rank
+from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.kernels.skinny import linear
-from pdserve.quantization.fp8 import FP8, fp8_linear
+from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_linear
 from pdserve.quantization.formats import Fp8Scheme
 
 
@@ -51,7 +52,13 @@ def _add_weight(layer: nn.Module, out_features: int, in_features: int, fp8: Fp8S
     layer.input_scale = nn.Parameter(torch.zeros((), dtype=torch.float32), requires_grad=False) if static else None
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def fp8_input(layer: nn.Module) -> Fp8Output | None:
+    """What the kernel feeding `layer` (a RMSNorm, SiLU-and-mul) is told so that it hands over its rows quantized
+    for an FP8 layer (`Fp8Rows`, at the layer's static input scale if it has one); None for a model-dtype layer."""
+    return None if layer.weight_scale is None else Fp8Output(layer.input_scale)
+
+
+def _matmul(layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
     return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
@@ -80,7 +87,7 @@ class ColumnParallelLinear(nn.Module):
         _add_weight(self, out, in_features, fp8)
         self.bias = _new_param(out) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         return _matmul(self, x, self.bias)
 
     @torch.no_grad()
@@ -106,7 +113,7 @@ class RowParallelLinear(nn.Module):
         _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         out = self.tp.all_reduce(_matmul(self, x, None))
         return out if self.bias is None else out + self.bias
 

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pdserve.kernels import rmsnorm
+from pdserve.kernels.fp8_rows import Fp8Output
 
 
 class RMSNorm(nn.Module):
@@ -12,6 +13,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual)."""
-        return rmsnorm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, fp8: Fp8Output | None = None):
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual). fp8: norm(...) comes quantized
+        for the FP8 layer after (`Fp8Rows`; see `pdserve.layers.linear.fp8_input`)."""
+        return rmsnorm(x, self.weight, self.eps, residual, fp8)

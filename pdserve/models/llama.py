@@ -8,7 +8,8 @@ from torch import nn
 from pdserve.attention.base import ForwardContext
 from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import qk_norm_rope_store_kv, silu_and_mul
-from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding
+from pdserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding,
+                                   fp8_input)
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.model_config import ModelConfig
@@ -72,7 +73,7 @@ class MLP(nn.Module):
                                            _fp8(cfg, prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fp8_input(self.down_proj)))
 
 
 class DecoderLayer(nn.Module):
@@ -84,13 +85,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, ctx: ForwardContext):
+        qkv_input = fp8_input(self.self_attn.qkv_proj)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, fp8=qkv_input)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, qkv_input)
         hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_input(self.mlp.gate_up_proj))
         return self.mlp(hidden), residual
 
 

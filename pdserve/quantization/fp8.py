@@ -1,6 +1,7 @@
 """FP8 (E4M3) linear layers' numerics. Weights are float8_e4m3fn with one float32 scale per output channel;
 activations are quantized per token (a float32 scale per row: its amax over FP8_MAX, or the checkpoint's static
-scale) right before the GEMM, so the product is `(x_q * scale_x) @ (w_q * scale_w).T`.
+scale), so the product is `(x_q * scale_x) @ (w_q * scale_w).T`: by the kernel before the layer where that is a
+RMSNorm or SiLU-and-mul (it hands over `Fp8Rows`), else right before the GEMM.
 
 On a GPU with FP8 tensor cores (sm89+) the GEMM is `torch._scaled_mm` with rowwise scales (its kernel writes
 bfloat16; another model dtype is cast after), or for a decode batch's few rows the Triton `fp8_rows_kernel` where
@@ -17,14 +18,10 @@ from functools import lru_cache
 
 import torch
 
+from pdserve.kernels import quantize_tokens
+from pdserve.kernels.fp8_rows import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, Fp8Rows, to_fp8  # the format, here too
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# activation scales are amax * INV_FP8_MAX, the float32 reciprocal: torch on CUDA divides by a scalar that way, so
-# the torch ops, the Triton kernels and every device give the same scale bits
-INV_FP8_MAX = torch.tensor(1 / FP8_MAX, dtype=torch.float32).item()
-MIN_SCALE = 1e-12  # an all-zero row (a padding row, a zero activation) still divides by something
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
 PROMOTE_K = 32  # the FP8 MMA's partial sums are added in float32 every PROMOTE_K products (one MMA's K)
 
@@ -78,78 +75,40 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(weight.float() / scale[:, None]), scale
 
 
-def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]): per token (amax / FP8_MAX), or the static scale. On
-    CUDA one Triton kernel computes the same."""
-    if x.is_cuda:
-        return quantize_tokens_triton(x, static_scale)
-    return quantize_tokens_torch(x, static_scale)
-
-
-def quantize_tokens_torch(x: torch.Tensor, static_scale: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_tokens` in torch ops, on any device."""
-    if static_scale is None:
-        scale = (x.abs().amax(dim=-1, keepdim=True).float() * INV_FP8_MAX).clamp(min=MIN_SCALE)
-    else:
-        scale = static_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
-    return to_fp8(x.float() * torch.reciprocal(scale)), scale
-
-
-def quantize_tokens_triton(x: torch.Tensor, static_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_tokens` of a 2-D x in one Triton kernel: the same bytes and scales."""
-    import triton
-
-    from pdserve.quantization.fp8_triton import quantize_tokens_kernel
-
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
-    quantize_tokens_kernel[(m,)](
-        x, q, scale, static_scale if static_scale is not None else scale, x.stride(0), q.stride(0), k,
-        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=static_scale is not None, BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
-    )
-    return q, scale
-
-
-def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
-    once into the MMA): the rows quantized by the kernel itself or by `quantize_tokens` first, as cfg says (the same
-    bytes and scales either way); float32 sums, rounded once to x's dtype."""
+    once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
+    `quantize_tokens` first, as cfg says (the same bytes and scales every way); float32 sums, rounded once to the
+    rows' dtype."""
     import triton
 
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1
-    assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
-    if cfg.quantize_in_kernel:
-        rows, row_scale = x, weight_scale  # row_scale: unused
+    if isinstance(x, Fp8Rows):
+        assert not cfg.quantize_in_kernel
+        rows, row_scale, dtype = x.values, x.scale, x.dtype
     else:
-        rows, row_scale = quantize_tokens(x, input_scale)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        x, dtype = (x if x.stride(1) == 1 else x.contiguous()), x.dtype
+        rows, row_scale = (x, weight_scale) if cfg.quantize_in_kernel else quantize_tokens(x, input_scale)
+    m, k = rows.shape
+    n = weight.shape[0]
+    assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and rows.stride(1) == 1
+    assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
+    out = torch.empty((m, n), dtype=dtype, device=rows.device)
     padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(n, cfg.block_n)
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, counters = weight_scale, weight_scale  # unused unless split
     if cfg.split_k > 1:
         assert column_blocks <= SPLIT_COUNTERS
         partial = torch.empty(cfg.split_k * column_blocks * cfg.block_n * padded_rows, dtype=torch.float32,
-                              device=x.device)
-        counters = split_counters(x.device)
+                              device=rows.device)
+        counters = split_counters(rows.device)
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
         weight.stride(0), out.stride(0), FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE,
-        QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=x.is_cuda, ROWS=padded_rows,
+        QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=rows.is_cuda, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
@@ -161,39 +120,48 @@ def fp8_rows_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype
                   ) -> dict:
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
-    row count of x_dtype activations; `fp8_linear` then takes the faster (see `SkinnyTuner`)."""
+    row count, for x_dtype activations and for rows a RMSNorm or SiLU kernel quantized already (`Fp8Rows`);
+    `fp8_linear` then takes the faster for its input (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
-    return SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
-        [w for w, _ in layers], x_dtype,
-        baseline=lambda x, w: quantized_linear(x, w, scales[tuple(w.shape)], None, None),
-        candidate=lambda x, w, cfg: fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg),
-    )
+    weights = [w for w, _ in layers]
+
+    def baseline(x, w):
+        return quantized_linear(x, w, scales[tuple(w.shape)], None, None)
+
+    def candidate(x, w, cfg):
+        return fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg)
+
+    report = SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
+        weights, x_dtype, baseline, candidate)
+    prequantized = SkinnyTuner(rows, "FP8 rows linear, rows quantized before", fp8_candidates(FP8_MAX_ROWS),
+                               FP8_MAX_ROWS).tune(weights, x_dtype, baseline, candidate,
+                                                  prepare=lambda x: Fp8Rows(*quantize_tokens(x), x.dtype))
+    return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()}}
 
 
-def to_fp8(values: torch.Tensor) -> torch.Tensor:
-    """float32 values already divided by their scale -> float8, saturating at +-FP8_MAX (a static scale can
-    leave values beyond it)."""
-    return values.clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
-    the FP8 rows kernel where `tune_fp8_rows` chose it for the shape, else quantize, then the GEMM."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
+    the FP8 rows kernel where `tune_fp8_rows` chose it for the shape, else quantize, then the GEMM. x may be
+    `Fp8Rows` (2-D), quantized by the kernel before: the output is then 2-D too."""
+    rows = x if isinstance(x, Fp8Rows) else x.reshape(-1, x.shape[-1])
+    if weight.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
         out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg)
     else:
         out = quantized_linear(rows, weight, weight_scale, input_scale, bias)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out if isinstance(x, Fp8Rows) else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def quantized_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def quantized_linear(rows: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """`fp8_linear` of 2-D rows: `quantize_tokens`, then the tensor-core GEMM (or its dequantizing fallback)."""
-    x_q, x_scale = quantize_tokens(rows, input_scale)
-    gemm = scaled_mm if has_fp8_gemm(rows.device) else dequantized_mm
-    out = gemm(x_q, x_scale, weight, weight_scale, rows.dtype)
+    """`fp8_linear` of 2-D rows: `quantize_tokens` (unless `Fp8Rows`), then the tensor-core GEMM (or its
+    dequantizing fallback)."""
+    if isinstance(rows, Fp8Rows):
+        x_q, x_scale, dtype = rows.values, rows.scale, rows.dtype
+    else:
+        (x_q, x_scale), dtype = quantize_tokens(rows, input_scale), rows.dtype
+    gemm = scaled_mm if has_fp8_gemm(x_q.device) else dequantized_mm
+    out = gemm(x_q, x_scale, weight, weight_scale, dtype)
     return out if bias is None else out + bias
 
 

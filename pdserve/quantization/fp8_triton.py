@@ -1,56 +1,24 @@
-"""The Triton kernels of FP8 linear layers (imports Triton), launched by `pdserve.quantization.fp8`:
-`quantize_tokens_kernel`, per-token quantization of activations in one launch instead of its torch ops (about 9
-small kernels per linear layer, each one more launch in the decode CUDA graphs), and `fp8_rows_kernel`, the
-product of a decode batch's few rows with an FP8 weight."""
+"""The Triton kernel of FP8 linear layers (imports Triton), launched by `pdserve.quantization.fp8`:
+`fp8_rows_kernel`, the product of a decode batch's few rows with an FP8 weight. The kernels that quantize rows
+for it (per token, the same bytes and scales) are in `pdserve.kernels.fused`."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+from pdserve.kernels.fused import round_to_e4m3
 from pdserve.kernels.skinny_triton import load_blocks
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (|v| <= 448) rounded to the nearest E4M3 value, ties to even: the spacing is 2^(exponent - 3), at least
-    2^-9 (subnormals); |v| / spacing < 16, where adding and subtracting 2^23 rounds to an integer, ties to even.
-    The sign bit is v's (a negative value rounding to zero is -0, as torch's cast gives)."""
-    bits = v.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    spacing = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    per_spacing = ((127 - exponent + 3) << 23).to(tl.float32, bitcast=True)  # 1 / spacing, exact
-    magnitude = ((tl.abs(v) * per_spacing + 8388608.0) - 8388608.0) * spacing
-    return (magnitude.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
-                           INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if STATIC:
-        scale = tl.load(StaticScale)
-    else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX, MIN_SCALE)
-    v = tl.minimum(tl.maximum(x * tl.div_rn(1.0, scale), -FP8_MAX), FP8_MAX)
-    # rounded here, so the cast is exact: the bytes torch's cast gives (Triton's interpreter rounds a value that
-    # carries into the next power of two wrongly)
-    tl.store(Q + row * stride_q + offs, _round_to_e4m3(v).to(Q.dtype.element_ty), mask=mask)
-    tl.store(Scale + row, scale)
 
 
 @triton.jit
 def _quantize_block(x, x_inv_scale, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
     """x [ROWS, BLOCK_K] times each row's reciprocal scale, saturated and rounded to E4M3 (ties to even): on a GPU
-    by the hardware conversion (two values an instruction), in the interpreter by `_round_to_e4m3` first."""
+    by the hardware conversion (two values an instruction), in the interpreter by `round_to_e4m3` first."""
     v = x.to(tl.float32) * x_inv_scale[:, None]
     if HW_CAST:
         return v.to(tl.float8e4nv)
-    return _round_to_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)).to(tl.float8e4nv)
+    return round_to_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)).to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
@@ -66,7 +34,7 @@ def fp8_rows_kernel(
     is streamed once straight into the MMA, never converted. QUANTIZE: X holds the rows in the model dtype and each
     program quantizes them itself (a pass for their amax in AMAX_BLOCK columns at a time, a whole row of a few rows
     in one load: that pass is a chain of L2 round trips before the first weight block; then each block as it
-    streams: the same bytes and scales as `quantize_tokens_kernel`); else X is already FP8 with its row scales in
+    streams: the same bytes and scales as `quantize_tokens`); else X is already FP8 with its row scales in
     XScale.
     Hopper's FP8 MMA sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels import skinny
+from pdserve.kernels.fp8_rows import quantize_tokens_ref
 from pdserve.quantization import fp8
 
 IN_KERNEL = fp8.Fp8RowsConfig(16, 32, 4, 1, True)
@@ -30,7 +31,7 @@ def assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance: floa
     """Against the float64 product of the same quantized operands (`torch._scaled_mm`, the GEMM of more rows, is
     no reference here: it rounds to bf16 before an fp16 output)."""
     for static in (None, torch.tensor(0.02, device=x.device)):
-        x_q, x_scale = fp8.quantize_tokens_torch(x, static)
+        x_q, x_scale = quantize_tokens_ref(x, static)
         exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
         got = fp8.fp8_rows_linear(x, w_q, w_scale, static, bias, cfg).double()
         assert torch.equal(fp8.quantize_tokens(x, static)[0].view(torch.uint8), x_q.view(torch.uint8))
@@ -61,13 +62,19 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     calls = []
     monkeypatch.setattr(fp8, "fp8_rows_linear", lambda *a: calls.append(a) or fp8.quantized_linear(*a[:5]))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # as on a GPU, computed on the CPU
-    monkeypatch.setattr(fp8, "quantize_tokens", fp8.quantize_tokens_torch)
+    monkeypatch.setattr(fp8, "quantize_tokens", quantize_tokens_ref)
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8), fp8.FP8_CANDIDATES[0])
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, x.dtype), fp8.FP8_CANDIDATES[0])
     assert torch.equal(fp8.fp8_linear(x, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
     assert len(calls) == 1 and calls[0][-1] == fp8.FP8_CANDIDATES[0]
     fp8.fp8_linear(torch.randn(4, 32), w_q, w_scale)  # 4 rows were not tuned: quantize + GEMM
     assert len(calls) == 1
+    rows = fp8.Fp8Rows(*quantize_tokens_ref(x), x.dtype)  # quantized by the kernel before: tuned apart
+    assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
+    assert len(calls) == 1
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, fp8.FP8), fp8.FP8_CANDIDATES[1])
+    assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
+    assert len(calls) == 2 and calls[1][0] is rows and calls[1][-1] == fp8.FP8_CANDIDATES[1]
 
 
 @pytest.mark.fp8_gpu
@@ -81,5 +88,9 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
     assert not fp8.split_counters(x.device).any()
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
-    assert set(report) == {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
+    tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
+    assert set(report) == tuned | {(*shape, "quantized") for shape in tuned}  # model-dtype rows and Fp8Rows
+    rows = fp8.Fp8Rows(*fp8.quantize_tokens(x), dtype)  # as a RMSNorm hands them over
+    got, expected = fp8.fp8_linear(rows, w_q, w_scale, None, bias), fp8.quantized_linear(x, w_q, w_scale, None, bias)
+    assert got.dtype == dtype and (got.float() - expected.float()).abs().max() <= 4e-3 * expected.float().abs().max()
     assert all(reference > 0 and best > 0 for reference, best in report.values())
