@@ -21,10 +21,15 @@
 #                batch 64 at 4k with FP8 weights + FP8 KV; KV tokens in the same memory (about 8 minutes)
 #   fp8_kernels  the FP8 GPU tests; the FP8 rows kernel against quantize + _scaled_mm at 1, 8 and 64 rows (llama
 #                shapes; about 5 minutes)
+#   fp8_batch1   the batch-1 target: one_batch llama-3.1-8b, 1k context, bf16 then FP8 weights (about 5 minutes
+#                with the model build); run fp8_4k next on the same warm machine
+#   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
+#                speed as calibrated ones), then batch 64 at 1k both ways (about 8 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
-SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_accuracy)
+SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
+        fp8_accuracy)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -147,6 +152,31 @@ suite_fp8_kernels() {
     tests/kernels/test_fp8_kv_kernels.py tests/kernels/test_fp8_quant_kernel.py tests/quantization
   TAILN=14 step 300 skinny_sweep_fp8 python3 -m pdserve.bench.skinny_sweep --weights fp8 --rows 1 8 64 \
     --shapes "llama qkv" "llama o" "llama gate_up" "llama down" --out "$OUT/skinny_sweep_fp8.json"
+}
+
+suite_fp8_batch1() {
+  local big quant
+  big=$(model llama-3.1-8b)
+  TAILN=12 step 120 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/kernels/test_fp8_quant_kernel.py tests/kernels/test_fp8_rows_linear.py
+  for quant in none fp8; do
+    TAILN=8 step 150 "one_batch_bs1_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 1 \
+      --input-lens 1024 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8) --out "$OUT/one_batch_bs1_$quant"
+  done
+}
+
+suite_fp8_4k() {
+  local big quant
+  big=$(model llama-3.1-8b)
+  for quant in none fp8; do
+    TAILN=8 step 150 "one_batch_4k_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+      --input-lens 4096 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8 --kv-cache-dtype fp8_e4m3) \
+      --out "$OUT/one_batch_4k_$quant"
+  done
+  for quant in none fp8; do
+    TAILN=8 step 120 "one_batch_bs64_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+      --input-lens 1024 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8) --out "$OUT/one_batch_bs64_$quant"
+  done
 }
 
 suite_fp8_accuracy() {
