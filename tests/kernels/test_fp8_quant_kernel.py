@@ -27,20 +27,30 @@ def assert_same(got, expected):
     assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
 
 
+def assert_close(got, expected):
+    """Quantized rows one rounding apart: scales within a float32 ulp, values within one E4M3 step."""
+    torch.testing.assert_close(got[1], expected[1], rtol=2**-22, atol=0)
+    torch.testing.assert_close(got[0].float() * got[1], expected[0].float() * expected[1],
+                               rtol=2**-3, atol=2**-9 * expected[1].max().item())
+
+
 def assert_kernels_quantize_like_torch(x: torch.Tensor, scale: torch.Tensor | None) -> None:
     """The Triton kernels (`pdserve.kernels.fused`, as the CUDA path runs them): quantizing in the RMSNorm and
-    SiLU-and-mul kernels gives the bytes of `quantize_tokens` applied to what they write unquantized."""
+    SiLU-and-mul kernels gives the bytes of `quantize_tokens` applied to what they write unquantized — exactly for
+    16-bit rows (what models run); float32 rows have no rounding after the norm to hide the compiler's freedom in the
+    two kernel variants (a fused multiply-add in one), so there the rows may be one rounding apart."""
+    same = assert_same if x.dtype != torch.float32 or not x.is_cuda else assert_close
     fp8 = Fp8Output(scale)
     assert_same(fused.quantize_tokens(x, fp8), quantize_tokens_ref(x, scale))
     weight = torch.linspace(0.5, 2.0, x.shape[1], device=x.device).to(x.dtype)
     residual = rows(x.device.type).flip(0).to(x.dtype)
     normed, new_residual = fused.rmsnorm(x, weight, 1e-6, residual, fp8)
     normed_plain, new_residual_plain = fused.rmsnorm(x, weight, 1e-6, residual)
-    assert_same(normed, quantize_tokens_ref(normed_plain, scale))
+    same(normed, quantize_tokens_ref(normed_plain, scale))
     assert torch.equal(new_residual, new_residual_plain)
-    assert_same(fused.rmsnorm(x, weight, 1e-6, fp8=fp8), quantize_tokens_ref(fused.rmsnorm(x, weight, 1e-6), scale))
+    same(fused.rmsnorm(x, weight, 1e-6, fp8=fp8), quantize_tokens_ref(fused.rmsnorm(x, weight, 1e-6), scale))
     gate_up = torch.cat([x, residual], dim=1)
-    assert_same(fused.silu_and_mul(gate_up, fp8), quantize_tokens_ref(fused.silu_and_mul(gate_up), scale))
+    same(fused.silu_and_mul(gate_up, fp8), quantize_tokens_ref(fused.silu_and_mul(gate_up), scale))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
