@@ -250,7 +250,7 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _silu_and_mul_kernel(X, Out, QScale, StaticScale, n_rows, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
                          MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
