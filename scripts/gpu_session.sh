@@ -25,11 +25,16 @@
 #                with the model build); run fp8_4k next on the same warm machine
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
 #                speed as calibrated ones), then batch 64 at 1k both ways (about 8 minutes)
+#   fp8_long     long contexts and the offline workload, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV;
+#                batch 64 at 16k with FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one); the
+#                offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 9 minutes)
+#   fp8_pd       PD added TTFT with FP8 pages against bf16 pages, two GPUs (nvidia-h100-x2 / h200-x2), mooncake,
+#                llama-3.1-8b, FP8 weights + FP8 KV on every server in the second run (about 8 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_accuracy)
+        fp8_long fp8_pd fp8_accuracy)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -177,6 +182,31 @@ suite_fp8_4k() {
     TAILN=8 step 120 "one_batch_bs64_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
       --input-lens 1024 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8) --out "$OUT/one_batch_bs64_$quant"
   done
+}
+
+suite_fp8_long() {
+  local big small scales quant
+  big=$(model llama-3.1-8b) small=$(model qwen3-0.6b) scales=$(kv_scales "$(model llama-3.1-8b)")
+  local fp8=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales "$scales")
+  for quant in none fp8; do
+    TAILN=8 step 150 "one_batch_16k_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 8 \
+      --input-lens 16384 --output-lens 32 $([ "$quant" = fp8 ] && echo "${fp8[@]}") --out "$OUT/one_batch_16k_$quant"
+  done
+  TAILN=8 step 200 one_batch_16k_bs64_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+    --input-lens 16384 --output-lens 16 "${fp8[@]}" --out "$OUT/one_batch_16k_bs64_fp8"
+  step 60 offline_bf16 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_bf16"
+  step 60 offline_fp8 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_fp8" \
+    --quantization fp8 --kv-cache-dtype fp8_e4m3
+}
+
+suite_fp8_pd() {
+  local big scales
+  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
+  TAILN=30 step 240 pd_bf16 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
+    --identity-lens 5 300 2000 --ttft-lens 1024 4096 16384 --out "$OUT/pd_bf16"
+  TAILN=30 step 240 pd_fp8 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
+    --identity-lens 5 300 2000 --ttft-lens 1024 4096 16384 --out "$OUT/pd_fp8" \
+    --server-flags "--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales"
 }
 
 suite_fp8_accuracy() {

@@ -6,6 +6,8 @@ GPU (prefill on GPU 0, decode on GPU 1):
 CPU (the fixed cost of the extra hops, control messages and scheduler wake-ups, with a tiny model):
     python scripts/pd_check.py --device cpu --model-path DIR --backends tcp mooncake --identity-lens 5 60 300 \
         --ttft-lens 16 256 --reps 30 --out DIR
+--server-flags go to every server, colocated and both roles alike: e.g. "--kv-cache-dtype fp8_e4m3
+--quantization fp8" measures the handoff of FP8 pages (half the bytes a token) against a colocated FP8 server.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import time
 import urllib.request
@@ -75,14 +78,16 @@ def main() -> None:
     parser.add_argument("--chunk-push-too", action="store_true",
                         help="also run each backend with --disaggregation-layerwise-min-tokens 0 (KV pushed after "
                              "each chunk's forward instead of layer by layer during it)")
+    parser.add_argument("--server-flags", default="", help="flags for every server (colocated, prefill, decode)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    common = shlex.split(args.server_flags)
     rng = random.Random(0)
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in args.identity_lens]
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    colocated = start_all([server("colocated", args.model_path, args.device, 0)], STARTUP_TIMEOUT_S)[0]
-    report = {"model": args.model_path, "backends": {}}
+    colocated = start_all([server("colocated", args.model_path, args.device, 0, *common)], STARTUP_TIMEOUT_S)[0]
+    report = {"model": args.model_path, "server_flags": common, "backends": {}}
     try:
         expected = [generate(colocated.url, {"input_ids": p, "sampling_params": greedy})["output_ids"] for p in prompts]
         colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, vocab) for _ in range(n)])
@@ -93,8 +98,9 @@ def main() -> None:
             variants += [(f"{b}+chunk-push", b, ["--disaggregation-layerwise-min-tokens", "0"]) for b in args.backends]
         for name, backend, extra in variants:
             bport = free_port()
-            p = server(f"prefill-{name}", args.model_path, args.device, 0, *prefill_flags(backend, bport), *extra)
-            d = server(f"decode-{name}", args.model_path, args.device, 1, *decode_flags(backend))
+            p = server(f"prefill-{name}", args.model_path, args.device, 0, *prefill_flags(backend, bport), *extra,
+                       *common)
+            d = server(f"decode-{name}", args.model_path, args.device, 1, *decode_flags(backend), *common)
             procs = start_all([p, d], STARTUP_TIMEOUT_S)
             r = start_all([router(p, bport, d)], STARTUP_TIMEOUT_S)[0]
             try:
