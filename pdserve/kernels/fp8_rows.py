@@ -41,10 +41,6 @@ class Fp8Output:
         return (torch.empty((rows, cols), dtype=FP8, device=device),
                 torch.empty((rows, 1), dtype=torch.float32, device=device))
 
-    def scale_arg(self, scales: torch.Tensor) -> torch.Tensor:
-        """The kernel's static-scale pointer (unread when dynamic)."""
-        return scales if self.static_scale is None else self.static_scale
-
     def constants(self) -> dict:
         return dict(FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=self.static_scale is not None)
 

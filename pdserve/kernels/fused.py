@@ -29,7 +29,7 @@ def store_fp8_rows(y, rows, cols, mask, n_rows, QOut, QScale, StaticScale, strid
     """Rows y [R, BLOCK] (float32, zero outside mask) quantized per row into QOut (E4M3) with their scales in
     QScale: amax * INV_FP8_MAX (at least MIN_SCALE) or the static scale, values times the scale's float32
     reciprocal, clamped and rounded here, so the cast is exact (Triton's interpreter rounds a value that carries into
-    the next power of two wrongly) and every kernel writes the bytes and scales of `ops.quantize_tokens_ref`."""
+    the next power of two wrongly) and every kernel writes the bytes and scales of `fp8_rows.quantize_tokens_ref`."""
     if STATIC:
         scale = tl.zeros_like(tl.max(y, 1)) + tl.load(StaticScale)
     else:
@@ -37,6 +37,14 @@ def store_fp8_rows(y, rows, cols, mask, n_rows, QOut, QScale, StaticScale, strid
     v = tl.minimum(tl.maximum(y * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], -FP8_MAX), FP8_MAX)
     tl.store(QOut + rows[:, None] * stride_q + cols[None, :], round_to_e4m3(v).to(QOut.dtype.element_ty), mask=mask)
     tl.store(QScale + rows, scale, mask=rows < n_rows)
+
+
+def _scale_pointers(fp8: Fp8Output | None, scales: torch.Tensor | None, unused: torch.Tensor) -> tuple:
+    """A quantizing launch's QScale and StaticScale arguments: the row scales it writes and the static scale it
+    reads (the row scales again where dynamic: unread); any tensor for a launch that does not quantize."""
+    if fp8 is None:
+        return unused, unused
+    return scales, scales if fp8.static_scale is None else fp8.static_scale
 
 
 @triton.jit
@@ -60,7 +68,7 @@ def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torc
     q, scale = fp8.empty(m, k, x.device)
     block = triton.next_power_of_2(k)
     _quantize_tokens_kernel[(m,)](
-        x, q, scale, fp8.scale_arg(scale), x.stride(0), q.stride(0), k, **fp8.constants(), BLOCK=block,
+        x, q, *_scale_pointers(fp8, scale, x), x.stride(0), q.stride(0), k, **fp8.constants(), BLOCK=block,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
     )
     return q, scale
@@ -107,7 +115,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     r2 = x2 if residual is None else residual.reshape(-1, n)
     res2 = x2 if residual is None else torch.empty_like(x2)
     _rmsnorm_kernel[grid](
-        x2, r2, weight, out2, res2, scale if fp8 else x2, fp8.scale_arg(scale) if fp8 else x2, x2.shape[0],
+        x2, r2, weight, out2, res2, *_scale_pointers(fp8, scale, x2), x2.shape[0],
         x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,
         HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
         num_warps=4 if block <= 2048 else 8,
@@ -279,7 +287,7 @@ def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
     if x2.shape[0] > 0:
         block = triton.next_power_of_2(inter) if fp8 else min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out2, scale if fp8 else x2, fp8.scale_arg(scale) if fp8 else x2, x2.shape[0], x2.stride(0),
+            x2, out2, *_scale_pointers(fp8, scale, x2), x2.shape[0], x2.stride(0),
             out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
         )

@@ -57,10 +57,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def skinny_choice(x: torch.Tensor | Fp8Rows, weight: torch.Tensor) -> SkinnyConfig | None:
     """The config tuned for x's rows times this weight's shape and dtype (and x's kind: model-dtype rows or FP8
     `Fp8Rows`); None where the baseline measured faster or the shape and row count were not tuned."""
-    rows = x.values if isinstance(x, Fp8Rows) else x
+    rows = _rows(x)
     if rows.dim() != 2:
         return None
     return _choice.get((rows.shape[0], weight.shape[0], weight.shape[1], weight.dtype, rows.dtype))
+
+
+def _rows(x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """The tensor of x's rows: their dtype says which kind of rows a choice was tuned for."""
+    return x.values if isinstance(x, Fp8Rows) else x
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig
@@ -129,8 +134,7 @@ class SkinnyTuner:
                 x = prepare(x) if prepare else x
                 reference = _graph_us(lambda: baseline(x, w))
                 best_us, best = min(self._timings(x, w, candidate), key=lambda t: t[0], default=(float("inf"), None))
-                rows = x.values if isinstance(x, Fp8Rows) else x
-                _choice[(m, n, k, dtype, rows.dtype)] = best if best_us < reference else None
+                _choice[(m, n, k, dtype, _rows(x).dtype)] = best if best_us < reference else None
                 report[(m, n, k)] = (reference, best_us)
         faster = [key for key, (reference, best) in report.items() if best < reference]
         logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,

@@ -90,6 +90,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
         rows, row_scale, dtype = x.values, x.scale, x.dtype
     else:
         x, dtype = (x if x.stride(1) == 1 else x.contiguous()), x.dtype
+        # quantized in the kernel: no row scales to pass (weight_scale stands in, unread)
         rows, row_scale = (x, weight_scale) if cfg.quantize_in_kernel else quantize_tokens(x, input_scale)
     m, k = rows.shape
     n = weight.shape[0]
