@@ -30,11 +30,13 @@
 #                offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 9 minutes)
 #   fp8_pd       PD added TTFT with FP8 pages against bf16 pages, two GPUs (nvidia-h100-x2 / h200-x2), mooncake,
 #                llama-3.1-8b, FP8 weights + FP8 KV on every server in the second run (about 8 minutes)
+#   fp8_profile  where an FP8 decode step's time goes (step_profile, llama-3.1-8b): batch 1 at 1k with FP8 weights,
+#                batch 64 at 4k with FP8 weights + FP8 KV, and bf16 at 4k beside it (about 6 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_pd fp8_accuracy)
+        fp8_long fp8_pd fp8_profile fp8_accuracy)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -207,6 +209,17 @@ suite_fp8_pd() {
   TAILN=30 step 240 pd_fp8 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
     --identity-lens 5 300 2000 --ttft-lens 1024 4096 16384 --out "$OUT/pd_fp8" \
     --server-flags "--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales"
+}
+
+suite_fp8_profile() {
+  local big
+  big=$(model llama-3.1-8b)
+  TAILN=40 step 150 step_profile_bs1_fp8 python3 -m pdserve.bench.step_profile --model-path "$big" --batch-sizes 1 \
+    --context-len 1024 --quantization fp8 --out "$OUT/step_profile_bs1_fp8"
+  TAILN=40 step 200 step_profile_4k_fp8 python3 -m pdserve.bench.step_profile --model-path "$big" --batch-sizes 64 \
+    --context-len 4096 --quantization fp8 --kv-cache-dtype fp8_e4m3 --out "$OUT/step_profile_4k_fp8"
+  TAILN=40 step 200 step_profile_4k_bf16 python3 -m pdserve.bench.step_profile --model-path "$big" --batch-sizes 64 \
+    --context-len 4096 --out "$OUT/step_profile_4k_bf16"
 }
 
 suite_fp8_accuracy() {
