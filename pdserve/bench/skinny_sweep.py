@@ -20,9 +20,10 @@ import triton.testing
 
 from pdserve.bench.cli import bench_parser
 from pdserve.bench.roofline import Ceilings
-from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, skinny_linear
+from pdserve.kernels.skinny import CANDIDATES, SkinnyConfig, cold_weights, skinny_linear
 from pdserve.quantization.fp8 import (
     FP8_CANDIDATES,
+    FP8_IN_KERNEL_ROWS,
     Fp8RowsConfig,
     fp8_candidates,
     fp8_rows_linear,
@@ -40,20 +41,25 @@ SWEEP = [SkinnyConfig(bn, bk, 4, s) for bn, bk, s in itertools.product((16, 32, 
 FP8_SWEEP = [Fp8RowsConfig(bn, bk, 8 if bn == 128 else 4, s, q, split)
              for bn, bk, s, q, split in itertools.product((32, 64, 128), (128, 256, 512), (3, 4), (True, False), (1, 2, 4))
              if split == 1 or (bk, s) == (256, 4)]
+FP8_BATCH_SWEEP = [Fp8RowsConfig(bn, bk, w, s, False, split)  # more rows than the kernel quantizes itself
+                   for bn, bk, w, s, split in itertools.product((64, 128), (128, 256), (4, 8), (2, 3, 4), (1, 2, 4))]
 
 
 def operands(n: int, k: int, m: int, weights: str):
-    """(weight, baseline(), candidate(cfg), the float32 reference product, the configs to sweep) for m random rows."""
+    """(weight, baseline(), candidate(cfg), the float32 reference product, the configs to sweep) for m random rows.
+    Each call reads its weight from memory, as the decode step does (`cold_weights`)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if weights == "bf16":
-        return (w, lambda: F.linear(x, w), lambda cfg: skinny_linear(x, w, None, cfg), F.linear(x.float(), w.float()),
-                SWEEP)
+        cold = cold_weights(w)
+        return (w, lambda: F.linear(x, cold()), lambda cfg: skinny_linear(x, cold(), None, cfg),
+                F.linear(x.float(), w.float()), SWEEP)
     w_q, scale = quantize_rows(w)
-    return (w_q, lambda: quantized_linear(x, w_q, scale, None, None),
-            lambda cfg: fp8_rows_linear(x, w_q, scale, None, None, cfg),
+    cold = cold_weights(w_q)
+    return (w_q, lambda: quantized_linear(x, cold(), scale, None, None),
+            lambda cfg: fp8_rows_linear(x, cold(), scale, None, None, cfg),
             quantized_linear(x.float(), w_q, scale, None, None),
-            fp8_candidates(m, FP8_SWEEP))
+            fp8_candidates(m, FP8_SWEEP if m <= FP8_IN_KERNEL_ROWS else FP8_BATCH_SWEEP))
 
 
 def config_fields(cfg) -> list:
