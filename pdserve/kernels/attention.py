@@ -101,7 +101,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     row = heads * dim
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), k_cache.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4, **pdl_options(k.device),
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4, **pdl_options(k.device, releases_first=True),
     )
 
 
@@ -246,7 +246,7 @@ def decode_attention(
         _decode_reduce_kernel[(batch, num_heads)](
             partial_o, partial_lse, seq_lens, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4,
-            **pdl_options(q.device),
+            **pdl_options(q.device, releases_first=True),
         )
     return out
 

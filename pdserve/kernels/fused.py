@@ -71,7 +71,7 @@ def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torc
     block = triton.next_power_of_2(k)
     _quantize_tokens_kernel[(m,)](
         x, q, *_scale_pointers(fp8, scale, x), x.stride(0), q.stride(0), k, **fp8.constants(), BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device),
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device, releases_first=True),
     )
     return q, scale
 
@@ -122,7 +122,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         x2, r2, weight, out2, res2, *_scale_pointers(fp8, scale, x2), x2.shape[0],
         x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,
         HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
-        num_warps=4 if block <= 2048 else 8, **pdl_options(x.device),
+        num_warps=4 if block <= 2048 else 8, **pdl_options(x.device, releases_first=True),
     )
     out = out2.view(x.shape) if fp8 is None else (out2, scale)
     return out if residual is None else (out, res2.view(x.shape))
@@ -167,7 +167,7 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         HQ=q.shape[1], HK=k.shape[1], BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), HALF=half, BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
-        **pdl_options(q.device),
+        **pdl_options(q.device, releases_first=True),
     )
 
 
@@ -261,7 +261,7 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
         HQ=q.shape[1], HK=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         D=dim, BLOCK_D=block_d, HALF=cos_sin_cache.shape[1] // 2, HAS_NORM=has_norm,
         QUANT=quant, FP8_MAX=fp8_max(k_cache.dtype) if quant else 0.0,
-        num_warps=4 if block_hq * block_d <= 4096 else 8, **pdl_options(q.device),
+        num_warps=4 if block_hq * block_d <= 4096 else 8, **pdl_options(q.device, releases_first=True),
     )
 
 
@@ -297,6 +297,6 @@ def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out2, *_scale_pointers(fp8, scale, x2), x2.shape[0], x2.stride(0),
             out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device),
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_options(x.device, releases_first=True),
         )
     return out2.view(*x.shape[:-1], inter) if fp8 is None else (out2, scale)

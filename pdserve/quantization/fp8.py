@@ -40,10 +40,13 @@ class Fp8RowsConfig:
 
 
 # the block shapes the tuner tries: the fastest of pdserve.bench.skinny_sweep --weights fp8 for each llama-3.1-8b
-# projection at 1 and 64 rows (H200, 2026-11-27; rows quantized before the kernel), the 1-row ones also quantizing
-# the rows in the kernel, which saves a launch where the amax pass is one load (FP8_IN_KERNEL_ROWS)
-_ROW_SHAPES = ((64, 256, 4, 4, 4), (64, 256, 4, 3, 1), (32, 512, 4, 4, 1))
-_BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (128, 256, 8, 4, 4))
+# projection at 1 and 64 rows (H200, 2026-11-27, rows quantized before the kernel; and H100, the same day, each
+# call's weight read from memory: the last three of each), the 1-row ones also quantizing the rows in the kernel,
+# which saves a launch where the amax pass is one load (FP8_IN_KERNEL_ROWS)
+_ROW_SHAPES = ((64, 256, 4, 4, 4), (64, 256, 4, 3, 1), (32, 512, 4, 4, 1), (64, 512, 4, 3, 1), (64, 512, 4, 4, 1),
+               (32, 256, 4, 3, 1))
+_BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (128, 256, 8, 4, 4),
+                 (64, 256, 4, 3, 2))
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
     Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
