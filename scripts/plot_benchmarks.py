@@ -1,7 +1,8 @@
 """Draw docs/img/*.png from the GPU results kept in benchmarks/results/<date>/ (JSON and logs the benchmarks wrote).
 
 python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
-    [--fp8-results benchmarks/results/2026-11-27b/call3] [--out docs/img]
+    [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
+    [--out docs/img]
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 OFFLINE_LINE = re.compile(r"Throughput: ([\d.]+) tok/s")
 ROOFLINE_LINE = re.compile(r"-> ([\d.]+)%")
+TBT_LINE = re.compile(r"TBT\s+([\d.]+) ms")
 KV_LINE = re.compile(r"^kv (\d+) tok p\d+ \w+\s+[\d.]+\s+\d+\s+[\d.]+\s+([\d.]+)")
 
 
-def finish(fig, ax, ylabel: str, title: str, path: Path) -> None:
+def finish(fig, ax, ylabel: str, title: str, path: Path, legend_at: str = "best") -> None:
     """Label, legend and save one plot."""
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(loc=legend_at)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -133,16 +135,42 @@ def plot_fp8_decode(results: Path, out: Path) -> None:
            out / "fp8_decode.png")
 
 
+def plot_fp8_pdl(results: Path, out: Path) -> None:
+    """Batch-1 time between tokens with programmatic dependent launch off and on (one_batch logs of two calls; the
+    runs of one mode in a call averaged), FP8 against the bf16 figure without it in the same call."""
+    modes = (("call3_pdl_bs1", "pdl0", "off"), ("call3_pdl_bs1", "pdl1", "after its wait"),
+             ("call5_targets", "pdl0", "off"), ("call5_targets", "pdl1", "short kernels first"))
+    groups = []
+    for call, mode, label in modes:
+        tbt = {q: [float(TBT_LINE.search(f.read_text())[1]) for f in sorted((results / call).glob(f"bs1_{q}_{mode}*.log"))]
+               for q in ("bf16", "fp8")}
+        groups.append((f"{call[:5]}: PDL {label}", *(sum(v) / len(v) for v in (tbt["bf16"], tbt["fp8"]))))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(groups))
+    ax.bar([x - 0.2 for x in xs], [g[1] for g in groups], width=0.4, label="bf16")
+    bars = ax.bar([x + 0.2 for x in xs], [g[2] for g in groups], width=0.4, label="FP8 weights")
+    for bar, (_, _, fp8), (call, _, _) in zip(bars, groups, modes):
+        bf16_off = next(g[1] for g, m in zip(groups, modes) if m[0] == call and m[1] == "pdl0")
+        ax.annotate(f"{fp8 / bf16_off:.3f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom")
+    ax.axhline(0.6 * groups[2][1], ls="--", color="gray", label="0.6x bf16 (call 5)")
+    ax.set_xticks(list(xs), [g[0] for g in groups])
+    finish(fig, ax, "time between tokens (ms)", "llama-3.1-8b batch 1, 1k context, H100, 2026-11-27 (FP8 / bf16 off)",
+           out / "fp8_pdl.png", legend_at="lower right")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
     parser.add_argument("--fp8-results", type=Path, default=Path("benchmarks/results/2026-11-27b/call3"))
+    parser.add_argument("--pdl-results", type=Path, default=Path("benchmarks/results/2026-11-27d"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for plot in (plot_offline, plot_decode, plot_kv_transfer, plot_pd_ttft):
         plot(args.results, args.out)
     plot_fp8_decode(args.fp8_results, args.out)
+    plot_fp8_pdl(args.pdl_results, args.out)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import pdl_options, wait_for_inputs
-
 LOG2E = 1.4426950408889634
 DECODE_MAX_SPLITS = 64
 
@@ -74,9 +72,8 @@ def decode_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) 
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_vt, stride_ct,
-    ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     t = tl.program_id(0)
     slot = tl.load(Loc + t).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -101,7 +98,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     row = heads * dim
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, loc, k.stride(0), v.stride(0), k_cache.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4, **pdl_options(k.device, releases_first=True),
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
     )
 
 
@@ -120,14 +117,12 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
     fp16 is one instruction for two values, to bf16 four) and with half the bytes per token the bf16 conversion
     was the bound (H200, 2026-11-27: batch 64 x 4k at 54% of the copy ceiling). q is rounded to fp16 once (exact
     in fp16's normal range; a query beyond 65504 would overflow) and the probabilities get 10 mantissa bits."""
-    wait_for_inputs(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,9 +178,8 @@ def _decode_split_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     PartialO, PartialLse, SeqLens, Out, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = _decode_splits(tl.load(SeqLens + b), MAX_SPLITS, MIN_SPLIT_LEN)
@@ -239,14 +233,12 @@ def decode_attention(
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_options(q.device),
+        FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if max_splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             partial_o, partial_lse, seq_lens, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4,
-            **pdl_options(q.device, releases_first=True),
         )
     return out
 

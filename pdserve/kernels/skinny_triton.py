@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import prefetch_weight_rows, wait_for_inputs
-
 
 @triton.jit
 def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
@@ -20,18 +18,13 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def skinny_kernel(
-    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, prefetch_bytes,
+    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program: output columns [pid * BLOCK_N, +BLOCK_N) of every row; the M <= ROWS rows ride in one MMA tile,
-    so the weight block is read from memory once whatever M is. PDL: the first prefetch_bytes of its weight rows
-    are asked into L2 before the wait (`pdserve.kernels.pdl`)."""
+    so the weight block is read from memory once whatever M is."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    if prefetch_bytes > 0:  # 0 unless PDL
-        prefetch_weight_rows(W + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn, prefetch_bytes, PDL)
-    wait_for_inputs(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)

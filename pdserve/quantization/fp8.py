@@ -40,9 +40,9 @@ class Fp8RowsConfig:
 
 
 # the block shapes the tuner tries: the fastest of pdserve.bench.skinny_sweep --weights fp8 for each llama-3.1-8b
-# projection at 1 and 64 rows (H200, 2026-11-27, rows quantized before the kernel; and H100, the same day, each
-# call's weight read from memory: the last three of each), the 1-row ones also quantizing the rows in the kernel,
-# which saves a launch where the amax pass is one load (FP8_IN_KERNEL_ROWS)
+# projection at 1 and 64 rows (H200, 2026-11-27, rows quantized before the kernel; and, the last three row shapes
+# and the last batch shape, H100, the same day, each call's weight read from memory), the 1-row ones also
+# quantizing the rows in the kernel, which saves a launch where the amax pass is one load (FP8_IN_KERNEL_ROWS)
 _ROW_SHAPES = ((64, 256, 4, 4, 4), (64, 256, 4, 3, 1), (32, 512, 4, 4, 1), (64, 512, 4, 3, 1), (64, 512, 4, 4, 1),
                (32, 256, 4, 3, 1))
 _BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (128, 256, 8, 4, 4),
@@ -86,7 +86,6 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
     rows' dtype."""
     import triton
 
-    from pdserve.kernels.pdl import pdl_options, prefetch_row_bytes
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     if isinstance(x, Fp8Rows):
@@ -109,7 +108,6 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
         partial = torch.empty(cfg.split_k * column_blocks * cfg.block_n * padded_rows, dtype=torch.float32,
                               device=rows.device)
         counters = split_counters(rows.device)
-    pdl = pdl_options(rows.device)
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
@@ -118,8 +116,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
-        num_stages=cfg.num_stages, prefetch_bytes=prefetch_row_bytes(n * cfg.split_k, k - (cfg.split_k - 1) * k_split,
-                                                               pdl["PDL"]), **pdl,
+        num_stages=cfg.num_stages,
     )
     return out
 

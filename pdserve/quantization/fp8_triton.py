@@ -8,7 +8,6 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import round_to_e4m3
-from pdserve.kernels.pdl import prefetch_weight_rows, wait_for_inputs
 from pdserve.kernels.skinny_triton import load_blocks
 
 
@@ -25,11 +24,10 @@ def _quantize_block(x, x_inv_scale, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
     X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
-    prefetch_bytes,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -43,16 +41,10 @@ def fp8_rows_kernel(
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
-    (the same sums whichever program comes last), writes the output and puts the counter back to 0.
-    PDL (`pdserve.kernels.pdl`): before its wait the program asks L2 for the first prefetch_bytes of its weight rows
-    (0: none)."""
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    k_start = tl.program_id(1) * K_SPLIT
-    if prefetch_bytes > 0:  # 0 unless PDL
-        prefetch_weight_rows(W + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn + k_start, prefetch_bytes, PDL)
-    wait_for_inputs(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -71,6 +63,7 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     x_ptrs += k_start

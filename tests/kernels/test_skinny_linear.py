@@ -25,6 +25,20 @@ def test_skinny_linear_matches_f_linear_interpreted(interpreted, rows, n, k):
             assert rel_err(out, F.linear(x, w, b)) < 1e-5
 
 
+def test_tuner_weights_come_from_memory(monkeypatch):
+    """The tuner cycles through copies of a weight that fits L2, enough that each call's weight was evicted since
+    its last use (2 x L2 of other copies in between); a weight over 2 x L2 is timed on itself."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("Props", (), {"L2_cache_size": 1000}))
+    w = torch.randn(5, 15)  # 300 bytes: itself and ceil(2000 / 300) = 7 copies
+    weight = skinny.cold_weights(w)
+    turn = [weight() for _ in range(9)]
+    assert turn[0] is w and turn[8] is w and len({id(t) for t in turn[:8]}) == 8
+    assert all(torch.equal(t, w) for t in turn)
+    big = torch.randn(2, 251)  # 2008 bytes
+    weight = skinny.cold_weights(big)
+    assert weight() is big and weight() is big
+
+
 def test_linear_routes_only_tuned_shapes(monkeypatch):
     x, w = torch.randn(2, 32), torch.randn(48, 32)
     calls = []
