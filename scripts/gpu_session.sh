@@ -164,7 +164,7 @@ suite_fp8_kernels() {
 suite_fp8_batch1() {
   local big quant
   big=$(model llama-3.1-8b)
-  TAILN=12 step 120 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
+  TAILN=12 step 300 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_fp8_quant_kernel.py tests/kernels/test_fp8_rows_linear.py
   for quant in none fp8; do
     TAILN=8 step 150 "one_batch_bs1_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 1 \

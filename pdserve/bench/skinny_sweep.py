@@ -4,7 +4,8 @@ shapes of qwen3-0.6b and llama-3.1-8b, timed inside CUDA graphs (as the decode s
 python -m pdserve.bench.skinny_sweep --out FILE.json [--weights fp8 --shapes llama]
 With `--weights fp8` the weights are E4M3 with per-row scales and the baseline is quantize + `torch._scaled_mm`
 (`pdserve.quantization.fp8.quantized_linear`) against the FP8 rows kernel, with the rows quantized in the kernel
-or by one launch before it, and K split across 1, 2 or 4 programs.
+or by one launch before it, and K split across 1, 2 or 4 programs. Every call reads its weight from memory, as the
+decode step does (`pdserve.kernels.skinny.cold_weights`): a weight that fits L2 is cycled through copies of it.
 """
 
 from __future__ import annotations
