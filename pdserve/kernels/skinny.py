@@ -4,7 +4,8 @@ in one 16-row MMA tile, chosen per (rows, out, in) shape only where it measured 
 At batch 1 a decode step is the weights read once; cuBLAS reaches the copy ceiling on the large projections but
 not on the small ones (H200, 2026-11-23, inside CUDA graphs: llama-3.1-8b qkv 15.9 us, skinny 14.7; o_proj 10.3
 vs 8.7; qwen3-0.6b o_proj 12.3 vs 5.1; gate_up stays on cuBLAS, which reads it at the copy ceiling).
-`SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured; `linear` then
+`SkinnyTuner.tune` times both on the real weight shapes once, before the CUDA graphs are captured, each call on a
+weight read from memory (`cold_weights`: a weight that fits L2 is cycled through copies of it); `linear` then
 routes each call by the recorded choice (cuBLAS for any shape not tuned). From 32 rows on cuBLAS's tiles win
 (pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS. FP8 weights have their own kernel
 (`pdserve.quantization.fp8.fp8_rows_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
