@@ -126,20 +126,27 @@ kv_scales() {
   echo "$1.kv_scales.json"
 }
 
-suite_fp8() {
-  local big scales
-  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
-  local fp8_kv=(--kv-cache-dtype fp8_e4m3 --kv-cache-scales "$scales")
-  for round in 1 2; do
-    TAILN=8 step 120 "one_batch_bf16_$round" python3 -m pdserve.bench.one_batch --model-path "$big" \
-      --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/one_batch_bf16_$round"
-    TAILN=8 step 120 "one_batch_fp8w_$round" python3 -m pdserve.bench.one_batch --model-path "$big" \
-      --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --quantization fp8 --out "$OUT/one_batch_fp8w_$round"
+# bf16_then_fp8 NAME LIMIT "FP8 FLAGS" ONE_BATCH_ARGS...: one_batch of llama-3.1-8b in bf16, then with the FP8
+# flags (no spaces inside a flag), into $OUT/one_batch_NAME_none and _fp8; each run under LIMIT seconds
+bf16_then_fp8() {
+  local name=$1 limit=$2 fp8=$3 big quant
+  shift 3
+  big=$(model llama-3.1-8b)
+  for quant in none fp8; do
+    # shellcheck disable=SC2046  # the FP8 flags split into words on purpose
+    TAILN=8 step "$limit" "one_batch_${name}_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" "$@" \
+      $([ "$quant" = fp8 ] && echo "$fp8") --out "$OUT/one_batch_${name}_$quant"
   done
-  TAILN=8 step 120 one_batch_4k_bf16 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
-    --input-lens 4096 --output-lens 64 --out "$OUT/one_batch_4k_bf16"
-  TAILN=8 step 120 one_batch_4k_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
-    --input-lens 4096 --output-lens 64 --quantization fp8 "${fp8_kv[@]}" --out "$OUT/one_batch_4k_fp8"
+}
+
+suite_fp8() {
+  local big scales round
+  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
+  for round in 1 2; do
+    bf16_then_fp8 "1k_round$round" 120 "--quantization fp8" --batch-sizes 1 64 --input-lens 1024 --output-lens 64
+  done
+  bf16_then_fp8 4k 120 "--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales" --batch-sizes 64 \
+    --input-lens 4096 --output-lens 64
   local kv kwargs  # one process each: a second engine in the same process finds the first one's memory still held
   for kv in bf16 fp8_e4m3; do
     kwargs='{}'
@@ -162,38 +169,22 @@ suite_fp8_kernels() {
 }
 
 suite_fp8_batch1() {
-  local big quant
-  big=$(model llama-3.1-8b)
   TAILN=12 step 300 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_fp8_quant_kernel.py tests/kernels/test_fp8_rows_linear.py
-  for quant in none fp8; do
-    TAILN=8 step 150 "one_batch_bs1_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 1 \
-      --input-lens 1024 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8) --out "$OUT/one_batch_bs1_$quant"
-  done
+  bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
 }
 
 suite_fp8_4k() {
-  local big quant
-  big=$(model llama-3.1-8b)
-  for quant in none fp8; do
-    TAILN=8 step 150 "one_batch_4k_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
-      --input-lens 4096 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8 --kv-cache-dtype fp8_e4m3) \
-      --out "$OUT/one_batch_4k_$quant"
-  done
-  for quant in none fp8; do
-    TAILN=8 step 120 "one_batch_bs64_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
-      --input-lens 1024 --output-lens 64 $([ "$quant" = fp8 ] && echo --quantization fp8) --out "$OUT/one_batch_bs64_$quant"
-  done
+  bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
+    --output-lens 64
+  bf16_then_fp8 bs64 120 "--quantization fp8" --batch-sizes 64 --input-lens 1024 --output-lens 64
 }
 
 suite_fp8_long() {
-  local big small scales quant
+  local big small scales
   big=$(model llama-3.1-8b) small=$(model qwen3-0.6b) scales=$(kv_scales "$(model llama-3.1-8b)")
   local fp8=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales "$scales")
-  for quant in none fp8; do
-    TAILN=8 step 150 "one_batch_16k_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 8 \
-      --input-lens 16384 --output-lens 32 $([ "$quant" = fp8 ] && echo "${fp8[@]}") --out "$OUT/one_batch_16k_$quant"
-  done
+  bf16_then_fp8 16k 150 "${fp8[*]}" --batch-sizes 8 --input-lens 16384 --output-lens 32
   TAILN=8 step 200 one_batch_16k_bs64_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
     --input-lens 16384 --output-lens 16 "${fp8[@]}" --out "$OUT/one_batch_16k_bs64_fp8"
   step 60 offline_bf16 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_bf16"

@@ -32,11 +32,11 @@ def fp8_rows_kernel(
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
     the FP8 dot runs is the compiler's: at 1 row Triton 3.6 converts the E4M3 blocks to fp16 in registers for fp16
-    MMAs on Hopper (ncu, H100, 2026-11-27), on issue slots that are mostly idle there. QUANTIZE: X holds the rows in the model dtype and each
-    program quantizes them itself (a pass for their amax in AMAX_BLOCK columns at a time, a whole row of a few rows
-    in one load: that pass is a chain of L2 round trips before the first weight block; then each block as it
-    streams: the same bytes and scales as `quantize_tokens`); else X is already FP8 with its row scales in
-    XScale.
+    MMAs on Hopper (ncu, H100, 2026-11-27), on issue slots that are mostly idle there; at 64 rows it issues FP8
+    wgmma (QGMMA; both from the compiled SASS). QUANTIZE: X holds the rows in the model dtype and each program
+    quantizes them itself (a pass for their amax in AMAX_BLOCK columns at a time, a whole row of a few rows in one
+    load: that pass is a chain of L2 round trips before the first weight block; then each block as it streams: the
+    same bytes and scales as `quantize_tokens`); else X is already FP8 with its row scales in XScale.
     Hopper's FP8 MMA sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
