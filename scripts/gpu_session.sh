@@ -36,7 +36,7 @@
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_pd fp8_profile fp8_accuracy)
+        fp8_long fp8_pd fp8_profile fp8_accuracy decode_stages)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -172,12 +172,22 @@ suite_fp8_batch1() {
   TAILN=12 step 300 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
     tests/kernels/test_fp8_quant_kernel.py tests/kernels/test_fp8_rows_linear.py
   bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
+  TAILN=8 step 150 one_batch_bs1_fp8_lm_head python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
+    --batch-sizes 1 --input-lens 1024 --output-lens 64 --quantization fp8 --quantize-lm-head \
+    --out "$OUT/one_batch_bs1_fp8_lm_head"
 }
 
 suite_fp8_4k() {
   bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
-  bf16_then_fp8 bs64 120 "--quantization fp8" --batch-sizes 64 --input-lens 1024 --output-lens 64
+}
+
+suite_decode_stages() {
+  local kv
+  for kv in bf16 fp8_e4m3; do
+    TAILN=16 step 290 "decode_sweep_$kv" python3 -m pdserve.bench.decode_sweep --kv-dtype "$kv" \
+      --cases bs64 bs256 --out "$OUT/decode_sweep_$kv.json"
+  done
 }
 
 suite_fp8_long() {

@@ -33,20 +33,24 @@ class DecodeConfig:
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
-LARGE_BATCH_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=3, min_split_len=256)
+LARGE_BATCH_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_split_len=256)
+LARGE_BATCH_FP8_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_split_len=256)
 
 
-def decode_config(batch_size: int) -> DecodeConfig:
-    """The decode kernel's block shape for a batch size (fixed per batch size, so CUDA graphs keep it).
+def decode_config(batch_size: int, fp8_cache: bool = False) -> DecodeConfig:
+    """The decode kernel's block shape for a batch size and cache dtype (fixed per batch size, so CUDA graphs keep it).
 
-    From pdserve.bench.decode_sweep on an H200 (2026-11-23, benchmarks/results/2026-11-23/issue15): up to batch 8
-    the step is latency-bound, so shorter splits spread one request over more SMs (llama-8b heads, batch 1 x 1k:
-    10.5 -> 7.8 us; 1 x 8k: 15.2 -> 12.8 us); from batch 64 up wider KV blocks and one more pipeline stage keep
-    more bytes in flight (qwen3-0.6b heads, 256 x 600: 162 -> 153 us, 94% -> 99.9% of the copy ceiling).
+    From pdserve.bench.decode_sweep: up to batch 8 the step is latency-bound, so shorter splits spread one request
+    over more SMs (H200, 2026-11-23, benchmarks/results/2026-11-23/issue15; llama-8b heads, batch 1 x 1k: 10.5 -> 7.8
+    us; 1 x 8k: 15.2 -> 12.8 us). From batch 16 up, the block shape closest to each case's best over llama-8b heads at
+    batch 64 (1k, 4k) and qwen3-0.6b heads at batch 256 (600, 100-2048), with the K and V copies pipelined (H100,
+    2026-11-27, benchmarks/results/2026-11-27e): 16-bit pages 1.0% over the best on average (97-99% of the copy
+    ceiling), FP8 pages, where converting and gathering V bytes for the MMA is the bound, one more stage and
+    narrower blocks, 2.9% over (70-83%).
     """
     if batch_size <= 8:
         return SMALL_BATCH_DECODE
-    return LARGE_BATCH_DECODE
+    return LARGE_BATCH_FP8_DECODE if fp8_cache else LARGE_BATCH_DECODE
 
 
 def num_sms(device: torch.device) -> int:
@@ -146,11 +150,17 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     page_row = PageTable + b.to(tl.int64) * stride_pb
+    # The pages of block n0 are loaded an iteration ahead: with K and V addresses made from a load of the same
+    # iteration Triton 3.6 does not pipeline the K and V copies at all (one buffer, `cp.async.wait_group 0` each
+    # iteration, whatever num_stages); from a loop-carried value it keeps num_stages - 1 blocks in flight.
+    first = start + tl.arange(0, BLOCK_N)
+    pages = tl.load(page_row + first // PAGE_SIZE, mask=first < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = pos < end
-        page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
-        slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+        ahead = pos + BLOCK_N
+        pages = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < end, other=0)
         k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -215,7 +225,7 @@ def decode_attention(
     q: [B, H_q, D] (head_dim contiguous), k_cache/v_cache: [num_slots, H_kv, D], page_table: [B, >=pages] int32,
     seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
     max_splits: power of 2 (see decode_num_splits); partial_o/partial_lse from decode_workspace when it is > 1.
-    config: block shape (default decode_config(B)). k_scale, v_scale: the layer's scales of an FP8 cache (1 else).
+    config: block shape (default decode_config(B, FP8 cache)). k_scale, v_scale: the layer's scales of an FP8 cache (1 else).
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
     batch, num_heads, head_dim = q.shape
@@ -225,7 +235,7 @@ def decode_attention(
     assert max_splits & (max_splits - 1) == 0
     if max_splits > 1 and partial_o is None:
         partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
-    cfg = config or decode_config(batch)
+    cfg = config or decode_config(batch, k_cache.dtype.itemsize == 1)
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
         q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -248,20 +258,20 @@ def decode_attention(
 
 @triton.jit
 def _extend_block(
-    acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+    acc, m_i, l_i, pages, q, K, V, page_row, kvh, n0, q_pos, kv_end,
     stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One KV block of the online softmax; K and V tiles are cast to q's dtype (FP8 caches: scales applied by the
-    caller)."""
+    caller). pages: the block's page of each position, loaded a block ahead (see _decode_split_kernel); returns the
+    next block's with the running state."""
     offs_d = tl.arange(0, HEAD_DIM)
     pos = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         mask_n = pos < kv_end
-        page = tl.load(page_row + pos // PAGE_SIZE, mask=mask_n, other=0)
-    else:
-        page = tl.load(page_row + pos // PAGE_SIZE)
-    slot = page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    ahead = pos + BLOCK_N
+    pages = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < kv_end, other=0)
     if MASKED:
         k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
@@ -278,7 +288,7 @@ def _extend_block(
     else:
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-    return acc, m_new, l_i
+    return acc, m_new, l_i, pages
 
 
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
@@ -313,14 +323,16 @@ def _extend_kernel(
     # KV positions below the block's first query position are visible to every row: no mask needed.
     full_end = (prefix_len + mblk * BLOCK_M) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(prefix_len + (mblk + 1) * BLOCK_M, prefix_len + extend_len)
+    first = tl.arange(0, BLOCK_N)
+    pages = tl.load(page_row + first // PAGE_SIZE, mask=first < kv_end, other=0)  # carried through both loops
     for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+        acc, m_i, l_i, pages = _extend_block(
+            acc, m_i, l_i, pages, q, K, V, page_row, kvh, n0, q_pos, kv_end,
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, False,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _extend_block(
-            acc, m_i, l_i, q, K, V, page_row, kvh, n0, q_pos, kv_end,
+        acc, m_i, l_i, pages = _extend_block(
+            acc, m_i, l_i, pages, q, K, V, page_row, kvh, n0, q_pos, kv_end,
             stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2, HEAD_DIM, PAGE_SIZE, BLOCK_N, True,
         )
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale

@@ -41,13 +41,15 @@ class Fp8Output:
         return (torch.empty((rows, cols), dtype=FP8, device=device),
                 torch.empty((rows, 1), dtype=torch.float32, device=device))
 
-    def constants(self) -> dict:
-        return dict(FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=self.static_scale is not None)
+    def constants(self, device: torch.device) -> dict:
+        """HW_CAST: round with the GPU's conversion (the interpreter's rounds some values wrongly)."""
+        return dict(FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE, STATIC=self.static_scale is not None,
+                    HW_CAST=device.type == "cuda")
 
     @staticmethod
-    def constants_of(fp8: Fp8Output | None) -> dict:
+    def constants_of(fp8: Fp8Output | None, device: torch.device) -> dict:
         """The kernel constants of `fp8`, or those of a launch that does not quantize."""
-        return (fp8 or Fp8Output()).constants()
+        return (fp8 or Fp8Output()).constants(device)
 
 
 def to_fp8(values: torch.Tensor) -> torch.Tensor:

@@ -24,18 +24,27 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def to_e4m3(v, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
+    """float32 values (already divided by their scale) -> E4M3, saturating at +-FP8_MAX, ties to even: on a GPU the
+    hardware conversion (`cvt.rn.satfinite`, two values an instruction), in the interpreter, which rounds a value
+    that carries into the next power of two wrongly, clamped and rounded by `round_to_e4m3` first."""
+    if HW_CAST:
+        return v.to(tl.float8e4nv)
+    return round_to_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)).to(tl.float8e4nv)
+
+
+@triton.jit
 def store_fp8_rows(y, rows, cols, mask, n_rows, QOut, QScale, StaticScale, stride_q, FP8_MAX: tl.constexpr,
-                   INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
+                   INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, HW_CAST: tl.constexpr):
     """Rows y [R, BLOCK] (float32, zero outside mask) quantized per row into QOut (E4M3) with their scales in
     QScale: amax * INV_FP8_MAX (at least MIN_SCALE) or the static scale, values times the scale's float32
-    reciprocal, clamped and rounded here, so the cast is exact (Triton's interpreter rounds a value that carries into
-    the next power of two wrongly) and every kernel writes the bytes and scales of `fp8_rows.quantize_tokens_ref`."""
+    reciprocal (`to_e4m3`), so every kernel writes the bytes and scales of `fp8_rows.quantize_tokens_ref`."""
     if STATIC:
         scale = tl.zeros_like(tl.max(y, 1)) + tl.load(StaticScale)
     else:
         scale = tl.maximum(tl.max(tl.abs(y), 1) * INV_FP8_MAX, MIN_SCALE)
-    v = tl.minimum(tl.maximum(y * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None], -FP8_MAX), FP8_MAX)
-    tl.store(QOut + rows[:, None] * stride_q + cols[None, :], round_to_e4m3(v).to(QOut.dtype.element_ty), mask=mask)
+    v = y * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    tl.store(QOut + rows[:, None] * stride_q + cols[None, :], to_e4m3(v, FP8_MAX, HW_CAST), mask=mask)
     tl.store(QScale + rows, scale, mask=rows < n_rows)
 
 
@@ -50,13 +59,13 @@ def _scale_pointers(fp8: Fp8Output | None, scales: torch.Tensor | None, unused: 
 @triton.jit
 def _quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
                             INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) + tl.arange(0, 1)
     cols = tl.arange(0, BLOCK)
     mask = (cols < K)[None, :]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     store_fp8_rows(x, rows, cols, mask, rows + 1, Q, Scale, StaticScale, stride_q, FP8_MAX, INV_FP8_MAX, MIN_SCALE,
-                   STATIC)
+                   STATIC, HW_CAST)
 
 
 def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +77,7 @@ def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torc
     q, scale = fp8.empty(m, k, x.device)
     block = triton.next_power_of_2(k)
     _quantize_tokens_kernel[(m,)](
-        x, q, *_scale_pointers(fp8, scale, x), x.stride(0), q.stride(0), k, **fp8.constants(), BLOCK=block,
+        x, q, *_scale_pointers(fp8, scale, x), x.stride(0), q.stride(0), k, **fp8.constants(x.device), BLOCK=block,
         num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
     )
     return q, scale
@@ -79,6 +88,7 @@ def _rmsnorm_kernel(
     X, Res, W, Out, ResOut, QScale, StaticScale, n_rows, stride_x, stride_r, stride_o, stride_ro, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     """QUANT: Out is FP8 and takes the normed rows quantized per row (`store_fp8_rows`), their scales in QScale."""
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -95,7 +105,7 @@ def _rmsnorm_kernel(
     y = ((x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32) * w[None, :]).to(X.dtype.element_ty)
     if QUANT:
         store_fp8_rows(y.to(tl.float32), rows, cols, mask, n_rows, Out, QScale, StaticScale, stride_o, FP8_MAX,
-                       INV_FP8_MAX, MIN_SCALE, STATIC)
+                       INV_FP8_MAX, MIN_SCALE, STATIC, HW_CAST)
     else:
         tl.store(Out + rows[:, None] * stride_o + cols[None, :], y, mask=mask)
 
@@ -117,7 +127,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     _rmsnorm_kernel[grid](
         x2, r2, weight, out2, res2, *_scale_pointers(fp8, scale, x2), x2.shape[0],
         x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,
-        HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
+        HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8, x.device),
         num_warps=4 if block <= 2048 else 8,
     )
     out = out2.view(x.shape) if fp8 is None else (out2, scale)
@@ -261,7 +271,7 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
 @triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _silu_and_mul_kernel(X, Out, QScale, StaticScale, n_rows, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, STATIC: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, HW_CAST: tl.constexpr):
     """QUANT: one program a row (BLOCK >= INTER); Out is FP8 and takes the row quantized (`store_fp8_rows`)."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -271,7 +281,7 @@ def _silu_and_mul_kernel(X, Out, QScale, StaticScale, n_rows, stride_x, stride_o
     out = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
     if QUANT:
         store_fp8_rows(out.to(tl.float32), rows, cols, mask, n_rows, Out, QScale, StaticScale, stride_o, FP8_MAX,
-                       INV_FP8_MAX, MIN_SCALE, STATIC)
+                       INV_FP8_MAX, MIN_SCALE, STATIC, HW_CAST)
     else:
         tl.store(Out + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
 
@@ -288,7 +298,7 @@ def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
         block = triton.next_power_of_2(inter) if fp8 else min(1024, triton.next_power_of_2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out2, *_scale_pointers(fp8, scale, x2), x2.shape[0], x2.stride(0),
-            out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8),
+            out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8, x.device),
             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
         )
     return out2.view(*x.shape[:-1], inter) if fp8 is None else (out2, scale)

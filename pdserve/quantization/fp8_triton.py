@@ -7,18 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.kernels.fused import round_to_e4m3
+from pdserve.kernels.fused import to_e4m3
 from pdserve.kernels.skinny_triton import load_blocks
-
-
-@triton.jit
-def _quantize_block(x, x_inv_scale, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
-    """x [ROWS, BLOCK_K] times each row's reciprocal scale, saturated and rounded to E4M3 (ties to even): on a GPU
-    by the hardware conversion (two values an instruction), in the interpreter by `round_to_e4m3` first."""
-    v = x.to(tl.float32) * x_inv_scale[:, None]
-    if HW_CAST:
-        return v.to(tl.float8e4nv)
-    return round_to_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)).to(tl.float8e4nv)
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
@@ -71,7 +61,7 @@ def fp8_rows_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         if QUANTIZE:
-            x = _quantize_block(x, x_inv_scale, FP8_MAX, HW_CAST)
+            x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K

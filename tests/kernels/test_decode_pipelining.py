@@ -1,0 +1,67 @@
+"""The paged attention kernels keep K and V copies in flight while they compute: compiled for sm_90 on any machine
+(Triton's own ptxas, no GPU), with 3 stages the decode kernel double-buffers the K and V tiles and waits for all but
+the newest copies (with 2 it holds one buffer), and so does the extend kernel at its engine config."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+
+DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256)
+
+
+def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pdserve.kernels import attention
+
+    kernel = getattr(attention, kernel_name)
+    names = list(inspect.signature(kernel.fn).parameters)
+    pointers = dict(Q="*bf16", K=f"*{kv_dtype}", V=f"*{kv_dtype}", PageTable="*i32", SeqLens="*i32", Out="*bf16",
+                    PartialO="*fp32", PartialLse="*fp32", PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32")
+    signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("sm_scale_log2", "v_scale")
+                                 else "i32") for n in names}
+    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_pb")]  # as launched
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    try:
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=num_stages))
+    except Exception as e:  # a Triton build without the CUDA backend's tools
+        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+
+
+@pytest.mark.parametrize("kv_dtype, tile_bytes", [("bf16", 2 * 128 * 128 * 2), ("fp8e4nv", 2 * 128 * 128)])
+def test_decode_copies_stay_in_flight(kv_dtype, tile_bytes):
+    constants = dict(DECODE, FP16_DOTS=kv_dtype != "bf16")
+    single = compile_for_sm90("_decode_split_kernel", kv_dtype, constants, 2)
+    double = compile_for_sm90("_decode_split_kernel", kv_dtype, constants, 3)
+    assert "cp.async.wait_group \t0;" in single.asm["ptx"] and "cp.async.wait_group \t2;" not in single.asm["ptx"]
+    assert "cp.async.wait_group \t2;" in double.asm["ptx"]  # the next block's copies stay in flight
+    assert tile_bytes <= single.metadata.shared < 2 * tile_bytes <= double.metadata.shared
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8e4nv"])
+def test_extend_copies_stay_in_flight(kv_dtype):
+    from pdserve.kernels.attention import extend_config
+
+    cfg = extend_config(128, torch.device("cuda"))
+    constants = dict(GROUP=4, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"])
+    kernel = compile_for_sm90("_extend_kernel", kv_dtype, constants, cfg["num_stages"])
+    assert f"cp.async.wait_group \t{cfg['num_stages'] - 1};" in kernel.asm["ptx"]
+
+
+def test_engine_fp8_decode_config_keeps_copies_in_flight():
+    from pdserve.kernels.attention import decode_config
+
+    cfg = decode_config(64, fp8_cache=True)
+    constants = dict(DECODE, BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, FP16_DOTS=True)
+    kernel = compile_for_sm90("_decode_split_kernel", "fp8e4nv", constants, cfg.num_stages)
+    assert cfg.num_stages >= 3 and f"cp.async.wait_group \t{cfg.num_stages - 1};" in kernel.asm["ptx"]
