@@ -142,9 +142,9 @@ def decode(bs, ctx, hq, page=16):
     o = timed_first(f"decode bs{bs} ctx{ctx}", f)
     out = torch.empty_like(q)
     splits = decode_num_splits(bs, HKV, q.device)
-    po, pl = decode_workspace(bs, hq, D, splits, q.device)
+    workspace = decode_workspace(bs, hq, HKV, D, splits, q.device)
     tr = lambda: decode_attention(
-        q, kc.view(-1, HKV, D), vc.view(-1, HKV, D), table, seq, out, D**-0.5, page, splits, po, pl
+        q, kc.view(-1, HKV, D), vc.view(-1, HKV, D), table, seq, out, D**-0.5, page, splits, workspace
     )
     tr()
     g = torch.cuda.CUDAGraph()

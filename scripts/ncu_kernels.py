@@ -26,12 +26,12 @@ def decode() -> None:
     seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(batch, hq, 128, device="cuda", dtype=torch.bfloat16)
     splits = decode_num_splits(batch, hkv, q.device)
-    po, pl = decode_workspace(batch, hq, 128, splits, q.device)
+    workspace = decode_workspace(batch, hq, hkv, 128, splits, q.device)
     out = torch.empty_like(q)
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
         k, v = pool.k.to(kv_dtype), pool.v.to(kv_dtype)
         for _ in range(2):
-            decode_attention(q, k, v, table, seq_lens, out, 0.088, 16, splits, po, pl)
+            decode_attention(q, k, v, table, seq_lens, out, 0.088, 16, splits, workspace)
         del k, v
     torch.cuda.synchronize()
 

@@ -10,6 +10,7 @@ from pdserve.attention.base import AttentionBackend
 from pdserve.attention.selection import TRITON_HEAD_DIMS
 from pdserve.forward_batch import ForwardBatch, ForwardMode
 from pdserve.kernels.attention import (
+    DecodeWorkspace,
     decode_attention,
     decode_num_splits,
     decode_workspace,
@@ -24,8 +25,7 @@ class DecodeMetadata:
     seq_lens: torch.Tensor
     out_cache_loc: torch.Tensor
     max_splits: int
-    partial_o: torch.Tensor | None
-    partial_lse: torch.Tensor | None
+    workspace: DecodeWorkspace | None
 
 
 @dataclass(slots=True)
@@ -46,8 +46,9 @@ class CudaGraphBuffers:
     page_table: torch.Tensor  # [max_bs, max_pages] int32
     out_cache_loc: torch.Tensor  # [max_bs] int64
     padding_loc: torch.Tensor  # [max_bs] int64: row i writes slot i % page_size of page 0
-    partial_o: torch.Tensor  # flat fp32 workspace, large enough for every bs
+    partial_o: torch.Tensor  # flat split-KV workspace (DecodeWorkspace), large enough for every bs
     partial_lse: torch.Tensor
+    counters: torch.Tensor  # zeroed once; every launch leaves its counters zero
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -71,10 +72,8 @@ class TritonAttnBackend(AttentionBackend):
         if batch.mode == ForwardMode.DECODE:
             bs = batch.batch_size
             splits = decode_num_splits(bs, self.num_kv_heads, self.device)
-            partial_o, partial_lse = decode_workspace(bs, self.num_heads, self.head_dim, splits, self.device)
-            self.metadata = DecodeMetadata(
-                batch.page_table, batch.seq_lens, batch.out_cache_loc, splits, partial_o, partial_lse
-            )
+            workspace = decode_workspace(bs, self.num_heads, self.num_kv_heads, self.head_dim, splits, self.device)
+            self.metadata = DecodeMetadata(batch.page_table, batch.seq_lens, batch.out_cache_loc, splits, workspace)
         else:
             self.metadata = ExtendMetadata(
                 batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
@@ -94,7 +93,7 @@ class TritonAttnBackend(AttentionBackend):
         if isinstance(meta, DecodeMetadata):
             return decode_attention(
                 q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, scaling, self.page_size,
-                meta.max_splits, meta.partial_o, meta.partial_lse, **scales,
+                meta.max_splits, meta.workspace, **scales,
             )
         return extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
@@ -105,26 +104,25 @@ class TritonAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         dev = self.device
-        workspace_rows = max(bs * decode_num_splits(bs, self.num_kv_heads, dev) for bs in range(1, max_bs + 1))
+        sizes = [DecodeWorkspace.flat_sizes(bs, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            decode_num_splits(bs, self.num_kv_heads, dev)) for bs in range(1, max_bs + 1)]
+        n_o, n_lse, n_counters = (max(column) for column in zip(*sizes))
         self.graph_buffers = CudaGraphBuffers(
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
             page_table=torch.zeros(max_bs, max_pages_per_req, dtype=torch.int32, device=dev),
             out_cache_loc=torch.zeros(max_bs, dtype=torch.int64, device=dev),
             padding_loc=torch.arange(max_bs, dtype=torch.int64, device=dev) % self.page_size,
-            partial_o=torch.empty(workspace_rows * self.num_heads * self.head_dim, dtype=torch.float32, device=dev),
-            partial_lse=torch.empty(workspace_rows * self.num_heads, dtype=torch.float32, device=dev),
+            partial_o=torch.empty(n_o, dtype=torch.float32, device=dev),
+            partial_lse=torch.empty(n_lse, dtype=torch.float32, device=dev),
+            counters=torch.zeros(n_counters, dtype=torch.int32, device=dev),
         )
 
     def _graph_metadata(self, bs: int) -> DecodeMetadata:
         g = self.graph_buffers
         splits = decode_num_splits(bs, self.num_kv_heads, self.device)
-        partial_o = partial_lse = None
-        if splits > 1:
-            partial_o = g.partial_o[: bs * self.num_heads * splits * self.head_dim].view(
-                bs, self.num_heads, splits, self.head_dim
-            )
-            partial_lse = g.partial_lse[: bs * self.num_heads * splits].view(bs, self.num_heads, splits)
-        return DecodeMetadata(g.page_table[:bs], g.seq_lens[:bs], g.out_cache_loc[:bs], splits, partial_o, partial_lse)
+        workspace = None if splits == 1 else DecodeWorkspace.view(
+            g.partial_o, g.partial_lse, g.counters, bs, self.num_heads, self.num_kv_heads, self.head_dim, splits)
+        return DecodeMetadata(g.page_table[:bs], g.seq_lens[:bs], g.out_cache_loc[:bs], splits, workspace)
 
     def init_forward_metadata_capture_cuda_graph(self, bs: int) -> None:
         """Point the metadata at the static buffers' first bs rows, all padding (seq_len 1, page 0)."""

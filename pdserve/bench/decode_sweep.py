@@ -74,9 +74,9 @@ def run_case(name, hq, hkv, batch, lens, ceiling_gbps, kv_dtype) -> list[dict]:
 
 
 def time_config(name, batch, cfg, splits, q, k_cache, v_cache, table, seq_lens, ref, nbytes, ceiling_gbps) -> dict:
-    po, pl = decode_workspace(batch, q.shape[1], q.shape[2], splits, q.device)
+    workspace = decode_workspace(batch, q.shape[1], k_cache.shape[1], q.shape[2], splits, q.device)
     out = torch.full_like(q, float("nan"))
-    fn = lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, out, 0.088, 16, splits, po, pl, cfg)  # noqa: E731
+    fn = lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, out, 0.088, 16, splits, workspace, cfg)  # noqa: E731
     try:
         fn()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

@@ -95,9 +95,9 @@ def bench_decode(ceil: dict, quick: bool) -> list[dict]:
                 table = pool.page_table(batch, ctx)
                 seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
                 splits = decode_num_splits(batch, hkv, q.device)
-                po, pl = decode_workspace(batch, hq, dim, splits, q.device)
+                workspace = decode_workspace(batch, hq, hkv, dim, splits, q.device)
                 ms = ms_graph(lambda: decode_attention(q, pool.k, pool.v, table, seq_lens, out, 0.088, 16, splits,
-                                                       po, pl))
+                                                       workspace))
                 nbytes = batch * ctx * hkv * dim * 2 * 2 + 2 * q.numel() * 2
                 gbps = nbytes / ms / 1e6
                 rows.append(dict(kind="decode", model=model, batch=batch, ctx=ctx, splits=splits, us=ms * 1e3,

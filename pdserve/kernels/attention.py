@@ -24,7 +24,7 @@ DECODE_MAX_SPLITS = 64
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Block shape of the split-KV decode kernel. A split covers at least `min_split_len` tokens (shorter
-    contexts run unsplit); the split and reduce kernels must be launched with the same value."""
+    contexts run unsplit)."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -116,7 +116,7 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
 
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
-    Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse,
+    Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh,
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -183,48 +183,84 @@ def _decode_split_kernel(
         tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(PartialLse + row, lse, mask=mask_g)
+        tl.debug_barrier()  # every thread's partials stored before the counter's release
+        counter = Counters + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, o_ptrs, BLOCK_H, HEAD_DIM, MAX_SPLITS)
+            tl.store(counter, 0)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    PartialO, PartialLse, SeqLens, Out, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    splits = _decode_splits(tl.load(SeqLens + b), MAX_SPLITS, MIN_SPLIT_LEN)
+def _merge_splits(PartialO, PartialLse, first_row, splits, mask_g, o_ptrs,
+                  BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Run by the last split program of a (request, kv head) to finish (Counters says which): its query heads'
+    partial outputs weighted by their softmax sums, added in split order (the same sums whichever program is last).
+    .cg loads: the other programs' partials, read past this SM's L1."""
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask_s = offs_s < splits
-    row = (b * tl.num_programs(1) + h) * MAX_SPLITS
-    lse = tl.load(PartialLse + row + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-    o = tl.load(PartialO + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty))
+    lse = tl.load(PartialLse + first_row[:, None] + offs_s[None, :], mask=mask_g[:, None] & (offs_s < splits)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.where(mask_g, tl.max(lse, 1), 0.0)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for s in range(0, splits):
+        w = tl.exp2(tl.load(PartialLse + first_row + s, mask=mask_g, other=float("-inf"), cache_modifier=".cg") - m)
+        o = tl.load(PartialO + (first_row + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_g[:, None], other=0.0,
+                    cache_modifier=".cg")
+        acc += o * w[:, None]
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=mask_g[:, None])
 
 
-def decode_workspace(batch_size: int, num_heads: int, head_dim: int, max_splits: int, device) -> tuple:
-    """(partial_o [B, H_q, S, D] fp32, partial_lse [B, H_q, S] fp32) for split-KV decode; None pair when S == 1."""
+@dataclass(frozen=True, slots=True)
+class DecodeWorkspace:
+    """Split-KV decode scratch: partial_o [B, H_q, S, D] fp32, partial_lse [B, H_q, S] fp32, and counters
+    [B * H_kv] int32, zero between launches (the last split program of each (request, kv head) puts its back)."""
+
+    partial_o: torch.Tensor
+    partial_lse: torch.Tensor
+    counters: torch.Tensor
+
+    @staticmethod
+    def flat_sizes(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, max_splits: int
+                   ) -> tuple[int, int, int]:
+        rows = batch_size * num_heads * max_splits
+        return rows * head_dim, rows, batch_size * num_kv_heads
+
+    @classmethod
+    def view(cls, partial_o: torch.Tensor, partial_lse: torch.Tensor, counters: torch.Tensor, batch_size: int,
+             num_heads: int, num_kv_heads: int, head_dim: int, max_splits: int) -> DecodeWorkspace:
+        """The first rows of flat buffers (of at least `flat_sizes`) as one batch's workspace."""
+        n_o, n_lse, n_counters = cls.flat_sizes(batch_size, num_heads, num_kv_heads, head_dim, max_splits)
+        return cls(partial_o[:n_o].view(batch_size, num_heads, max_splits, head_dim),
+                   partial_lse[:n_lse].view(batch_size, num_heads, max_splits), counters[:n_counters])
+
+
+def decode_workspace(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, max_splits: int,
+                     device) -> DecodeWorkspace | None:
+    """Fresh split-KV decode scratch (counters zeroed); None when max_splits == 1."""
     if max_splits == 1:
-        return None, None
-    partial_o = torch.empty(batch_size, num_heads, max_splits, head_dim, dtype=torch.float32, device=device)
-    partial_lse = torch.empty(batch_size, num_heads, max_splits, dtype=torch.float32, device=device)
-    return partial_o, partial_lse
+        return None
+    n_o, n_lse, n_counters = DecodeWorkspace.flat_sizes(batch_size, num_heads, num_kv_heads, head_dim, max_splits)
+    return DecodeWorkspace.view(torch.empty(n_o, dtype=torch.float32, device=device),
+                                torch.empty(n_lse, dtype=torch.float32, device=device),
+                                torch.zeros(n_counters, dtype=torch.int32, device=device),
+                                batch_size, num_heads, num_kv_heads, head_dim, max_splits)
 
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
-    out: torch.Tensor, scaling: float, page_size: int, max_splits: int,
-    partial_o: torch.Tensor | None = None, partial_lse: torch.Tensor | None = None,
+    out: torch.Tensor, scaling: float, page_size: int, max_splits: int, workspace: DecodeWorkspace | None = None,
     config: DecodeConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Paged decode attention: request b's single query attends to KV positions 0..seq_lens[b]-1.
 
     q: [B, H_q, D] (head_dim contiguous), k_cache/v_cache: [num_slots, H_kv, D], page_table: [B, >=pages] int32,
     seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
-    max_splits: power of 2 (see decode_num_splits); partial_o/partial_lse from decode_workspace when it is > 1.
+    max_splits: power of 2 (see decode_num_splits); workspace (decode_workspace) when it is > 1: one launch, the last
+    split program of each (request, kv head) merging the splits.
     config: block shape (default decode_config(B, FP8 cache)). k_scale, v_scale: the layer's scales of an FP8 cache (1 else).
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
@@ -233,11 +269,12 @@ def decode_attention(
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1 and out.stride(2) == 1 and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
     assert max_splits & (max_splits - 1) == 0
-    if max_splits > 1 and partial_o is None:
-        partial_o, partial_lse = decode_workspace(batch, num_heads, head_dim, max_splits, q.device)
+    if max_splits > 1 and workspace is None:
+        workspace = decode_workspace(batch, num_heads, num_kv_heads, head_dim, max_splits, q.device)
+    scratch = (workspace.partial_o, workspace.partial_lse, workspace.counters) if workspace else (out, out, out)
     cfg = config or decode_config(batch, k_cache.dtype.itemsize == 1)
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, out, partial_o, partial_lse,
+        q, k_cache, v_cache, page_table, seq_lens, out, *scratch,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1),
         scaling * LOG2E * k_scale, v_scale,
@@ -245,11 +282,6 @@ def decode_attention(
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
         FP16_DOTS=k_cache.dtype.itemsize == 1 and q.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if max_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
-            partial_o, partial_lse, seq_lens, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len, num_warps=4,
-        )
     return out
 
 

@@ -45,3 +45,25 @@ def test_sdpa_backend_hybrid_interpreted(interpreted):
     pool.store(0, backend.out_cache_loc, k, v)
     out = backend.forward(q, k, v, 0, pool, 0.125)
     assert rel_err(out, ref) < 1e-5
+
+
+def test_split_decode_merges_in_its_last_program_and_resets_its_counters(interpreted):
+    """One launch merges the KV splits (the last split program of each request and kv head does it): the output
+    matches the reference, the counters are zero again after it, and a second launch on the same workspace gives the
+    same bits."""
+    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
+
+    batch, pool, q, k, v = make_batch([(0, 1), (300, 1), (700, 1)], page_size=4, num_heads=4, num_kv_heads=2,
+                                      head_dim=64, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    pool.store(0, batch.out_cache_loc, k, v)
+    ref = reference_attention(q, k, v, pool, batch, 0.125)
+    workspace = decode_workspace(3, 4, 2, 64, 8, "cpu")
+    config = DecodeConfig(block_n=32, min_split_len=64)  # the 701-token request takes all 8 splits
+    outs = []
+    for _ in range(2):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, pool.k_buffer(0), pool.v_buffer(0), batch.page_table, batch.seq_lens, out, 0.125, 4, 8,
+                         workspace, config)
+        assert rel_err(out, ref) < 1e-5 and not workspace.counters.any()
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
