@@ -21,10 +21,12 @@
 #                batch 64 at 4k with FP8 weights + FP8 KV; KV tokens in the same memory (about 8 minutes)
 #   fp8_kernels  the FP8 GPU tests; the FP8 rows kernel against quantize + _scaled_mm at 1, 8 and 64 rows (llama
 #                shapes; about 5 minutes)
-#   fp8_batch1   the batch-1 target: one_batch llama-3.1-8b, 1k context, bf16 then FP8 weights (about 5 minutes
-#                with the model build); run fp8_4k next on the same warm machine
+#   fp8_batch1   the kernel GPU tests, then the batch-1 target: one_batch llama-3.1-8b, 1k context, bf16, FP8 weights,
+#                FP8 weights with the LM head in FP8 too (about 6 minutes with the model build); run fp8_4k next on
+#                the same warm machine
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
-#                speed as calibrated ones), then batch 64 at 1k both ways (about 8 minutes)
+#                speed as calibrated ones; about 4 minutes)
+#   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
 #   fp8_long     long contexts and the offline workload, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV;
 #                batch 64 at 16k with FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one); the
 #                offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 9 minutes)
@@ -169,8 +171,7 @@ suite_fp8_kernels() {
 }
 
 suite_fp8_batch1() {
-  TAILN=12 step 300 fp8_kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu \
-    tests/kernels/test_fp8_quant_kernel.py tests/kernels/test_fp8_rows_linear.py
+  TAILN=12 step 240 kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
   bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
   TAILN=8 step 150 one_batch_bs1_fp8_lm_head python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
     --batch-sizes 1 --input-lens 1024 --output-lens 64 --quantization fp8 --quantize-lm-head \
