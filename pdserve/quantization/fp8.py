@@ -54,9 +54,16 @@ FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 AMAX_ELEMENTS = 16384  # the in-kernel amax pass loads up to this many elements at once (a row of K <= 16384)
 
 
+HOPPER_SHARED_MEMORY = 232448  # bytes a program may hold on an H100 / H200 (227 KiB)
+
+
 def fp8_candidates(rows: int, configs: Iterable[Fp8RowsConfig] = FP8_CANDIDATES) -> tuple[Fp8RowsConfig, ...]:
-    """The configs that may run `rows` rows: those quantizing in the kernel only up to FP8_IN_KERNEL_ROWS."""
-    return tuple(cfg for cfg in configs if rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+    """The configs that may run `rows` rows: those quantizing in the kernel only up to FP8_IN_KERNEL_ROWS, and
+    those whose pipelined weight and row blocks (num_stages of each, one byte an element) fit a Hopper SM's shared
+    memory at this many rows (padded to a power of 2, as launched)."""
+    padded = 1 << max(rows - 1, 0).bit_length()
+    return tuple(cfg for cfg in configs if (rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
+                 and cfg.num_stages * cfg.block_k * (cfg.block_n + padded) <= HOPPER_SHARED_MEMORY)
 
 
 SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)

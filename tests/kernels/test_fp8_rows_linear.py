@@ -57,6 +57,16 @@ def test_only_few_rows_are_quantized_in_the_kernel():
     assert fp8.fp8_candidates(fp8.FP8_MAX_ROWS)
 
 
+def test_candidates_fit_shared_memory_at_their_row_count():
+    """A 64 x 512 weight block over 4 stages fits beside one row's blocks, not beside 64 rows' (256 KiB in all)."""
+    deep = fp8.Fp8RowsConfig(64, 512, 4, 4, False, 1)
+    assert deep in fp8.FP8_CANDIDATES and deep in fp8.fp8_candidates(1) and deep not in fp8.fp8_candidates(64)
+    for rows in (1, 9, 33, fp8.FP8_MAX_ROWS):
+        padded = 1 << (rows - 1).bit_length()
+        assert all(c.num_stages * c.block_k * (c.block_n + padded) <= fp8.HOPPER_SHARED_MEMORY
+                   for c in fp8.fp8_candidates(rows))
+
+
 def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     x, w_q, w_scale, _ = operands(3, 48, 32)
     calls = []
