@@ -30,8 +30,9 @@
 #   fp8_long     long contexts and the offline workload, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV;
 #                batch 64 at 16k with FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one); the
 #                offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 9 minutes)
-#   fp8_pd       PD added TTFT with FP8 pages against bf16 pages, two GPUs (nvidia-h100-x2 / h200-x2), mooncake,
-#                llama-3.1-8b, FP8 weights + FP8 KV on every server in the second run (about 8 minutes)
+#   fp8_pd       PD added TTFT (4k, 16k prompts) with FP8 pages against bf16 pages, two GPUs (nvidia-h100-x2 /
+#                h200-x2), mooncake, llama-3.1-8b, FP8 weights + FP8 KV (scales 1.0) on every server in the second
+#                run; greedy identity with colocated both ways (about 9 minutes)
 #   fp8_profile  where an FP8 decode step's time goes (step_profile, llama-3.1-8b): batch 1 at 1k with FP8 weights,
 #                batch 64 at 4k with FP8 weights + FP8 KV, and bf16 at 4k beside it (about 6 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
@@ -204,13 +205,13 @@ suite_fp8_long() {
 }
 
 suite_fp8_pd() {
-  local big scales
-  big=$(model llama-3.1-8b) scales=$(kv_scales "$(model llama-3.1-8b)")
-  TAILN=30 step 240 pd_bf16 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
-    --identity-lens 5 300 2000 --ttft-lens 1024 4096 16384 --out "$OUT/pd_bf16"
-  TAILN=30 step 240 pd_fp8 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
-    --identity-lens 5 300 2000 --ttft-lens 1024 4096 16384 --out "$OUT/pd_fp8" \
-    --server-flags "--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales $scales"
+  local big
+  big=$(model llama-3.1-8b)
+  TAILN=30 step 220 pd_bf16 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
+    --identity-lens 5 300 2000 --ttft-lens 4096 16384 --out "$OUT/pd_bf16"
+  TAILN=30 step 220 pd_fp8 python3 scripts/pd_check.py --model-path "$big" --backends mooncake \
+    --identity-lens 5 300 2000 --ttft-lens 4096 16384 --out "$OUT/pd_fp8" \
+    --server-flags "--quantization fp8 --kv-cache-dtype fp8_e4m3"
 }
 
 suite_fp8_profile() {
