@@ -27,9 +27,9 @@
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
 #                speed as calibrated ones; about 4 minutes)
 #   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
-#   fp8_long     long contexts and the offline workload, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV;
-#                batch 64 at 16k with FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one); the
-#                offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 9 minutes)
+#   fp8_long     long contexts, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV; batch 64 at 16k with FP8
+#                weights + FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one; about 9 minutes)
+#   fp8_offline  the offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 4 minutes)
 #   fp8_pd       PD added TTFT (4k, 16k prompts) with FP8 pages against bf16 pages, two GPUs (nvidia-h100-x2 /
 #                h200-x2), mooncake, llama-3.1-8b, FP8 weights + FP8 KV (scales 1.0) on every server in the second
 #                run; greedy identity with colocated both ways (about 9 minutes)
@@ -39,7 +39,7 @@
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_pd fp8_profile fp8_accuracy decode_stages)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -193,14 +193,19 @@ suite_decode_stages() {
 }
 
 suite_fp8_long() {
-  local big small scales
-  big=$(model llama-3.1-8b) small=$(model qwen3-0.6b) scales=$(kv_scales "$(model llama-3.1-8b)")
-  local fp8=(--quantization fp8 --kv-cache-dtype fp8_e4m3 --kv-cache-scales "$scales")
-  bf16_then_fp8 16k 150 "${fp8[*]}" --batch-sizes 8 --input-lens 16384 --output-lens 32
-  TAILN=8 step 200 one_batch_16k_bs64_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
-    --input-lens 16384 --output-lens 16 "${fp8[@]}" --out "$OUT/one_batch_16k_bs64_fp8"
-  step 60 offline_bf16 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_bf16"
-  step 60 offline_fp8 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_fp8" \
+  local big fp8="--quantization fp8 --kv-cache-dtype fp8_e4m3"
+  big=$(model llama-3.1-8b)
+  bf16_then_fp8 16k 170 "$fp8" --batch-sizes 8 --input-lens 16384 --output-lens 32
+  # shellcheck disable=SC2086  # the FP8 flags split into words on purpose
+  TAILN=8 step 280 one_batch_16k_bs64_fp8 python3 -m pdserve.bench.one_batch --model-path "$big" --batch-sizes 64 \
+    --input-lens 16384 --output-lens 16 $fp8 --out "$OUT/one_batch_16k_bs64_fp8"
+}
+
+suite_fp8_offline() {
+  local small
+  small=$(model qwen3-0.6b)
+  step 100 offline_bf16 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_bf16"
+  step 100 offline_fp8 python3 -m pdserve.bench.offline --model-path "$small" --out "$OUT/offline_fp8" \
     --quantization fp8 --kv-cache-dtype fp8_e4m3
 }
 
