@@ -5,11 +5,16 @@ the newest copies (with 2 it holds one buffer), and so does the extend kernel at
 from __future__ import annotations
 
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+# a Triton build without the CUDA backend's own ptxas cannot compile for sm_90; any other compile error fails
+pytestmark = pytest.mark.skipif(not (Path(triton.__path__[0]) / "backends/nvidia/bin/ptxas").exists(),
+                                reason="Triton's CUDA backend tools are not installed")
 
 
 DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256)
@@ -23,29 +28,27 @@ def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stage
 
     kernel = getattr(attention, kernel_name)
     names = list(inspect.signature(kernel.fn).parameters)
-    pointers = dict(Q="*bf16", K=f"*{kv_dtype}", V=f"*{kv_dtype}", PageTable="*i32", SeqLens="*i32", Out="*bf16",
-                    PartialO="*fp32", PartialLse="*fp32", PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32")
+    words = constants.get("V_WORDS", False)
+    pointers = dict(Q="*bf16", K=f"*{kv_dtype}", V="*i32" if words else f"*{kv_dtype}", PageTable="*i32",
+                    SeqLens="*i32", Out="*bf16", PartialO="*fp32", PartialLse="*fp32", Counters="*i32",
+                    PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32")
     signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("sm_scale_log2", "v_scale")
                                  else "i32") for n in names}
     aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_pb")]  # as launched
     source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    try:
-        return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4, num_stages=num_stages))
-    except Exception as e:  # a Triton build without the CUDA backend's tools
-        pytest.skip(f"cannot compile for sm_90 here: {e!r}")
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
 
 
 @pytest.mark.parametrize("kv_dtype, tile_bytes", [("bf16", 2 * 128 * 128 * 2), ("fp8e4nv", 2 * 128 * 128)])
 def test_decode_copies_stay_in_flight(kv_dtype, tile_bytes):
-    constants = dict(DECODE, FP16_DOTS=kv_dtype != "bf16")
+    constants = dict(DECODE, FP16_DOTS=kv_dtype != "bf16", V_WORDS=kv_dtype != "bf16")
     single = compile_for_sm90("_decode_split_kernel", kv_dtype, constants, 2)
     double = compile_for_sm90("_decode_split_kernel", kv_dtype, constants, 3)
     assert "cp.async.wait_group \t0;" in single.asm["ptx"] and "cp.async.wait_group \t2;" not in single.asm["ptx"]
     assert "cp.async.wait_group \t2;" in double.asm["ptx"]  # the next block's copies stay in flight
-    assert tile_bytes <= single.metadata.shared < 2 * tile_bytes <= double.metadata.shared
+    assert tile_bytes <= single.metadata.shared and 2 * tile_bytes <= double.metadata.shared
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8e4nv"])
@@ -62,6 +65,16 @@ def test_engine_fp8_decode_config_keeps_copies_in_flight():
     from pdserve.kernels.attention import decode_config
 
     cfg = decode_config(64, fp8_cache=True)
-    constants = dict(DECODE, BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, FP16_DOTS=True)
+    constants = dict(DECODE, BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, FP16_DOTS=True, V_WORDS=True)
     kernel = compile_for_sm90("_decode_split_kernel", "fp8e4nv", constants, cfg.num_stages)
     assert cfg.num_stages >= 3 and f"cp.async.wait_group \t{cfg.num_stages - 1};" in kernel.asm["ptx"]
+
+
+def test_fp8_v_reaches_the_mma_through_transposing_loads():
+    """FP8 V tiles as words (V_WORDS): unpacked to fp16 before shared memory, they reach the PV product through
+    transposing ldmatrix loads; as bytes, Triton 3.6 gathers them from shared memory one byte at a time."""
+    constants = dict(DECODE, BLOCK_N=64, FP16_DOTS=True)
+    words = compile_for_sm90("_decode_split_kernel", "fp8e4nv", dict(constants, V_WORDS=True), 3).asm["ptx"]
+    as_bytes = compile_for_sm90("_decode_split_kernel", "fp8e4nv", dict(constants, V_WORDS=False), 3).asm["ptx"]
+    assert "ld.shared.b8" in as_bytes and "ld.shared.b8" not in words
+    assert re.search(r"ldmatrix\S*\.trans", words) and not re.search(r"ldmatrix\S*\.trans", as_bytes)
