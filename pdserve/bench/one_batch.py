@@ -42,6 +42,10 @@ def run_case(llm: LLM, bs: int, input_len: int, output_len: int, ceilings: Ceili
         sched.step()
     sync()
     ttft = time.perf_counter() - start
+    if len(sched.running) != bs:  # a pool too small for the batch runs it in waves: no figure would be this batch's
+        raise RuntimeError(f"batch {bs} x {input_len} tokens: {len(sched.running)} requests ran at once after the "
+                           f"prefill, not {bs} (KV pool {sched.runner.pool.layout.num_slots} tokens); measure a "
+                           "smaller batch or on a GPU with more memory")
     step_times, gpu_busy = [], None
     if torch.cuda.is_available() and sched.has_work():
         gpu_busy = decode_gpu_busy(sched, steps=min(16, output_len - 2))
@@ -92,10 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = build_parser()
-    args, engine_args = parse_engine_bench_args(parser, argv)
-    llm = LLM(args.model_path, **engine_args)
+def measure(llm: LLM, args) -> tuple[list[dict], Ceilings | None]:
+    """Every (batch size, input, output length) case of args after a warm-up, printed as it is measured."""
     run_case(llm, 1, 64, 4, None)  # warm-up
     ceilings = Ceilings.measure() if torch.cuda.is_available() else None
     rows = []
@@ -106,9 +108,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  f"  GPU busy {100 * (row['decode_gpu_busy'] or 0):.0f}%" if ceilings else "")
         print(f"bs={bs:4d} in={il:6d} out={ol:5d}  TTFT {1e3 * row['ttft_s']:8.2f} ms  TBT {1e3 * row['tbt_s']:7.3f} ms"
               f"  {row['output_tok_per_s']:9.1f} tok/s{extra}")
+    return rows, ceilings
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
+    args, engine_args = parse_engine_bench_args(parser, argv)
+    llm = LLM(args.model_path, **engine_args)
+    try:
+        rows, ceilings = measure(llm, args)
+        quantization = llm.scheduler.model_info["quantization"]
+    finally:
+        llm.shutdown()
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "date": time.strftime("%Y-%m-%d"), "model": args.model_path,
-              "quantization": llm.scheduler.model_info["quantization"],
+              "quantization": quantization,
               "ceilings": asdict(ceilings) if ceilings else None, "rows": rows}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
