@@ -2,7 +2,7 @@
 
 python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
     [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
-    [--out docs/img]
+    [--targets-results benchmarks/results/2026-11-27e] [--out docs/img]
 """
 
 from __future__ import annotations
@@ -159,11 +159,41 @@ def plot_fp8_pdl(results: Path, out: Path) -> None:
            out / "fp8_pdl.png", legend_at="lower right")
 
 
+def one_batch_tbt_ms(path: Path) -> float:
+    return 1e3 * json.loads(path.read_text())["rows"][0]["tbt_s"]
+
+
+def plot_fp8_steps(results: Path, out: Path) -> None:
+    """The two decode targets as FP8 / bf16 ratios after each of the fifth session's changes (bf16 and FP8 from the
+    same call each time; the fourth session's last figures from docs/benchmarks.md)."""
+    steps = [("4th session", 3.868 / 6.108, 11.534 / 18.078)]
+    for call, label in (("call1_stages", "copies\npipelined"), ("call5_4k", "split merge,\nblock shapes"),
+                        ("call9_targets", "V as words")):
+        folder = results / call
+        bs1 = (one_batch_tbt_ms(results / "call3_batch1/one_batch_bs1_fp8.json")
+               / one_batch_tbt_ms(results / "call3_batch1/one_batch_bs1_none.json")) if call == "call5_4k" else None
+        steps.append((label, bs1, one_batch_tbt_ms(folder / "one_batch_4k_fp8.json")
+                      / one_batch_tbt_ms(folder / "one_batch_4k_none.json")))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    xs = range(len(steps))
+    for offset, column, label in ((-0.2, 1, "batch 1, 1k, FP8 weights"), (0.2, 2, "batch 64 at 4k, FP8 weights + KV")):
+        points = [(x + offset, step[column]) for x, step in zip(xs, steps) if step[column] is not None]
+        bars = ax.bar([p[0] for p in points], [p[1] for p in points], width=0.4, label=label)
+        for bar, (_, ratio) in zip(bars, points):
+            ax.annotate(f"{ratio:.3f}", (bar.get_x() + bar.get_width() / 2, ratio), ha="center", va="bottom")
+    ax.axhline(0.6, ls="--", color="gray", label="target 0.6")
+    ax.set_ylim(0.5, 0.71)
+    ax.set_xticks(list(xs), [step[0] for step in steps])
+    finish(fig, ax, "FP8 / bf16 time between tokens", "llama-3.1-8b decode on an H100, 2026-11-27 (fifth session)",
+           out / "fp8_targets.png", legend_at="upper center")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
     parser.add_argument("--fp8-results", type=Path, default=Path("benchmarks/results/2026-11-27b/call3"))
     parser.add_argument("--pdl-results", type=Path, default=Path("benchmarks/results/2026-11-27d"))
+    parser.add_argument("--targets-results", type=Path, default=Path("benchmarks/results/2026-11-27e"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -171,6 +201,7 @@ def main() -> None:
         plot(args.results, args.out)
     plot_fp8_decode(args.fp8_results, args.out)
     plot_fp8_pdl(args.pdl_results, args.out)
+    plot_fp8_steps(args.targets_results, args.out)
 
 
 if __name__ == "__main__":
