@@ -105,7 +105,8 @@ class TritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         dev = self.device
         sizes = [DecodeWorkspace.flat_sizes(bs, self.num_heads, self.num_kv_heads, self.head_dim,
-                                            decode_num_splits(bs, self.num_kv_heads, dev)) for bs in range(1, max_bs + 1)]
+                                            decode_num_splits(bs, self.num_kv_heads, dev))
+                 for bs in range(1, max_bs + 1)]
         n_o, n_lse, n_counters = (max(column) for column in zip(*sizes))
         self.graph_buffers = CudaGraphBuffers(
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),

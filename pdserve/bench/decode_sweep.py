@@ -3,8 +3,8 @@
 python -m pdserve.bench.decode_sweep --out FILE.json [--kv-dtype fp8_e4m3]
 Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64 (1k and 4k contexts), qwen3-0.6b
 heads (16 / 8) at batch 256 with uniform and mixed context lengths. Each config's output is checked against the
-default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep). From batch 16 up the split bound doubles and
-quadruples too.
+default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep).
+From batch 16 up the split bound doubles and quadruples too.
 """
 
 from __future__ import annotations
@@ -76,7 +76,10 @@ def run_case(name, hq, hkv, batch, lens, ceiling_gbps, kv_dtype) -> list[dict]:
 def time_config(name, batch, cfg, splits, q, k_cache, v_cache, table, seq_lens, ref, nbytes, ceiling_gbps) -> dict:
     workspace = decode_workspace(batch, q.shape[1], k_cache.shape[1], q.shape[2], splits, q.device)
     out = torch.full_like(q, float("nan"))
-    fn = lambda: decode_attention(q, k_cache, v_cache, table, seq_lens, out, 0.088, 16, splits, workspace, cfg)  # noqa: E731
+
+    def fn():
+        decode_attention(q, k_cache, v_cache, table, seq_lens, out, 0.088, 16, splits, workspace, cfg)
+
     try:
         fn()
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -114,7 +117,8 @@ def main() -> None:
         bad = [r for r in case_rows if "error" in r or r.get("rel_err", 0) >= 2e-2]
         print(f"{case[0]:24s} default {default['us']:8.1f} us ({100 * default['frac_copy']:4.1f}%)  best "
               f"{best['us']:8.1f} us ({100 * best['frac_copy']:4.1f}%) bn={best['block_n']} w={best['num_warps']} "
-              f"s={best['num_stages']} split={best['min_split_len']} splits<={best['max_splits']}  failed {len(bad)}  [{time.perf_counter() - t:.0f} s]")
+              f"s={best['num_stages']} split={best['min_split_len']} splits<={best['max_splits']}  failed {len(bad)}"
+              f"  [{time.perf_counter() - t:.0f} s]")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"),
                    "kv_dtype": args.kv_dtype, "copy_gbps": ceiling, "rows": rows}, f, indent=1)

@@ -38,7 +38,7 @@ LARGE_BATCH_FP8_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min
 
 
 def decode_config(batch_size: int, fp8_cache: bool = False) -> DecodeConfig:
-    """The decode kernel's block shape for a batch size and cache dtype (fixed per batch size, so CUDA graphs keep it).
+    """The decode kernel's block shape for a batch size and cache dtype (fixed per batch size: CUDA graphs keep it).
 
     From pdserve.bench.decode_sweep: up to batch 8 the step is latency-bound, so shorter splits spread one request
     over more SMs (H200, 2026-11-23, benchmarks/results/2026-11-23/issue15; llama-8b heads, batch 1 x 1k: 10.5 -> 7.8
@@ -282,7 +282,8 @@ def decode_attention(
     seq_lens: [B] int32 (>= 1), out: [B, H_q, D] written in place (any float dtype) and returned.
     max_splits: power of 2 (see decode_num_splits); workspace (decode_workspace) when it is > 1: one launch, the last
     split program of each (request, kv head) merging the splits.
-    config: block shape (default decode_config(B, FP8 cache)). k_scale, v_scale: the layer's scales of an FP8 cache (1 else).
+    config: block shape (default decode_config(B, FP8 cache)). k_scale, v_scale: the layer's scales of an FP8 cache
+    (1 else).
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
     batch, num_heads, head_dim = q.shape
