@@ -25,7 +25,7 @@
 #                FP8 weights with the LM head in FP8 too (about 6 minutes with the model build); run fp8_4k next on
 #                the same warm machine
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
-#                speed as calibrated ones; about 4 minutes)
+#                speed as calibrated ones), then with the LM head in FP8 too (about 6 minutes)
 #   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
 #   fp8_long     long contexts, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV; batch 64 at 16k with FP8
 #                weights + FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one; about 9 minutes)
@@ -182,6 +182,9 @@ suite_fp8_batch1() {
 suite_fp8_4k() {
   bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
+  TAILN=8 step 150 one_batch_4k_fp8_lm_head python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
+    --batch-sizes 64 --input-lens 4096 --output-lens 64 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
+    --quantize-lm-head --out "$OUT/one_batch_4k_fp8_lm_head"
 }
 
 suite_decode_stages() {

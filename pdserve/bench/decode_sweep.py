@@ -39,7 +39,8 @@ def configs(batch: int, kv_dtype: torch.dtype) -> list[DecodeConfig]:
     splits = (64, 128, 256) if batch <= 8 else (256,)
     blocks = (32, 64, 128, 256) if kv_dtype.itemsize == 1 else (32, 64, 128)
     stages = (2, 3, 4)
-    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product(blocks, (4, 8), stages, splits)]
+    warps = (2, 4, 8) if kv_dtype.itemsize == 1 else (4, 8)  # FP8: more resident programs for its longer loop
+    return [DecodeConfig(bn, w, s, ms) for bn, w, s, ms in itertools.product(blocks, warps, stages, splits)]
 
 
 def split_bounds(batch: int, num_kv_heads: int, cfg: DecodeConfig) -> list[int]:
