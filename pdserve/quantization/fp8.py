@@ -59,11 +59,13 @@ HOPPER_SHARED_MEMORY = 232448  # bytes a program may hold on an H100 / H200 (227
 
 def fp8_candidates(rows: int, configs: Iterable[Fp8RowsConfig] = FP8_CANDIDATES) -> tuple[Fp8RowsConfig, ...]:
     """The configs that may run `rows` rows: those quantizing in the kernel only up to FP8_IN_KERNEL_ROWS, and
-    those whose pipelined weight and row blocks (num_stages of each, one byte an element) fit a Hopper SM's shared
-    memory at this many rows (padded to a power of 2, as launched)."""
+    those whose pipelined weight and row blocks (num_stages of each; FP8 weight bytes, row elements in FP8 or, where
+    the kernel quantizes them, the model dtype's two bytes) fit a Hopper SM's shared memory at this many rows
+    (padded to a power of 2, as launched)."""
     padded = 1 << max(rows - 1, 0).bit_length()
     return tuple(cfg for cfg in configs if (rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
-                 and cfg.num_stages * cfg.block_k * (cfg.block_n + padded) <= HOPPER_SHARED_MEMORY)
+                 and cfg.num_stages * cfg.block_k * (cfg.block_n + padded * (1 + cfg.quantize_in_kernel))
+                 <= HOPPER_SHARED_MEMORY)
 
 
 SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)
