@@ -130,15 +130,19 @@ kv_scales() {
 }
 
 # bf16_then_fp8 NAME LIMIT "FP8 FLAGS" ONE_BATCH_ARGS...: one_batch of llama-3.1-8b in bf16, then with the FP8
-# flags (no spaces inside a flag), into $OUT/one_batch_NAME_none and _fp8; each run under LIMIT seconds
+# flags (no spaces inside a flag), and with LM_HEAD=1 with them and --quantize-lm-head too, into
+# $OUT/one_batch_NAME_none, _fp8 and _fp8_lm_head; each run under LIMIT seconds
 bf16_then_fp8() {
-  local name=$1 limit=$2 fp8=$3 big quant
+  local name=$1 limit=$2 fp8=$3 big quant flags
   shift 3
   big=$(model llama-3.1-8b)
-  for quant in none fp8; do
-    # shellcheck disable=SC2046  # the FP8 flags split into words on purpose
+  for quant in none fp8 ${LM_HEAD:+fp8_lm_head}; do
+    flags=""
+    [ "$quant" != none ] && flags=$fp8
+    [ "$quant" = fp8_lm_head ] && flags="$fp8 --quantize-lm-head"
+    # shellcheck disable=SC2086  # the FP8 flags split into words on purpose
     TAILN=8 step "$limit" "one_batch_${name}_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" "$@" \
-      $([ "$quant" = fp8 ] && echo "$fp8") --out "$OUT/one_batch_${name}_$quant"
+      $flags --out "$OUT/one_batch_${name}_$quant"
   done
 }
 
@@ -173,18 +177,12 @@ suite_fp8_kernels() {
 
 suite_fp8_batch1() {
   TAILN=12 step 240 kernel_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels
-  bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
-  TAILN=8 step 150 one_batch_bs1_fp8_lm_head python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
-    --batch-sizes 1 --input-lens 1024 --output-lens 64 --quantization fp8 --quantize-lm-head \
-    --out "$OUT/one_batch_bs1_fp8_lm_head"
+  LM_HEAD=1 bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
 }
 
 suite_fp8_4k() {
-  bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
+  LM_HEAD=1 bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
-  TAILN=8 step 150 one_batch_4k_fp8_lm_head python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
-    --batch-sizes 64 --input-lens 4096 --output-lens 64 --quantization fp8 --kv-cache-dtype fp8_e4m3 \
-    --quantize-lm-head --out "$OUT/one_batch_4k_fp8_lm_head"
 }
 
 suite_decode_stages() {

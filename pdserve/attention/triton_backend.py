@@ -67,18 +67,27 @@ class TritonAttnBackend(AttentionBackend):
         self.max_context_len = max_context_len
         self.metadata: DecodeMetadata | ExtendMetadata | None = None
         self.graph_buffers: CudaGraphBuffers | None = None
+        self.counters: torch.Tensor | None = None  # the eager steps' split counters (see split_counters)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode == ForwardMode.DECODE:
             bs = batch.batch_size
             splits = decode_num_splits(bs, self.num_kv_heads, self.device)
-            workspace = decode_workspace(bs, self.num_heads, self.num_kv_heads, self.head_dim, splits, self.device)
+            workspace = decode_workspace(bs, self.num_heads, self.num_kv_heads, self.head_dim, splits, self.device,
+                                         self.split_counters(bs * self.num_kv_heads))
             self.metadata = DecodeMetadata(batch.page_table, batch.seq_lens, batch.out_cache_loc, splits, workspace)
         else:
             self.metadata = ExtendMetadata(
                 batch.page_table, batch.prefix_lens, batch.extend_lens, batch.extend_start_loc,
                 max(batch.extend_lens_cpu, default=0), batch.out_cache_loc,
             )
+
+    def split_counters(self, n: int) -> torch.Tensor:
+        """Zeroed split counters for eager decode steps, kept from step to step (every launch leaves them zero, and
+        launches on the stream run one after another): no new buffer and no memset a step."""
+        if self.counters is None or self.counters.numel() < n:
+            self.counters = torch.zeros(n, dtype=torch.int32, device=self.device)
+        return self.counters
 
     @property
     def out_cache_loc(self) -> torch.Tensor:

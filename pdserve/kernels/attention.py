@@ -260,14 +260,16 @@ class DecodeWorkspace:
 
 
 def decode_workspace(batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int, max_splits: int,
-                     device) -> DecodeWorkspace | None:
-    """Fresh split-KV decode scratch (counters zeroed); None when max_splits == 1."""
+                     device, counters: torch.Tensor | None = None) -> DecodeWorkspace | None:
+    """Fresh split-KV decode scratch; None when max_splits == 1. counters: zeroed int32 counters of at least
+    batch_size * num_kv_heads to reuse (launches leave them zero), else new ones."""
     if max_splits == 1:
         return None
     n_o, n_lse, n_counters = DecodeWorkspace.flat_sizes(batch_size, num_heads, num_kv_heads, head_dim, max_splits)
+    if counters is None:
+        counters = torch.zeros(n_counters, dtype=torch.int32, device=device)
     return DecodeWorkspace.view(torch.empty(n_o, dtype=torch.float32, device=device),
-                                torch.empty(n_lse, dtype=torch.float32, device=device),
-                                torch.zeros(n_counters, dtype=torch.int32, device=device),
+                                torch.empty(n_lse, dtype=torch.float32, device=device), counters,
                                 batch_size, num_heads, num_kv_heads, head_dim, max_splits)
 
 

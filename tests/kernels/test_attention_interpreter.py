@@ -67,3 +67,18 @@ def test_split_decode_merges_in_its_last_program_and_resets_its_counters(interpr
         assert rel_err(out, ref) < 1e-5 and not workspace.counters.any()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_eager_decode_steps_reuse_their_split_counters(interpreted):
+    from pdserve.attention.triton_backend import TritonAttnBackend
+
+    batch, pool, q, k, v = make_batch([(0, 1), (600, 1)], page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                                      dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    backend = TritonAttnBackend(4, 2, 64, 4, "cpu", torch.float32, 4096)
+    counters = []
+    for _ in range(2):
+        backend.init_forward_metadata(batch)
+        pool.store(0, backend.out_cache_loc, k, v)
+        backend.forward(q, k, v, 0, pool, 0.125)
+        counters.append(backend.metadata.workspace.counters)
+    assert counters[0].data_ptr() == counters[1].data_ptr() and not counters[1].any()
