@@ -45,8 +45,8 @@ def decode_config(batch_size: int, fp8_cache: bool = False) -> DecodeConfig:
     us; 1 x 8k: 15.2 -> 12.8 us). From batch 16 up, the block shape closest to each case's best over llama-8b heads at
     batch 64 (1k, 4k) and qwen3-0.6b heads at batch 256 (600, 100-2048), with the K and V copies pipelined (H100,
     2026-11-27, benchmarks/results/2026-11-27e): 16-bit pages 1.0% over the best on average (97-99% of the copy
-    ceiling), FP8 pages, where converting and gathering V bytes for the MMA is the bound, one more stage and
-    narrower blocks, 2.9% over (70-83%).
+    ceiling), FP8 pages, where the loop's conversions bound it, one more stage and narrower blocks, 2.9% over
+    (70-83%; still the best shape with V loaded as words, 86% at 64 x 4k).
     """
     if batch_size <= 8:
         return SMALL_BATCH_DECODE
