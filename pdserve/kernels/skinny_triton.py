@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import prefetch_weight, start_dependent
+
 
 @triton.jit
 def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
@@ -20,11 +22,15 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
 def skinny_kernel(
     X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     """One program: output columns [pid * BLOCK_N, +BLOCK_N) of every row; the M <= ROWS rows ride in one MMA tile,
-    so the weight block is read from memory once whatever M is."""
+    so the weight block is read from memory once whatever M is. PDL: the first PREFETCH_LINES L2 lines of each weight
+    row are prefetched while the kernel before runs (`pdserve.kernels.pdl`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    prefetch_weight(W, offs_n, mask_n, stride_wn, 0, K, PREFETCH_LINES)
+    start_dependent(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import to_e4m3
+from pdserve.kernels.pdl import prefetch_weight, start_dependent
 from pdserve.kernels.skinny_triton import load_blocks
 
 
@@ -17,7 +18,7 @@ def fp8_rows_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -31,10 +32,16 @@ def fp8_rows_kernel(
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
-    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0.
+    PDL: the first PREFETCH_LINES L2 lines of each weight row of the program's K range are prefetched while the
+    kernel before runs (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    k_start = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, PREFETCH_LINES)
+    start_dependent(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -53,8 +60,6 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
-    k_start = tl.program_id(1) * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     x_ptrs += k_start
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
