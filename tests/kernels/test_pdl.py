@@ -100,3 +100,44 @@ def test_pdl_only_on_hopper_cuda_unless_switched_off(monkeypatch):
         assert pdl.launch_options(cuda) == ({"PDL": True, "launch_pdl": True} if expected else {"PDL": False})
     monkeypatch.setenv("PDSERVE_PDL", "0")
     assert not pdl.pdl_enabled(cuda)
+
+
+@pytest.mark.gpu
+def test_a_graph_of_pdl_kernels_computes_what_stream_order_does(monkeypatch):
+    """RMSNorm, split-K FP8 rows kernels and SiLU, chained eight times in a CUDA graph with PDL, give the bits of the
+    same chain in plain stream order, replay after replay (a kernel reading its input early would not)."""
+    from pdserve.kernels import fused
+    from pdserve.kernels.fp8_rows import Fp8Output, Fp8Rows
+    from pdserve.quantization.fp8 import Fp8RowsConfig, fp8_rows_linear, quantize_rows
+
+    device = torch.device("cuda")
+    if not pdl.pdl_enabled(device):
+        pytest.skip("PDL needs compute capability 9.0")
+    generator = torch.Generator(device).manual_seed(0)
+    hidden, inter, rows = 1024, 2048, 4
+    norm_weight = (torch.rand(hidden, device=device, generator=generator) + 0.5).to(torch.bfloat16)
+    up = quantize_rows(torch.randn(2 * inter, hidden, device=device, generator=generator) * 0.05)
+    down = quantize_rows(torch.randn(hidden, inter, device=device, generator=generator) * 0.05)
+    split = Fp8RowsConfig(64, 256, 4, 3, False, 4)
+    x0 = torch.randn(rows, hidden, device=device, generator=generator).to(torch.bfloat16)
+
+    def chain():
+        x, residual = x0, torch.zeros_like(x0)
+        for _ in range(8):
+            (q, scale), residual = fused.rmsnorm(x, norm_weight, 1e-5, residual, Fp8Output())
+            h = fp8_rows_linear(Fp8Rows(q, scale, x.dtype), *up, None, None, split)
+            q, scale = fused.silu_and_mul(h, Fp8Output())
+            x = fp8_rows_linear(Fp8Rows(q, scale, x.dtype), *down, None, None, split)
+        return x + residual
+
+    monkeypatch.setenv("PDSERVE_PDL", "0")
+    expected = chain()
+    monkeypatch.setenv("PDSERVE_PDL", "1")
+    chain()  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
