@@ -35,9 +35,9 @@
 #                run; greedy identity with colocated both ways (about 9 minutes)
 #   fp8_profile  where an FP8 decode step's time goes (step_profile, llama-3.1-8b): batch 1 at 1k with FP8 weights,
 #                batch 64 at 4k with FP8 weights + FP8 KV, and bf16 at 4k beside it (about 6 minutes)
-#   pdl_batch1   programmatic dependent launch on and off (PDSERVE_PDL), interleaved: the PDL and FP8 rows-kernel GPU
-#                tests, then one_batch llama-3.1-8b batch 1 at 1k, bf16 and FP8 weights, PDL off then on (about 8
-#                minutes with the model build)
+#   pdl_batch1   programmatic dependent launch on and off (PDSERVE_PDL), interleaved: the PDL GPU test, then
+#                one_batch llama-3.1-8b batch 1 at 1k, bf16 and FP8 weights, PDL off, on, on again (about 9 minutes
+#                with the model build)
 #   pdl_4k       the same A/B at batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (about 8 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
@@ -190,11 +190,11 @@ suite_fp8_4k() {
 }
 
 suite_pdl_batch1() {
-  TAILN=6 step 150 pdl_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py \
-    tests/kernels/test_fp8_rows_linear.py tests/kernels/test_skinny_linear.py
-  local pdl
-  for pdl in 0 1; do
-    PDSERVE_PDL=$pdl bf16_then_fp8 "bs1_pdl$pdl" 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 \
+  TAILN=6 step 90 pdl_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py
+  local pdl round=0
+  for pdl in 0 1 1; do
+    round=$((round + 1))
+    PDSERVE_PDL=$pdl bf16_then_fp8 "bs1_pdl${pdl}_$round" 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 \
       --output-lens 64
   done
 }

@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 L2_LINE = 128  # bytes
 L2_LINE_BITS = tl.constexpr(L2_LINE * 8)
+PREFETCH_LINES = tl.constexpr(4)  # of each row, a loop iteration
 PREFETCH_BUDGET = 16 << 20  # bytes of weight a launch prefetches into L2 at most, well inside an H100's 50 MB
 
 
@@ -40,14 +41,14 @@ def launch_options(device: torch.device) -> dict:
     return dict(PDL=True, launch_pdl=True) if pdl_enabled(device) else dict(PDL=False)
 
 
-def prefetch_lines(programs: int, block_n: int, k_bytes: int, device: torch.device) -> int:
-    """L2 lines of each of its block_n weight rows a program prefetches before its wait (a power of two, at most its
-    K range of k_bytes; 0: none, and without PDL, where nothing runs before the loads) so that the grid's programs
-    prefetch at most PREFETCH_BUDGET bytes together."""
+def prefetch_columns(programs: int, block_n: int, k_columns: int, element_size: int, device: torch.device) -> int:
+    """Columns of each of its block_n weight rows a program prefetches before its wait (whole L2 lines, at most its
+    K range of k_columns; 0 without PDL, where nothing runs before the loads) so that the grid's programs prefetch at
+    most PREFETCH_BUDGET bytes together. A launch argument, not a kernel constant: one compiled kernel for all."""
     if not pdl_enabled(device):
         return 0
-    lines = min(k_bytes, PREFETCH_BUDGET // (programs * block_n)) // L2_LINE
-    return 0 if lines == 0 else 1 << (lines.bit_length() - 1)
+    row_bytes = min(k_columns * element_size, PREFETCH_BUDGET // (programs * block_n))
+    return row_bytes // L2_LINE * L2_LINE // element_size
 
 
 @triton.jit
@@ -59,12 +60,15 @@ def start_dependent(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, LINES: tl.constexpr):
-    """Prefetch into L2 the first LINES lines of weight rows offs_n from column k_start (up to k_end), fire and forget;
-    masked rows and columns prefetch W's first line instead."""
-    if LINES > 0:
-        cols = k_start + tl.arange(0, LINES) * (L2_LINE_BITS // W.dtype.element_ty.primitive_bitwidth)
-        ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-        ptrs = tl.where(mask_n[:, None] & (cols < k_end)[None, :], ptrs, W)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, prefetch_cols, PDL: tl.constexpr):
+    """With PDL, prefetch into L2 columns [k_start, k_start + prefetch_cols) (up to k_end) of weight rows offs_n,
+    fire and forget, PREFETCH_LINES lines of each row at a time; masked rows and columns prefetch W's first line."""
+    if PDL:
+        line: tl.constexpr = L2_LINE_BITS // W.dtype.element_ty.primitive_bitwidth  # elements
+        offs = tl.arange(0, PREFETCH_LINES) * line
+        for k0 in range(k_start, tl.minimum(k_start + prefetch_cols, k_end), PREFETCH_LINES * line):
+            cols = k0 + offs
+            ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :]
+            ptrs = tl.where(mask_n[:, None] & (cols < k_end)[None, :], ptrs, W)
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)

@@ -75,7 +75,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [M <= MAX_ROWS, K] @ weight[N, K]^T (+ bias) in fp32, rounded once to x's dtype; weight rows contiguous."""
     import triton
 
-    from pdserve.kernels.pdl import launch_options, prefetch_lines
+    from pdserve.kernels.pdl import launch_options, prefetch_columns
     from pdserve.kernels.skinny_triton import skinny_kernel
 
     m, k = x.shape
@@ -83,12 +83,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     programs = triton.cdiv(n, cfg.block_n)
-    lines = prefetch_lines(programs, cfg.block_n, k * weight.element_size(), x.device)
     skinny_kernel[(programs,)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        prefetch_columns(programs, cfg.block_n, k, weight.element_size(), x.device),
         ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, PREFETCH_LINES=lines,
-        **launch_options(x.device),
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out
 

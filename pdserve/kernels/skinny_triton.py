@@ -18,18 +18,18 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
             tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0))
 
 
-@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
+@triton.jit(do_not_specialize=["M", "prefetch_cols"])  # mask and loop bounds: one variant for all
 def skinny_kernel(
-    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, prefetch_cols,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: output columns [pid * BLOCK_N, +BLOCK_N) of every row; the M <= ROWS rows ride in one MMA tile,
-    so the weight block is read from memory once whatever M is. PDL: the first PREFETCH_LINES L2 lines of each weight
-    row are prefetched while the kernel before runs (`pdserve.kernels.pdl`)."""
+    so the weight block is read from memory once whatever M is. PDL: the first prefetch_cols columns of each weight
+    row are prefetched into L2 while the kernel before runs (`pdserve.kernels.pdl`)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    prefetch_weight(W, offs_n, mask_n, stride_wn, 0, K, PREFETCH_LINES)
+    prefetch_weight(W, offs_n, mask_n, stride_wn, 0, K, prefetch_cols, PDL)
     start_dependent(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M

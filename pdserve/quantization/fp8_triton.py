@@ -12,13 +12,14 @@ from pdserve.kernels.pdl import prefetch_weight, start_dependent
 from pdserve.kernels.skinny_triton import load_blocks
 
 
-@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
+@triton.jit(do_not_specialize=["M", "prefetch_cols"])  # mask and loop bounds: one variant for all
 def fp8_rows_kernel(
     X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    prefetch_cols,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -33,14 +34,14 @@ def fp8_rows_kernel(
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
     (the same sums whichever program comes last), writes the output and puts the counter back to 0.
-    PDL: the first PREFETCH_LINES L2 lines of each weight row of the program's K range are prefetched while the
-    kernel before runs (`pdserve.kernels.pdl`)."""
+    PDL: the first prefetch_cols columns of each weight row of the program's K range are prefetched into L2 while
+    the kernel before runs (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, PREFETCH_LINES)
+    prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, prefetch_cols, PDL)
     start_dependent(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M

@@ -49,10 +49,8 @@ def _kernels():
     }
 
 
-def _ptx(name: str, pdl_on: bool, prefetch: int = 0) -> str:
+def _ptx(name: str, pdl_on: bool) -> str:
     kernel, pointers, constants, floats = _kernels()[name]
-    if "PREFETCH_LINES" in kernel.arg_names:
-        constants = dict(constants, PREFETCH_LINES=prefetch)
     return compile_for_sm90(kernel, pointers, dict(constants, PDL=pdl_on), floats=floats).asm["ptx"]
 
 
@@ -63,31 +61,30 @@ MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.", "red.", "ld.param.u
 @pytest.mark.parametrize("name", ["decode", "rmsnorm", "silu_and_mul", "quantize_tokens", "qk_norm_rope_store",
                                   "fp8_rows", "skinny"])
 def test_kernel_waits_for_the_one_before_before_touching_memory(name):
-    prefetch = 4 if name in ("fp8_rows", "skinny") else 0
-    ptx = _ptx(name, True, prefetch)
+    ptx = _ptx(name, True)
     body = ptx[ptx.index("{", ptx.index(".entry")):]  # the parameters' loads come before: kernel arguments
     trigger, wait = body.find("griddepcontrol.launch_dependents"), body.find("griddepcontrol.wait")
     assert 0 <= trigger < wait
     before = body[:wait]
     assert not [op for op in MEMORY_OPS[:-1] if op in before], before
-    if prefetch:
-        assert before.count("prefetch.global.L2") >= 1
+    assert ("prefetch.global.L2" in before) == (name in ("fp8_rows", "skinny"))
     assert "griddepcontrol" not in _ptx(name, False)
 
 
-def test_prefetch_lines_stay_within_the_budget_and_the_k_range():
+def test_prefetch_stays_within_the_budget_and_the_k_range():
     cuda = torch.device("cuda", 0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pdl, "pdl_enabled", lambda device: device.type == "cuda")
         # llama-3.1-8b FP8 qkv at 1 row: 96 programs of 64 rows, K 4096 bytes: 16 MiB / (96 * 64) = 2730 bytes a row
-        assert pdl.prefetch_lines(96, 64, 4096, cuda) == 16
-        assert pdl.prefetch_lines(4, 64, 4096, cuda) == 32  # the whole K range, no more
-        assert pdl.prefetch_lines(100000, 64, 4096, cuda) == 0
-        for programs, block_n, k_bytes in ((448, 64, 4096), (224, 64, 3584), (4008, 32, 8192)):
-            lines = pdl.prefetch_lines(programs, block_n, k_bytes, cuda)
-            assert lines & (lines - 1) == 0 and lines * pdl.L2_LINE <= k_bytes
-            assert programs * block_n * lines * pdl.L2_LINE <= pdl.PREFETCH_BUDGET
-    assert pdl.prefetch_lines(96, 64, 4096, torch.device("cpu")) == 0
+        assert pdl.prefetch_columns(96, 64, 4096, 1, cuda) == 2688  # 21 lines
+        assert pdl.prefetch_columns(96, 64, 4096, 2, cuda) == 1344  # bf16: the same bytes
+        assert pdl.prefetch_columns(4, 64, 4096, 1, cuda) == 4096  # the whole K range, no more
+        assert pdl.prefetch_columns(100000, 64, 4096, 1, cuda) == 0
+        for programs, block_n, k, size in ((448, 64, 4096, 1), (224, 64, 3584, 1), (4008, 32, 4096, 2)):
+            cols = pdl.prefetch_columns(programs, block_n, k, size, cuda)
+            assert cols * size % pdl.L2_LINE == 0 and cols <= k
+            assert programs * block_n * cols * size <= pdl.PREFETCH_BUDGET
+    assert pdl.prefetch_columns(96, 64, 4096, 1, torch.device("cpu")) == 0
 
 
 def test_pdl_only_on_hopper_cuda_unless_switched_off(monkeypatch):
