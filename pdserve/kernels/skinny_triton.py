@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import prefetch_weight, start_dependent
+from pdserve.kernels.pdl import launch_next, prefetch_weight, wait_for_previous
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def skinny_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     prefetch_weight(W, offs_n, mask_n, stride_wn, 0, K, prefetch_cols, PDL)
-    start_dependent(PDL)
+    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -42,6 +42,7 @@ def skinny_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    launch_next(PDL)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]

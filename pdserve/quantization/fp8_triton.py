@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import to_e4m3
-from pdserve.kernels.pdl import prefetch_weight, start_dependent
+from pdserve.kernels.pdl import launch_next, prefetch_weight, wait_for_previous
 from pdserve.kernels.skinny_triton import load_blocks
 
 
@@ -42,7 +42,7 @@ def fp8_rows_kernel(
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, prefetch_cols, PDL)
-    start_dependent(PDL)
+    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -71,6 +71,7 @@ def fp8_rows_kernel(
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    launch_next(PDL)
     if SPLIT_K > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + offs_m[None, :]
         tl.store(Partial + (tl.program_id(1) * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile, acc)
