@@ -35,14 +35,11 @@
 #                run; greedy identity with colocated both ways (about 9 minutes)
 #   fp8_profile  where an FP8 decode step's time goes (step_profile, llama-3.1-8b): batch 1 at 1k with FP8 weights,
 #                batch 64 at 4k with FP8 weights + FP8 KV, and bf16 at 4k beside it (about 6 minutes)
-#   pdl_targets  programmatic dependent launch (PDSERVE_PDL) off and on, interleaved: the PDL GPU test; one_batch
-#                llama-3.1-8b batch 1 at 1k, bf16 and FP8 weights, PDL off then on, then FP8 with PDL but no weight
-#                prefetch; batch 64 at 4k, bf16 then FP8 weights + FP8 KV, PDL on (about 9 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -185,20 +182,6 @@ suite_fp8_batch1() {
 
 suite_fp8_4k() {
   LM_HEAD=1 bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
-    --output-lens 64
-}
-
-suite_pdl_targets() {
-  TAILN=6 step 60 pdl_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py
-  local pdl
-  for pdl in 0 1; do
-    PDSERVE_PDL=$pdl bf16_then_fp8 "bs1_pdl$pdl" 100 "--quantization fp8" --batch-sizes 1 --input-lens 1024 \
-      --output-lens 64
-  done
-  PDSERVE_PDL_PREFETCH_MB=0 TAILN=8 step 100 one_batch_bs1_pdl1_no_prefetch_fp8 python3 -m pdserve.bench.one_batch \
-    --model-path "$(model llama-3.1-8b)" --batch-sizes 1 --input-lens 1024 --output-lens 64 --quantization fp8 \
-    --out "$OUT/one_batch_bs1_pdl1_no_prefetch_fp8"
-  bf16_then_fp8 4k_pdl1 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
 }
 

@@ -75,19 +75,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [M <= MAX_ROWS, K] @ weight[N, K]^T (+ bias) in fp32, rounded once to x's dtype; weight rows contiguous."""
     import triton
 
-    from pdserve.kernels.pdl import launch_options, prefetch_columns
     from pdserve.kernels.skinny_triton import skinny_kernel
 
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and x.stride(1) == 1
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    programs = triton.cdiv(n, cfg.block_n)
-    skinny_kernel[(programs,)](
+    skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        prefetch_columns(programs, cfg.block_n, k, weight.element_size(), x.device),
         ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.kernels.pdl import launch_next, prefetch_weight, wait_for_previous
-
 
 @triton.jit
 def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
@@ -18,19 +16,15 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
             tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0))
 
 
-@triton.jit(do_not_specialize=["M", "prefetch_cols"])  # mask and loop bounds: one variant for all
+@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def skinny_kernel(
-    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om, prefetch_cols,
+    X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """One program: output columns [pid * BLOCK_N, +BLOCK_N) of every row; the M <= ROWS rows ride in one MMA tile,
-    so the weight block is read from memory once whatever M is. PDL: the first prefetch_cols columns of each weight
-    row are prefetched into L2 while the kernel before runs (`pdserve.kernels.pdl`)."""
+    so the weight block is read from memory once whatever M is."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    prefetch_weight(W, offs_n, mask_n, stride_wn, 0, K, prefetch_cols, PDL)
-    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -42,7 +36,6 @@ def skinny_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    launch_next(PDL)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]

@@ -95,7 +95,6 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
     rows' dtype."""
     import triton
 
-    from pdserve.kernels.pdl import launch_options, prefetch_columns
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     if isinstance(x, Fp8Rows):
@@ -121,13 +120,12 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
-        weight.stride(0), out.stride(0), prefetch_columns(column_blocks * cfg.split_k, cfg.block_n, k_split, 1, rows.device),
-        FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE,
+        weight.stride(0), out.stride(0), FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE,
         QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=rows.is_cuda, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
-        num_stages=cfg.num_stages, **launch_options(rows.device),
+        num_stages=cfg.num_stages,
     )
     return out
 

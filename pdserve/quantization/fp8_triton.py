@@ -8,18 +8,16 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import to_e4m3
-from pdserve.kernels.pdl import launch_next, prefetch_weight, wait_for_previous
 from pdserve.kernels.skinny_triton import load_blocks
 
 
-@triton.jit(do_not_specialize=["M", "prefetch_cols"])  # mask and loop bounds: one variant for all
+@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
     X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
-    prefetch_cols,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -33,16 +31,10 @@ def fp8_rows_kernel(
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
-    (the same sums whichever program comes last), writes the output and puts the counter back to 0.
-    PDL: the first prefetch_cols columns of each weight row of the program's K range are prefetched into L2 while
-    the kernel before runs (`pdserve.kernels.pdl`)."""
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    k_start = tl.program_id(1) * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    prefetch_weight(W, offs_n, mask_n, stride_wn, k_start, k_end, prefetch_cols, PDL)
-    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -61,6 +53,8 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    k_start = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     x_ptrs += k_start
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
@@ -71,7 +65,6 @@ def fp8_rows_kernel(
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    launch_next(PDL)
     if SPLIT_K > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + offs_m[None, :]
         tl.store(Partial + (tl.program_id(1) * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile, acc)
