@@ -2,7 +2,8 @@
 
 python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
     [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
-    [--targets-results benchmarks/results/2026-11-27e] [--out docs/img]
+    [--targets-results benchmarks/results/2026-11-27e] [--pdl-again-results benchmarks/results/2026-11-27f]
+    [--out docs/img]
 """
 
 from __future__ import annotations
@@ -188,12 +189,36 @@ def plot_fp8_steps(results: Path, out: Path) -> None:
            out / "fp8_targets.png", legend_at="upper center")
 
 
+def plot_pdl_again(results: Path, out: Path) -> None:
+    """The sixth session's PDL form (streaming kernels release the next after their main loop) against PDL off:
+    FP8 / bf16 time between tokens, both from one call (C); PDL was reverted after two hangs in graph capture."""
+    folder = results / "callC_targets"
+
+    def ratio(fp8: str, bf16: str) -> float:
+        return one_batch_tbt_ms(folder / f"one_batch_{fp8}.json") / one_batch_tbt_ms(folder / f"one_batch_{bf16}.json")
+
+    cases = [("batch 1, 1k\nPDL off", ratio("bs1_pdl0_fp8", "bs1_pdl0_none")),
+             ("batch 1, 1k\nPDL on, no prefetch", ratio("bs1_pdl1_no_prefetch_fp8", "bs1_pdl1_none")),
+             ("batch 64 at 4k\nPDL on, FP8 KV too", ratio("4k_pdl1_fp8", "4k_pdl1_none"))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=["#4c72b0", "#55a868", "#55a868"],
+                  label="FP8 weights / bf16, same call")
+    for bar, (_, value) in zip(bars, cases):
+        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    ax.axhline(0.6, ls="--", color="gray", label="target 0.6")
+    ax.set_ylim(0.5, 0.68)
+    finish(fig, ax, "FP8 / bf16 time between tokens",
+           "llama-3.1-8b, H100, 2026-11-27: PDL (reverted: 2 of 5 FP8 runs hung)", out / "fp8_pdl_again.png",
+           legend_at="upper right")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
     parser.add_argument("--fp8-results", type=Path, default=Path("benchmarks/results/2026-11-27b/call3"))
     parser.add_argument("--pdl-results", type=Path, default=Path("benchmarks/results/2026-11-27d"))
     parser.add_argument("--targets-results", type=Path, default=Path("benchmarks/results/2026-11-27e"))
+    parser.add_argument("--pdl-again-results", type=Path, default=Path("benchmarks/results/2026-11-27f"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -202,6 +227,7 @@ def main() -> None:
     plot_fp8_decode(args.fp8_results, args.out)
     plot_fp8_pdl(args.pdl_results, args.out)
     plot_fp8_steps(args.targets_results, args.out)
+    plot_pdl_again(args.pdl_again_results, args.out)
 
 
 if __name__ == "__main__":
