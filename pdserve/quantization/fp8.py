@@ -19,7 +19,7 @@ from functools import lru_cache
 import torch
 
 from pdserve.kernels import quantize_tokens
-from pdserve.kernels.fp8_rows import FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE, Fp8Rows, to_fp8  # the format, here too
+from pdserve.kernels.fp8_rows import FP8, FP8_MAX, MIN_SCALE, Fp8Output, Fp8Rows, to_fp8  # the format, here too
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
@@ -120,8 +120,8 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
-        weight.stride(0), out.stride(0), FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX, MIN_SCALE=MIN_SCALE,
-        QUANTIZE=cfg.quantize_in_kernel, STATIC=input_scale is not None, HW_CAST=rows.is_cuda, ROWS=padded_rows,
+        weight.stride(0), out.stride(0), **Fp8Output(input_scale).constants(rows.device),
+        QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
