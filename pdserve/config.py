@@ -67,7 +67,6 @@ class ServerArgs:
     attention_backend: str = "auto"
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
-    disable_weight_prefetch: bool = False
     disable_overlap_schedule: bool = False
     skip_server_warmup: bool = False
     # structured output
@@ -346,8 +345,6 @@ _HELP: dict[str, tuple[str, str]] = {
     "attention_backend": ("kernels", "auto, flash_attn, sdpa, triton or torch_native. auto: flash_attn (FlashAttention-4 prefill, Triton decode) on a Hopper or newer GPU where flash-attn-4 is installed, else sdpa on CUDA, torch_native elsewhere; a backend that cannot serve the model falls back to torch_native with a log line naming why."),
     "cuda_graph_max_bs": ("kernels", "Largest decode batch captured in a CUDA graph."),
     "disable_cuda_graph": ("kernels", "Run decode eagerly."),
-    "disable_weight_prefetch": ("kernels", "Decode batches of FP8 weights: the projection kernel no longer asks L2 "
-                                           "for the first bytes of the weight read after its own."),
     "grammar_backend": ("structured", "Constrained decoding (json_schema, regex, ebnf, structural_tag, "
                                       "response_format, tool_choice required/named): xgrammar (needs the xgrammar "
                                       "package) or none (such requests get a 400)."),

@@ -26,11 +26,6 @@
 #                the same warm machine
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
 #                speed as calibrated ones), then with the LM head in FP8 too (about 6 minutes)
-#   fp8_prefetch the FP8 rows kernel's L2 prefetch of the next weight, on and off (--disable-weight-prefetch): its
-#                GPU test, then one_batch llama-3.1-8b batch 1 at 1k: bf16, FP8 weights, FP8 with the prefetch off,
-#                FP8 again (about 8 minutes with the model build); run fp8_prefetch_4k next on the same warm machine
-#   fp8_prefetch_4k the same at batch 64 at 4k context, FP8 weights + FP8 KV: bf16, FP8, FP8 with the prefetch off
-#                (about 7 minutes)
 #   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
 #   fp8_long     long contexts, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV; batch 64 at 16k with FP8
 #                weights + FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one; about 9 minutes)
@@ -44,7 +39,7 @@
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy fp8_prefetch fp8_prefetch_4k decode_stages)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -135,18 +130,16 @@ kv_scales() {
 }
 
 # bf16_then_fp8 NAME LIMIT "FP8 FLAGS" ONE_BATCH_ARGS...: one_batch of llama-3.1-8b in bf16, then with the FP8
-# flags (no spaces inside a flag), with LM_HEAD=1 with them and --quantize-lm-head too, with NO_PREFETCH=1 with them
-# and --disable-weight-prefetch, into $OUT/one_batch_NAME_none, _fp8, _fp8_lm_head and _fp8_no_prefetch; each run
-# under LIMIT seconds
+# flags (no spaces inside a flag), and with LM_HEAD=1 with them and --quantize-lm-head too, into
+# $OUT/one_batch_NAME_none, _fp8 and _fp8_lm_head; each run under LIMIT seconds
 bf16_then_fp8() {
   local name=$1 limit=$2 fp8=$3 big quant flags
   shift 3
   big=$(model llama-3.1-8b)
-  for quant in none fp8 ${LM_HEAD:+fp8_lm_head} ${NO_PREFETCH:+fp8_no_prefetch}; do
+  for quant in none fp8 ${LM_HEAD:+fp8_lm_head}; do
     flags=""
     [ "$quant" != none ] && flags=$fp8
     [ "$quant" = fp8_lm_head ] && flags="$fp8 --quantize-lm-head"
-    [ "$quant" = fp8_no_prefetch ] && flags="$fp8 --disable-weight-prefetch"
     # shellcheck disable=SC2086  # the FP8 flags split into words on purpose
     TAILN=8 step "$limit" "one_batch_${name}_$quant" python3 -m pdserve.bench.one_batch --model-path "$big" "$@" \
       $flags --out "$OUT/one_batch_${name}_$quant"
@@ -190,18 +183,6 @@ suite_fp8_batch1() {
 suite_fp8_4k() {
   LM_HEAD=1 bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
-}
-
-suite_fp8_prefetch() {
-  TAILN=12 step 200 rows_kernel_test python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_rows_linear.py
-  NO_PREFETCH=1 bf16_then_fp8 bs1 150 "--quantization fp8" --batch-sizes 1 --input-lens 1024 --output-lens 64
-  TAILN=8 step 150 one_batch_bs1_fp8_again python3 -m pdserve.bench.one_batch --model-path "$(model llama-3.1-8b)" \
-    --quantization fp8 --batch-sizes 1 --input-lens 1024 --output-lens 64 --out "$OUT/one_batch_bs1_fp8_again"
-}
-
-suite_fp8_prefetch_4k() {
-  NO_PREFETCH=1 bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 \
-    --input-lens 4096 --output-lens 64
 }
 
 suite_decode_stages() {

@@ -17,7 +17,6 @@ from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
-from pdserve.kernels.l2_prefetch import DEFAULT_PREFETCH_BYTES, set_prefetch_budget
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
@@ -75,7 +74,6 @@ class ModelRunner:
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
         graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        set_prefetch_budget(0 if args.disable_weight_prefetch else DEFAULT_PREFETCH_BYTES)
         if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
             linears = self._linear_layers()

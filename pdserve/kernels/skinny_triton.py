@@ -1,5 +1,4 @@
-"""The Triton kernel behind pdserve.kernels.skinny and the helpers it shares with the FP8 rows kernel (imports
-Triton)."""
+"""The Triton kernel behind pdserve.kernels.skinny (imports Triton)."""
 
 from __future__ import annotations
 
@@ -15,24 +14,6 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
         return tl.load(w_ptrs, mask=mask_n[:, None], other=0.0), tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
     return (tl.load(w_ptrs, mask=mask_n[:, None] & in_k[None, :], other=0.0),
             tl.load(x_ptrs, mask=mask_m[:, None] & in_k[None, :], other=0.0))
-
-
-L2_LINE = tl.constexpr(128)
-
-
-@triton.jit
-def prefetch_share(Bytes, num_bytes, program, programs, LANES: tl.constexpr):
-    """This program's share of bytes [0, num_bytes) of Bytes (uint8), asked into L2 line by line, LANES lines a step
-    (one a thread): the `programs` shares tile the range. Fire and forget: nothing is loaded into registers."""
-    lines = tl.cdiv(num_bytes, L2_LINE)
-    per_program = tl.cdiv(lines, programs)
-    first = program * per_program
-    end = tl.minimum(first + per_program, lines)
-    lanes = tl.arange(0, LANES)
-    for line0 in range(first, end, LANES):
-        line = tl.where(line0 + lanes < end, line0 + lanes, first)  # lanes past the share ask for its first line
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                                  [Bytes + line.to(tl.int64) * L2_LINE], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size

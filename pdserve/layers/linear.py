@@ -58,13 +58,10 @@ def fp8_input(layer: nn.Module) -> Fp8Output | None:
     return None if layer.weight_scale is None else Fp8Output(layer.input_scale)
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None,
-            prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """prefetch: the weight the step reads after this one; the FP8 rows kernel warms L2 with it, other kernels
-    ignore it."""
+def _matmul(layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.weight_scale is None:
         return linear(x, layer.weight, bias)
-    return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias, prefetch)
+    return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
 def _per_row(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -90,8 +87,8 @@ class ColumnParallelLinear(nn.Module):
         _add_weight(self, out, in_features, fp8)
         self.bias = _new_param(out) if bias else None
 
-    def forward(self, x: torch.Tensor | Fp8Rows, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        return _matmul(self, x, self.bias, prefetch)
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        return _matmul(self, x, self.bias)
 
     @torch.no_grad()
     def load_shard(self, attr: str, tensor: torch.Tensor, part: int = 0) -> None:
@@ -116,8 +113,8 @@ class RowParallelLinear(nn.Module):
         _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor | Fp8Rows, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.tp.all_reduce(_matmul(self, x, None, prefetch))
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        out = self.tp.all_reduce(_matmul(self, x, None))
         return out if self.bias is None else out + self.bias
 
     @torch.no_grad()

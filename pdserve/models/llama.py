@@ -44,11 +44,8 @@ class Attention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.scaling = cfg.head_dim**-0.5
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """q, k and v stay views of the qkv output: normed and rotated there in place, K/V stored from there.
-        prefetch: the weight read after o_proj's (`RowParallelLinear.forward`). qkv_proj warms none: the attention
-        between it and o_proj reads the KV cache, which at long contexts would push o_proj's weight out of L2."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q, k and v stay views of the qkv output: normed and rotated there in place, K/V stored from there."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -59,7 +56,7 @@ class Attention(nn.Module):
             ctx.backend.out_cache_loc, **self._qk_norm_args(), k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
         )
         out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
-        return self.o_proj(out.view(-1, self.q_size), prefetch)
+        return self.o_proj(out.view(-1, self.q_size))
 
     def _qk_norm_args(self) -> dict:
         if self.q_norm is None:
@@ -76,13 +73,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp,
                                            _fp8(cfg, prefix, "down_proj"))
 
-    def forward(self, x: torch.Tensor, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """prefetch: the weight read after down_proj's (the next layer's qkv_proj)."""
-        gate_up = self.gate_up_proj(x, self.down_proj.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
         # up to FP8_IN_KERNEL_ROWS rows the down projection's kernel quantizes them itself, sooner than the SiLU
         # kernel's one program a whole row (H100, 2026-11-27: 4.4 us a launch against 1.2 without quantizing)
         fp8 = fp8_input(self.down_proj) if gate_up.shape[0] > FP8_IN_KERNEL_ROWS else None
-        return self.down_proj(silu_and_mul(gate_up, fp8), prefetch)
+        return self.down_proj(silu_and_mul(gate_up, fp8))
 
 
 class DecoderLayer(nn.Module):
@@ -93,18 +89,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, ctx: ForwardContext, prefetch: torch.Tensor | None = None):
-        """prefetch: the weight the step reads after this layer's (the next layer's qkv_proj); each projection
-        names the one after it, for the FP8 rows kernel to warm L2 with (`pdserve.kernels.l2_prefetch`)."""
+    def forward(self, positions, hidden, residual, ctx: ForwardContext):
         qkv_input = fp8_input(self.self_attn.qkv_proj)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden, fp8=qkv_input)
         else:
             hidden, residual = self.input_layernorm(hidden, residual, qkv_input)
-        hidden = self.self_attn(positions, hidden, ctx, self.mlp.gate_up_proj.weight)
+        hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual, fp8_input(self.mlp.gate_up_proj))
-        return self.mlp(hidden, prefetch), residual
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,8 +125,7 @@ class LlamaForCausalLM(nn.Module):
         batch = ctx.batch
         hidden, residual = self.embed_tokens(batch.input_ids), None
         for i, layer in enumerate(self.layers):
-            following = (self.layers[i + 1].self_attn.qkv_proj if i + 1 < len(self.layers) else self.lm_head).weight
-            hidden, residual = layer(batch.positions, hidden, residual, ctx, following)
+            hidden, residual = layer(batch.positions, hidden, residual, ctx)
             if ctx.on_layer_done is not None:
                 ctx.on_layer_done(i)
         hidden, _ = self.norm(hidden, residual)

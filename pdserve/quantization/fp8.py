@@ -88,15 +88,13 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig,
-                    prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
     once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
     `quantize_tokens` first, as cfg says (the same bytes and scales every way); float32 sums, rounded once to the
-    rows' dtype. prefetch: the weight the step reads next, whose first bytes the kernel asks into L2 on a GPU."""
+    rows' dtype."""
     import triton
 
-    from pdserve.kernels.l2_prefetch import prefetch_target
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     if isinstance(x, Fp8Rows):
@@ -119,13 +117,11 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scal
         partial = torch.empty(cfg.split_k * column_blocks * cfg.block_n * padded_rows, dtype=torch.float32,
                               device=rows.device)
         counters = split_counters(rows.device)
-    next_weight, next_bytes = prefetch_target(prefetch)
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, out, partial, counters,
-        next_weight if next_weight is not None else weight, m, n, k, k_split, rows.stride(0), weight.stride(0),
-        out.stride(0), next_bytes, **Fp8Output(input_scale).constants(rows.device),
-        PREFETCH_LANES=32 * cfg.num_warps if rows.is_cuda else 0, QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
+        bias if bias is not None else weight_scale, out, partial, counters, m, n, k, k_split, rows.stride(0),
+        weight.stride(0), out.stride(0), **Fp8Output(input_scale).constants(rows.device),
+        QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
@@ -157,15 +153,13 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
-    the FP8 rows kernel where `tune_fp8_rows` chose it for the shape (which warms L2 with the first bytes of
-    `prefetch`, the weight read next), else quantize, then the GEMM. x may be `Fp8Rows` (2-D), quantized by the
-    kernel before: the output is then 2-D too."""
+    the FP8 rows kernel where `tune_fp8_rows` chose it for the shape, else quantize, then the GEMM. x may be
+    `Fp8Rows` (2-D), quantized by the kernel before: the output is then 2-D too."""
     rows = x if isinstance(x, Fp8Rows) else x.reshape(-1, x.shape[-1])
     if weight.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
-        out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg, prefetch)
+        out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg)
     else:
         out = quantized_linear(rows, weight, weight_scale, input_scale, bias)
     return out if isinstance(x, Fp8Rows) else out.reshape(*x.shape[:-1], weight.shape[0])

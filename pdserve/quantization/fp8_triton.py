@@ -8,17 +8,16 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import to_e4m3
-from pdserve.kernels.skinny_triton import load_blocks, prefetch_share
+from pdserve.kernels.skinny_triton import load_blocks
 
 
-# M: the batch's rows, a mask bound, next_bytes a loop bound: one variant for every batch size and next weight
-@triton.jit(do_not_specialize=["M", "next_bytes"])
+@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
-    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Next, M, N, K, K_SPLIT, stride_xm, stride_wn,
-    stride_om, next_bytes, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
+    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, PREFETCH_LANES: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -32,9 +31,7 @@ def fp8_rows_kernel(
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
-    (the same sums whichever program comes last), writes the output and puts the counter back to 0.
-    PREFETCH_LANES > 0 (a GPU): once its weight blocks are read, each program asks L2 for its share of the first
-    next_bytes of Next, the weight the step reads next (`pdserve.kernels.l2_prefetch`; next_bytes 0: none)."""
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -68,9 +65,6 @@ def fp8_rows_kernel(
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if PREFETCH_LANES > 0:
-        prefetch_share(Next, next_bytes, tl.program_id(1) * tl.num_programs(0) + pid_n,
-                       tl.num_programs(0) * tl.num_programs(1), PREFETCH_LANES)
     if SPLIT_K > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + offs_m[None, :]
         tl.store(Partial + (tl.program_id(1) * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile, acc)

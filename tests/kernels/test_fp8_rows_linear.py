@@ -49,9 +49,6 @@ def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n,
     x, w_q, w_scale, bias = operands(m, n, k)
     assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=1e-6)
     assert not fp8.split_counters(x.device).any()
-    # a weight to warm L2 with changes nothing (and on the CPU nothing is asked for)
-    assert torch.equal(fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg, prefetch=w_q),
-                       fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg))
 
 
 def test_only_few_rows_are_quantized_in_the_kernel():
@@ -78,10 +75,8 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     monkeypatch.setattr(fp8, "quantize_tokens", quantize_tokens_ref)
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
     monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, x.dtype), fp8.FP8_CANDIDATES[0])
-    following = torch.zeros(8, 32, dtype=fp8.FP8)  # the weight read next: handed to the kernel to warm L2 with
-    got = fp8.fp8_linear(x, w_q, w_scale, prefetch=following)
-    assert torch.equal(got, fp8.quantized_linear(x, w_q, w_scale, None, None))
-    assert len(calls) == 1 and calls[0][5:] == (fp8.FP8_CANDIDATES[0], following)
+    assert torch.equal(fp8.fp8_linear(x, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
+    assert len(calls) == 1 and calls[0][-1] == fp8.FP8_CANDIDATES[0]
     fp8.fp8_linear(torch.randn(4, 32), w_q, w_scale)  # 4 rows were not tuned: quantize + GEMM
     assert len(calls) == 1
     rows = fp8.Fp8Rows(*quantize_tokens_ref(x), x.dtype)  # quantized by the kernel before: tuned apart
@@ -89,7 +84,7 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     assert len(calls) == 1
     monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, fp8.FP8), fp8.FP8_CANDIDATES[1])
     assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
-    assert len(calls) == 2 and calls[1][0] is rows and calls[1][5] == fp8.FP8_CANDIDATES[1]
+    assert len(calls) == 2 and calls[1][0] is rows and calls[1][-1] == fp8.FP8_CANDIDATES[1]
 
 
 @pytest.mark.fp8_gpu
@@ -97,13 +92,10 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
 def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
     """On the GPU the MMA's partial sums are promoted to float32 every PROMOTE_K products: float32-level error,
     then the 16-bit output's rounding; split-K launches leave the counters zero."""
-    following = torch.zeros(28672, 4096, dtype=fp8.FP8, device="cuda")  # more than the prefetch budget
     for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096)):
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
         for cfg in fp8.fp8_candidates(m):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
-            assert torch.equal(fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg, prefetch=following),
-                               fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg))
     assert not fp8.split_counters(x.device).any()
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
     tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
