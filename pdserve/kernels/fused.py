@@ -111,7 +111,7 @@ def _rmsnorm_kernel(
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            fp8: Fp8Output | None = None):
+            fp8: Fp8Output | None = None, residual_out: torch.Tensor | None = None):
     """`ops.rmsnorm`; with fp8, the normed rows come out quantized per row: (values, scales) in place of them."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -123,7 +123,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     rows_per_prog = max(1, min(16, 2048 // block))
     grid = (triton.cdiv(x2.shape[0], rows_per_prog),)
     r2 = x2 if residual is None else residual.reshape(-1, n)
-    res2 = x2 if residual is None else torch.empty_like(x2)
+    res2 = x2 if residual is None else torch.empty_like(x2) if residual_out is None else residual_out.view(-1, n)
     _rmsnorm_kernel[grid](
         x2, r2, weight, out2, res2, *_scale_pointers(fp8, scale, x2), x2.shape[0],
         x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,

@@ -30,22 +30,24 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-            fp8: Fp8Output | None = None):
+            fp8: Fp8Output | None = None, residual_out: torch.Tensor | None = None):
     """RMSNorm over the last dim, HF-exact: y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
 
     x: [..., N] any float dtype (last dim contiguous); weight: [N]. Inputs are never modified.
     residual=None: returns y (new tensor, x's shape and dtype).
     residual [..., N] given: h = (x + residual) rounded to x.dtype; returns (rmsnorm(h), h), both new tensors;
-    h is the residual stream for the next layer.
+    h is the residual stream for the next layer (written into residual_out where given, which is then returned).
     fp8 given (the next layer has FP8 weights): y comes as `Fp8Rows` of 2-D rows instead, quantized per token in
     the same kernel (`quantize_tokens` of y: the same bytes and scales).
     """
     if _use_triton(x):
         from pdserve.kernels import fused
 
-        out = fused.rmsnorm(x, weight, eps, residual, fp8)
+        out = fused.rmsnorm(x, weight, eps, residual, fp8, residual_out)
     else:
         out = rmsnorm_ref(x, weight, eps, residual)
+        if residual_out is not None:
+            out = (out[0], residual_out.copy_(out[1]))
     if fp8 is None:
         return out
     if residual is None:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.fp8_rows import Fp8Rows
+from pdserve.kernels.pending_rows import PendingNorm, PendingRows, PendingSiluMul
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,8 @@ CANDIDATES = (
     SkinnyConfig(32, 128, 4, 3),
 )
 
-# (rows, out, in, weight dtype, input dtype: FP8 for `Fp8Rows`) -> a config, or None: the baseline measured faster
-_choice: dict[tuple[int, int, int, torch.dtype, torch.dtype], object] = {}
+# (rows, out, in, weight dtype, `input_kind`) -> a config, or None: the baseline measured faster
+_choice: dict[tuple[int, int, int, torch.dtype, torch.dtype | str], object] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,18 +57,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_choice(x: torch.Tensor | Fp8Rows, weight: torch.Tensor) -> SkinnyConfig | None:
-    """The config tuned for x's rows times this weight's shape and dtype (and x's kind: model-dtype rows or FP8
-    `Fp8Rows`); None where the baseline measured faster or the shape and row count were not tuned."""
-    rows = _rows(x)
-    if rows.dim() != 2:
+def skinny_choice(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tensor) -> SkinnyConfig | None:
+    """The config tuned for x's rows times this weight's shape and dtype (and x's `input_kind`); None where the
+    baseline measured faster or the shape and row count were not tuned."""
+    if len(x.shape) != 2:
         return None
-    return _choice.get((rows.shape[0], weight.shape[0], weight.shape[1], weight.dtype, rows.dtype))
+    return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, input_kind(x)))
 
 
-def _rows(x: torch.Tensor | Fp8Rows) -> torch.Tensor:
-    """The tensor of x's rows: their dtype says which kind of rows a choice was tuned for."""
-    return x.values if isinstance(x, Fp8Rows) else x
+def input_kind(x: torch.Tensor | Fp8Rows | PendingRows) -> torch.dtype | str:
+    """Which kind of rows a choice is tuned for: model-dtype rows (their dtype), FP8 `Fp8Rows` (float8), or rows a
+    pending op is still to compute (its kind)."""
+    if isinstance(x, (PendingNorm, PendingSiluMul)):
+        return x.kind
+    return x.values.dtype if isinstance(x, Fp8Rows) else x.dtype
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig
@@ -148,7 +151,7 @@ class SkinnyTuner:
                 reference = _graph_us(lambda: baseline(x, weight()))
                 best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
                                     default=(float("inf"), None))
-                _choice[(m, n, k, dtype, _rows(x).dtype)] = best if best_us < reference else None
+                _choice[(m, n, k, dtype, input_kind(x))] = best if best_us < reference else None
                 report[(m, n, k)] = (reference, best_us)
         faster = [key for key, (reference, best) in report.items() if best < reference]
         logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,

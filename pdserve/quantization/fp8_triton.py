@@ -1,6 +1,7 @@
 """The Triton kernel of FP8 linear layers (imports Triton), launched by `pdserve.quantization.fp8`:
 `fp8_rows_kernel`, the product of a decode batch's few rows with an FP8 weight. The kernels that quantize rows
-for it (per token, the same bytes and scales) are in `pdserve.kernels.fused`."""
+for it (per token, the same bytes and scales) are in `pdserve.kernels.fused`; it may also compute its rows itself
+from the op before it (`pdserve.kernels.pending_rows`), with that kernel's arithmetic (`pending_op`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,38 @@ from pdserve.kernels.fused import to_e4m3
 from pdserve.kernels.skinny_triton import load_blocks
 
 
-@triton.jit(do_not_specialize=["M"])  # the batch's rows, a mask bound: one variant for every batch size
+@triton.jit
+def residual_sum(x, Residual, mask, stride_rm, offs_m, cols):
+    """x + residual, rounded to x's dtype (the RMSNorm kernel's h)."""
+    r = tl.load(Residual + offs_m[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, cols, K, rstd, OP: tl.constexpr):
+    """The rows block of the pending op (`pdserve.kernels.pending_rows`) from x, the block of its first operand:
+    "rmsnorm" (Extra: the residual; rstd: each row's) or "silu_mul" (x: gate, Extra: up), in x's dtype, with the
+    op kernel's float32 arithmetic and roundings (`pdserve.kernels.fused`); x itself for "" (no op)."""
+    if OP == "rmsnorm":
+        h = residual_sum(x, Extra, mask, stride_em, offs_m, cols).to(tl.float32)
+        w = tl.load(NormWeight + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return ((h * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype)
+    elif OP == "silu_mul":
+        gate = x.to(tl.float32)
+        up = tl.load(Extra + offs_m[:, None] * stride_em + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(x.dtype)
+    else:
+        return x
+
+
+@triton.jit(do_not_specialize=["M", "eps"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
-    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_om,
+    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Extra, NormWeight, ResidualOut, M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_om, stride_em, stride_rm, eps,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, OP: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -31,7 +57,11 @@ def fp8_rows_kernel(
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
-    (the same sums whichever program comes last), writes the output and puts the counter back to 0."""
+    (the same sums whichever program comes last), writes the output and puts the counter back to 0.
+    OP (QUANTIZE only): the rows are those of a pending op of X and Extra (`pending_op`), computed block by block as
+    they are quantized; for "rmsnorm" a first pass sums the squares of X + Extra for each row's rstd (in another
+    order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X + Extra to
+    ResidualOut (stride_rm), the residual stream the next layer reads."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -39,16 +69,28 @@ def fp8_rows_kernel(
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
+    offs_a = tl.arange(0, AMAX_BLOCK)
+    rstd = tl.zeros([ROWS], dtype=tl.float32)
+    if OP == "rmsnorm":
+        squares = tl.zeros([ROWS], dtype=tl.float32)
+        first_program = (pid_n == 0) & (tl.program_id(1) == 0)
+        for k0 in range(0, K, AMAX_BLOCK):
+            mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=mask, other=0.0)
+            h = residual_sum(x, Extra, mask, stride_em, offs_m, k0 + offs_a)
+            tl.store(ResidualOut + offs_m[:, None] * stride_rm + k0 + offs_a[None, :], h, mask=mask & first_program)
+            squares += tl.sum(h.to(tl.float32) * h.to(tl.float32), 1)
+        rstd = tl.rsqrt(squares / K + eps)
     if not QUANTIZE:
         x_scale = tl.load(XScale + offs_m, mask=mask_m, other=0.0)
     elif STATIC:
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
         amax = tl.zeros([ROWS], dtype=tl.float32)
-        offs_a = tl.arange(0, AMAX_BLOCK)
         for k0 in range(0, K, AMAX_BLOCK):
-            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :],
-                        mask=mask_m[:, None] & ((k0 + offs_a) < K)[None, :], other=0.0)
+            mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=mask, other=0.0)
+            x = pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, k0 + offs_a, K, rstd, OP)
             amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
@@ -61,6 +103,8 @@ def fp8_rows_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         if QUANTIZE:
+            mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
+            x = pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, k0 + offs_k, K, rstd, OP)
             x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
