@@ -124,6 +124,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tenso
         partial = torch.empty(cfg.split_k * column_blocks * cfg.block_n * padded_rows, dtype=torch.float32,
                               device=rows.device)
         counters = split_counters(rows.device)
+    amax_block = min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows))
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, extra, norm_weight, residual_out,
@@ -132,7 +133,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tenso
         ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
-        AMAX_BLOCK=min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows)),
+        AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k,
         num_stages=cfg.num_stages,
     )
     return out

@@ -20,14 +20,19 @@ def residual_sum(x, Residual, mask, stride_rm, offs_m, cols):
 
 
 @triton.jit
+def normed(h, rstd, NormWeight, cols, K):
+    """The RMSNorm kernel's output from h = x + residual and each row's rstd, in h's dtype."""
+    w = tl.load(NormWeight + cols, mask=cols < K, other=0.0).to(tl.float32)
+    return ((h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32) * w[None, :]).to(h.dtype)
+
+
+@triton.jit
 def pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, cols, K, rstd, OP: tl.constexpr):
     """The rows block of the pending op (`pdserve.kernels.pending_rows`) from x, the block of its first operand:
     "rmsnorm" (Extra: the residual; rstd: each row's) or "silu_mul" (x: gate, Extra: up), in x's dtype, with the
     op kernel's float32 arithmetic and roundings (`pdserve.kernels.fused`); x itself for "" (no op)."""
     if OP == "rmsnorm":
-        h = residual_sum(x, Extra, mask, stride_em, offs_m, cols).to(tl.float32)
-        w = tl.load(NormWeight + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return ((h * rstd[:, None]).to(x.dtype).to(tl.float32) * w[None, :]).to(x.dtype)
+        return normed(residual_sum(x, Extra, mask, stride_em, offs_m, cols), rstd, NormWeight, cols, K)
     elif OP == "silu_mul":
         gate = x.to(tl.float32)
         up = tl.load(Extra + offs_m[:, None] * stride_em + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -43,7 +48,7 @@ def fp8_rows_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, OP: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, OP: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -61,7 +66,8 @@ def fp8_rows_kernel(
     OP (QUANTIZE only): the rows are those of a pending op of X and Extra (`pending_op`), computed block by block as
     they are quantized; for "rmsnorm" a first pass sums the squares of X + Extra for each row's rstd (in another
     order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X + Extra to
-    ResidualOut (stride_rm), the residual stream the next layer reads."""
+    ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that pass is
+    one load, whose rows give the amax too, so the rows are read once before the weight blocks stream."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -71,27 +77,37 @@ def fp8_rows_kernel(
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     offs_a = tl.arange(0, AMAX_BLOCK)
     rstd = tl.zeros([ROWS], dtype=tl.float32)
+    amax = tl.zeros([ROWS], dtype=tl.float32)
     if OP == "rmsnorm":
-        squares = tl.zeros([ROWS], dtype=tl.float32)
         first_program = (pid_n == 0) & (tl.program_id(1) == 0)
-        for k0 in range(0, K, AMAX_BLOCK):
-            mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=mask, other=0.0)
-            h = residual_sum(x, Extra, mask, stride_em, offs_m, k0 + offs_a)
-            tl.store(ResidualOut + offs_m[:, None] * stride_rm + k0 + offs_a[None, :], h, mask=mask & first_program)
-            squares += tl.sum(h.to(tl.float32) * h.to(tl.float32), 1)
-        rstd = tl.rsqrt(squares / K + eps)
+        if ONE_BLOCK:
+            row_mask = mask_m[:, None] & (offs_a < K)[None, :]
+            row = tl.load(X + offs_m[:, None] * stride_xm + offs_a[None, :], mask=row_mask, other=0.0)
+            h_row = residual_sum(row, Extra, row_mask, stride_em, offs_m, offs_a)
+            tl.store(ResidualOut + offs_m[:, None] * stride_rm + offs_a[None, :], h_row, mask=row_mask & first_program)
+            rstd = tl.rsqrt(tl.sum(h_row.to(tl.float32) * h_row.to(tl.float32), 1) / K + eps)
+            amax = tl.max(tl.abs(normed(h_row, rstd, NormWeight, offs_a, K).to(tl.float32)), 1)
+        else:
+            squares = tl.zeros([ROWS], dtype=tl.float32)
+            for k0 in range(0, K, AMAX_BLOCK):
+                row_mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
+                row = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=row_mask, other=0.0)
+                h_row = residual_sum(row, Extra, row_mask, stride_em, offs_m, k0 + offs_a)
+                tl.store(ResidualOut + offs_m[:, None] * stride_rm + k0 + offs_a[None, :], h_row,
+                         mask=row_mask & first_program)
+                squares += tl.sum(h_row.to(tl.float32) * h_row.to(tl.float32), 1)
+            rstd = tl.rsqrt(squares / K + eps)
     if not QUANTIZE:
         x_scale = tl.load(XScale + offs_m, mask=mask_m, other=0.0)
     elif STATIC:
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
-        amax = tl.zeros([ROWS], dtype=tl.float32)
-        for k0 in range(0, K, AMAX_BLOCK):
-            mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=mask, other=0.0)
-            x = pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, k0 + offs_a, K, rstd, OP)
-            amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        if OP != "rmsnorm" or not ONE_BLOCK:  # else the amax came with the rstd
+            for k0 in range(0, K, AMAX_BLOCK):
+                row_mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
+                row = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=row_mask, other=0.0)
+                row = pending_op(row, Extra, NormWeight, row_mask, stride_em, offs_m, k0 + offs_a, K, rstd, OP)
+                amax = tl.maximum(amax, tl.max(tl.abs(row.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
@@ -103,8 +119,8 @@ def fp8_rows_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         if QUANTIZE:
-            mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
-            x = pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, k0 + offs_k, K, rstd, OP)
+            block_mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
+            x = pending_op(x, Extra, NormWeight, block_mask, stride_em, offs_m, k0 + offs_k, K, rstd, OP)
             x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
