@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.fp8_rows import Fp8Rows
-from pdserve.kernels.pending_rows import PendingNorm, PendingRows, PendingSiluMul
+from pdserve.kernels.pending_rows import PendingNorm
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_choice(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tensor) -> SkinnyConfig | None:
+def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor) -> SkinnyConfig | None:
     """The config tuned for x's rows times this weight's shape and dtype (and x's `input_kind`); None where the
     baseline measured faster or the shape and row count were not tuned."""
     if len(x.shape) != 2:
@@ -65,11 +65,11 @@ def skinny_choice(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tensor)
     return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, input_kind(x)))
 
 
-def input_kind(x: torch.Tensor | Fp8Rows | PendingRows) -> torch.dtype | str:
-    """Which kind of rows a choice is tuned for: model-dtype rows (their dtype), FP8 `Fp8Rows` (float8), or rows a
-    pending op is still to compute (its kind)."""
-    if isinstance(x, (PendingNorm, PendingSiluMul)):
-        return x.kind
+def input_kind(x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.dtype | str:
+    """Which kind of rows a choice is tuned for: model-dtype rows (their dtype), FP8 `Fp8Rows` (float8), or RMSNorm
+    rows still to compute (`PendingNorm`: "rmsnorm")."""
+    if isinstance(x, PendingNorm):
+        return "rmsnorm"
     return x.values.dtype if isinstance(x, Fp8Rows) else x.dtype
 
 

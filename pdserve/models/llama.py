@@ -8,13 +8,13 @@ from torch import nn
 from pdserve.attention.base import ForwardContext
 from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import qk_norm_rope_store_kv, silu_and_mul
-from pdserve.kernels.pending_rows import PendingSiluMul
 from pdserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard, VocabParallelEmbedding,
                                    fp8_input)
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.model_config import ModelConfig
 from pdserve.quantization.formats import Fp8Scheme
+from pdserve.quantization.fp8 import FP8_IN_KERNEL_ROWS
 
 
 def _fp8(cfg: ModelConfig, prefix: str, *modules: str) -> Fp8Scheme | None:
@@ -75,8 +75,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fp8 = fp8_input(self.down_proj)
-        return self.down_proj(silu_and_mul(gate_up) if fp8 is None else PendingSiluMul(gate_up, fp8))
+        # up to FP8_IN_KERNEL_ROWS rows the down projection's kernel quantizes them itself, sooner than the SiLU
+        # kernel's one program a whole row (H100, 2026-11-27: 4.4 us a launch against 1.2 without quantizing)
+        fp8 = fp8_input(self.down_proj) if gate_up.shape[0] > FP8_IN_KERNEL_ROWS else None
+        return self.down_proj(silu_and_mul(gate_up, fp8))
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.kernels import quantize_tokens
 from pdserve.kernels.fp8_rows import FP8, FP8_MAX, MIN_SCALE, Fp8Output, Fp8Rows, to_fp8  # the format, here too
-from pdserve.kernels.pending_rows import FP8_IN_KERNEL_ROWS, PendingNorm, PendingRows, PendingSiluMul
+from pdserve.kernels.pending_rows import PendingNorm
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
@@ -48,6 +48,10 @@ _ROW_SHAPES = ((64, 256, 4, 4, 4), (64, 256, 4, 3, 1), (32, 512, 4, 4, 1), (64, 
                (32, 256, 4, 3, 1))
 _BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (128, 256, 8, 4, 4),
                  (64, 256, 4, 3, 2))
+FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
+# rows up to which the tuner times the kernel computing pending RMSNorm rows itself: with 4 and 8 rows it lost on
+# every llama-3.1-8b shape (H100, 2026-11-27, benchmarks/results/2026-11-27g), with 1 and 2 it won on qkv and gate_up
+FUSED_NORM_ROWS = 2
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
     Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
@@ -87,26 +91,26 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(weight.float() / scale[:, None]), scale
 
 
-def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
     once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
     `quantize_tokens` first, as cfg says (the same bytes and scales every way), or computed by the kernel itself
-    from a pending op (`PendingRows`, cfg quantizing in the kernel); float32 sums, rounded once to the rows'
+    from a pending RMSNorm (`PendingNorm`, cfg quantizing in the kernel); float32 sums, rounded once to the rows'
     dtype."""
     import triton
 
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
-    extra = norm_weight = residual_out = weight_scale  # the pending op's operands: unread without one
-    eps, op = 0.0, ""
+    residual = norm_weight = residual_out = weight_scale  # a pending RMSNorm's operands: unread without one
+    eps = 0.0
     if isinstance(x, Fp8Rows):
         assert not cfg.quantize_in_kernel
         rows, row_scale, dtype = x.values, x.scale, x.dtype
-    elif isinstance(x, (PendingNorm, PendingSiluMul)):
+    elif isinstance(x, PendingNorm):
         assert cfg.quantize_in_kernel
-        rows, extra, norm_weight, residual_out, eps = x.kernel_operands(unused=weight_scale)
-        row_scale, dtype, op = weight_scale, x.dtype, x.kind
+        rows, residual, norm_weight, residual_out, eps = x.x, x.residual, x.weight, x.residual_out, x.eps
+        row_scale, dtype = weight_scale, x.dtype
     else:
         x, dtype = (x if x.stride(1) == 1 else x.contiguous()), x.dtype
         # quantized in the kernel: no row scales to pass (weight_scale stands in, unread)
@@ -127,10 +131,10 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tenso
     amax_block = min(triton.next_power_of_2(k), max(cfg.block_k, AMAX_ELEMENTS // padded_rows))
     fp8_rows_kernel[(column_blocks, cfg.split_k)](
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
-        bias if bias is not None else weight_scale, out, partial, counters, extra, norm_weight, residual_out,
-        m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), extra.stride(0), residual_out.stride(0),
-        eps, **Fp8Output(input_scale).constants(rows.device), OP=op, QUANTIZE=cfg.quantize_in_kernel,
-        ROWS=padded_rows,
+        bias if bias is not None else weight_scale, out, partial, counters, residual, norm_weight, residual_out,
+        m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0), residual_out.stride(0),
+        eps, **Fp8Output(input_scale).constants(rows.device), NORM=isinstance(x, PendingNorm),
+        QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k,
@@ -143,8 +147,8 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
                   ) -> dict:
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count, for x_dtype activations and for rows a RMSNorm or SiLU kernel quantized already (`Fp8Rows`); then,
-    up to FP8_IN_KERNEL_ROWS rows, the rows kernel computing pending RMSNorm and SiLU-and-mul rows itself against
-    their own kernel followed by what was chosen for its output. `fp8_linear` then takes the faster for its input
+    up to FUSED_NORM_ROWS rows, the rows kernel computing pending RMSNorm rows itself (`PendingNorm`) against the
+    RMSNorm kernel followed by what was chosen for its `Fp8Rows`. `fp8_linear` then takes the faster for its input
     (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
     weights = [w for w, _ in layers]
@@ -155,7 +159,7 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     def candidate(x, w, cfg):
         return fp8_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg)
 
-    def evaluated_first(x, w):  # what a pending op's rows take without the fused kernel
+    def norm_first(x, w):  # pending RMSNorm rows without the fused kernel
         return fp8_linear(x.evaluate(), w, scales[tuple(w.shape)])
 
     report = SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
@@ -163,12 +167,10 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     prequantized = SkinnyTuner(rows, "FP8 rows linear, rows quantized before", fp8_candidates(FP8_MAX_ROWS),
                                FP8_MAX_ROWS).tune(weights, x_dtype, baseline, candidate,
                                                   prepare=lambda x: Fp8Rows(*quantize_tokens(x), x.dtype))
-    report.update({(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()})
-    for kind, pending in (("rmsnorm", pending_norm), ("silu_mul", pending_silu_mul)):
-        fused = SkinnyTuner(rows, f"FP8 rows linear computing pending {kind} rows", _in_kernel_candidates,
-                            FP8_IN_KERNEL_ROWS).tune(weights, x_dtype, evaluated_first, candidate, prepare=pending)
-        report.update({(m, n, k, kind): times for (m, n, k), times in fused.items()})
-    return report
+    fused_norm = SkinnyTuner(rows, "FP8 rows linear computing pending RMSNorm rows", _in_kernel_candidates,
+                             FUSED_NORM_ROWS).tune(weights, x_dtype, norm_first, candidate, prepare=pending_norm)
+    return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()},
+            **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()}}
 
 
 def _in_kernel_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
@@ -181,20 +183,15 @@ def pending_norm(x: torch.Tensor) -> PendingNorm:
                        Fp8Output(), torch.empty_like(x))
 
 
-def pending_silu_mul(x: torch.Tensor) -> PendingSiluMul:
-    """Pending SiLU-and-mul rows of x's shape (from a gate_up output twice as wide)."""
-    return PendingSiluMul(torch.cat([x, torch.randn_like(x)], dim=1), Fp8Output())
-
-
-def fp8_linear(x: torch.Tensor | Fp8Rows | PendingRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
     the FP8 rows kernel where `tune_fp8_rows` chose it for the shape and kind of rows, else quantize, then the GEMM.
-    x may be `Fp8Rows` (2-D), quantized by the kernel before, or `PendingRows` (2-D), which the rows kernel
-    computes itself where that was chosen and which are evaluated first anywhere else: the output is then 2-D."""
-    if isinstance(x, (PendingNorm, PendingSiluMul)) and not (weight.is_cuda and skinny_choice(x, weight)):
+    x may be `Fp8Rows` (2-D), quantized by the kernel before, or `PendingNorm` (2-D), which the rows kernel computes
+    itself where that was chosen and which is evaluated first anywhere else: the output is then 2-D."""
+    if isinstance(x, PendingNorm) and not (weight.is_cuda and skinny_choice(x, weight)):
         x = x.evaluate()
-    two_d = isinstance(x, (Fp8Rows, PendingNorm, PendingSiluMul))
+    two_d = isinstance(x, (Fp8Rows, PendingNorm))
     rows = x if two_d else x.reshape(-1, x.shape[-1])
     if weight.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
         out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg)

@@ -1,7 +1,7 @@
 """The Triton kernel of FP8 linear layers (imports Triton), launched by `pdserve.quantization.fp8`:
 `fp8_rows_kernel`, the product of a decode batch's few rows with an FP8 weight. The kernels that quantize rows
 for it (per token, the same bytes and scales) are in `pdserve.kernels.fused`; it may also compute its rows itself
-from the op before it (`pdserve.kernels.pending_rows`), with that kernel's arithmetic (`pending_op`)."""
+from the RMSNorm before it (`pdserve.kernels.pending_rows`), with that kernel's arithmetic (`normed`)."""
 
 from __future__ import annotations
 
@@ -26,29 +26,14 @@ def normed(h, rstd, NormWeight, cols, K):
     return ((h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32) * w[None, :]).to(h.dtype)
 
 
-@triton.jit
-def pending_op(x, Extra, NormWeight, mask, stride_em, offs_m, cols, K, rstd, OP: tl.constexpr):
-    """The rows block of the pending op (`pdserve.kernels.pending_rows`) from x, the block of its first operand:
-    "rmsnorm" (Extra: the residual; rstd: each row's) or "silu_mul" (x: gate, Extra: up), in x's dtype, with the
-    op kernel's float32 arithmetic and roundings (`pdserve.kernels.fused`); x itself for "" (no op)."""
-    if OP == "rmsnorm":
-        return normed(residual_sum(x, Extra, mask, stride_em, offs_m, cols), rstd, NormWeight, cols, K)
-    elif OP == "silu_mul":
-        gate = x.to(tl.float32)
-        up = tl.load(Extra + offs_m[:, None] * stride_em + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        return (gate * tl.sigmoid(gate) * up).to(x.dtype)
-    else:
-        return x
-
-
 @triton.jit(do_not_specialize=["M", "eps"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
-    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Extra, NormWeight, ResidualOut, M, N, K, K_SPLIT,
-    stride_xm, stride_wn, stride_om, stride_em, stride_rm, eps,
+    X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Residual, NormWeight, ResidualOut, M, N, K,
+    K_SPLIT, stride_xm, stride_wn, stride_om, stride_res, stride_rm, eps,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, OP: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -63,11 +48,11 @@ def fp8_rows_kernel(
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
     itself done in Counters[pid0]; the last of the column block's SPLIT_K programs adds the partials in split order
     (the same sums whichever program comes last), writes the output and puts the counter back to 0.
-    OP (QUANTIZE only): the rows are those of a pending op of X and Extra (`pending_op`), computed block by block as
-    they are quantized; for "rmsnorm" a first pass sums the squares of X + Extra for each row's rstd (in another
-    order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X + Extra to
-    ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that pass is
-    one load, whose rows give the amax too, so the rows are read once before the weight blocks stream."""
+    NORM (QUANTIZE only): the rows are RMSNorm(X + Residual) * NormWeight (`pdserve.kernels.pending_rows`),
+    computed block by block as they are quantized: a first pass sums the squares of X + Residual for each row's rstd
+    (in another order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X +
+    Residual to ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that
+    pass is one load, whose rows give the amax too, so the rows are read once before the weight blocks stream."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -78,12 +63,12 @@ def fp8_rows_kernel(
     offs_a = tl.arange(0, AMAX_BLOCK)
     rstd = tl.zeros([ROWS], dtype=tl.float32)
     amax = tl.zeros([ROWS], dtype=tl.float32)
-    if OP == "rmsnorm":
+    if NORM:
         first_program = (pid_n == 0) & (tl.program_id(1) == 0)
         if ONE_BLOCK:
             row_mask = mask_m[:, None] & (offs_a < K)[None, :]
             row = tl.load(X + offs_m[:, None] * stride_xm + offs_a[None, :], mask=row_mask, other=0.0)
-            h_row = residual_sum(row, Extra, row_mask, stride_em, offs_m, offs_a)
+            h_row = residual_sum(row, Residual, row_mask, stride_res, offs_m, offs_a)
             tl.store(ResidualOut + offs_m[:, None] * stride_rm + offs_a[None, :], h_row, mask=row_mask & first_program)
             rstd = tl.rsqrt(tl.sum(h_row.to(tl.float32) * h_row.to(tl.float32), 1) / K + eps)
             amax = tl.max(tl.abs(normed(h_row, rstd, NormWeight, offs_a, K).to(tl.float32)), 1)
@@ -92,7 +77,7 @@ def fp8_rows_kernel(
             for k0 in range(0, K, AMAX_BLOCK):
                 row_mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
                 row = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=row_mask, other=0.0)
-                h_row = residual_sum(row, Extra, row_mask, stride_em, offs_m, k0 + offs_a)
+                h_row = residual_sum(row, Residual, row_mask, stride_res, offs_m, k0 + offs_a)
                 tl.store(ResidualOut + offs_m[:, None] * stride_rm + k0 + offs_a[None, :], h_row,
                          mask=row_mask & first_program)
                 squares += tl.sum(h_row.to(tl.float32) * h_row.to(tl.float32), 1)
@@ -102,11 +87,13 @@ def fp8_rows_kernel(
     elif STATIC:
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
-        if OP != "rmsnorm" or not ONE_BLOCK:  # else the amax came with the rstd
+        if not NORM or not ONE_BLOCK:  # else the amax came with the rstd
             for k0 in range(0, K, AMAX_BLOCK):
                 row_mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
                 row = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=row_mask, other=0.0)
-                row = pending_op(row, Extra, NormWeight, row_mask, stride_em, offs_m, k0 + offs_a, K, rstd, OP)
+                if NORM:
+                    row = normed(residual_sum(row, Residual, row_mask, stride_res, offs_m, k0 + offs_a), rstd,
+                                 NormWeight, k0 + offs_a, K)
                 amax = tl.maximum(amax, tl.max(tl.abs(row.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
@@ -119,8 +106,10 @@ def fp8_rows_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         if QUANTIZE:
-            block_mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
-            x = pending_op(x, Extra, NormWeight, block_mask, stride_em, offs_m, k0 + offs_k, K, rstd, OP)
+            if NORM:
+                block_mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
+                x = normed(residual_sum(x, Residual, block_mask, stride_res, offs_m, k0 + offs_k), rstd, NormWeight,
+                           k0 + offs_k, K)
             x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K

@@ -51,31 +51,27 @@ def test_fp8_rows_kernel_matches_quantized_linear_interpreted(interpreted, m, n,
     assert not fp8.split_counters(x.device).any()
 
 
-def assert_pending_rows_match_their_op_first(pending, w_q, w_scale, bias, cfg, tolerance: float):
-    """The rows kernel computing pending rows itself gives the product of the rows the op's own kernel (or torch)
-    computes and quantizes, against float64: only float32 sums differ (the RMSNorm's sum of squares among them)."""
+def assert_pending_norm_matches_the_norm_kernel_first(pending, w_q, w_scale, bias, cfg, tolerance: float):
+    """The rows kernel computing pending RMSNorm rows itself gives the product of the rows the RMSNorm kernel (or
+    torch) computes and quantizes, against float64 (only float32 sums differ, the sum of squares among them), and
+    writes x + residual for the next layer."""
     evaluated = pending.evaluate()
-    if isinstance(evaluated, fp8.Fp8Rows):
-        x_q, x_scale = evaluated.values, evaluated.scale
-    else:
-        x_q, x_scale = quantize_tokens_ref(evaluated)
-    exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
-    expected_residual = None if not hasattr(pending, "residual_out") else pending.residual_out.clone()
-    if expected_residual is not None:
-        pending.residual_out.fill_(float("nan"))
+    exact = ((evaluated.values.double() * evaluated.scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
+             + bias.double())
+    expected_residual = pending.residual_out.clone()
+    pending.residual_out.fill_(float("nan"))
     got = fp8.fp8_rows_linear(pending, w_q, w_scale, None, bias, cfg).double()
     assert ((got - exact).norm(dim=1) <= tolerance * exact.norm(dim=1)).all(), (got - exact).abs().max()
-    if expected_residual is not None:  # x + residual, written by the kernel for the next layer
-        assert torch.equal(pending.residual_out, expected_residual)
+    assert torch.equal(pending.residual_out, expected_residual)
 
 
 @pytest.mark.parametrize("m, n, k, cfg", [
-    (1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (3, 40, 200, IN_KERNEL_SPLIT), (8, 32, 2100, IN_KERNEL),
+    (1, 48, 64, IN_KERNEL), (3, 40, 96, IN_KERNEL), (3, 40, 200, IN_KERNEL_SPLIT),
+    (8, 32, 2100, IN_KERNEL),  # a row in two blocks: the sum of squares and the amax each a pass of their own
 ])
-@pytest.mark.parametrize("make_pending", [fp8.pending_norm, fp8.pending_silu_mul])
-def test_rows_kernel_computes_pending_rows_interpreted(interpreted, m, n, k, cfg, make_pending):
+def test_rows_kernel_computes_pending_norm_rows_interpreted(interpreted, m, n, k, cfg):
     x, w_q, w_scale, bias = operands(m, n, k)
-    assert_pending_rows_match_their_op_first(make_pending(x), w_q, w_scale, bias, cfg, tolerance=1e-6)
+    assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 1e-6)
 
 
 def test_only_few_rows_are_quantized_in_the_kernel():
@@ -117,11 +113,11 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, fp8.FP8), fp8.FP8_CANDIDATES[1])
     assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
     assert len(calls) == 2 and calls[1][0] is rows and calls[1][-1] == fp8.FP8_CANDIDATES[1]
-    pending = fp8.pending_silu_mul(x)  # not chosen for pending rows: evaluated first, then routed as their kind
+    pending = fp8.pending_norm(x)  # not chosen for pending rows: the RMSNorm first, then routed as Fp8Rows
     assert torch.equal(fp8.fp8_linear(pending, w_q, w_scale), fp8.quantized_linear(pending.evaluate(), w_q, w_scale,
                                                                                     None, None))
-    assert len(calls) == 3 and calls[2][0] is not pending  # 3 model-dtype rows: the choice tuned for them
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "silu_mul"), fp8.FP8_CANDIDATES[0])
+    assert len(calls) == 3 and isinstance(calls[2][0], fp8.Fp8Rows)
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm"), fp8.FP8_CANDIDATES[0])
     fp8.fp8_linear(pending, w_q, w_scale)
     assert len(calls) == 4 and calls[3][0] is pending
 
@@ -136,15 +132,12 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
         for cfg in fp8.fp8_candidates(m):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
             if cfg.quantize_in_kernel:
-                for make_pending in (fp8.pending_norm, fp8.pending_silu_mul):
-                    assert_pending_rows_match_their_op_first(make_pending(x), w_q, w_scale, bias, cfg, 4e-3)
+                assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 4e-3)
     assert not fp8.split_counters(x.device).any()
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
     tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
-    fused = {(1, 6144, 4096, kind) for kind in ("rmsnorm", "silu_mul")} | {(4, 6144, 4096, kind) for kind in
-                                                                          ("rmsnorm", "silu_mul")}
-    # model-dtype rows, Fp8Rows, and up to FP8_IN_KERNEL_ROWS rows pending RMSNorm and SiLU rows
-    assert set(report) == tuned | {(*shape, "quantized") for shape in tuned} | fused
+    # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS rows pending RMSNorm rows
+    assert set(report) == tuned | {(*shape, "quantized") for shape in tuned} | {(1, 6144, 4096, "rmsnorm")}
     x_q, x_scale = fp8.quantize_tokens(x)
     got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)  # as a RMSNorm hands them over
     exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
@@ -157,8 +150,9 @@ ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12
                              SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True)
 
 
-def rows_kernel_ptx_for_sm90(op: str) -> str:
-    """The FP8 rows kernel computing `op`'s rows, compiled for sm_90 with Triton's own ptxas (no GPU needed)."""
+def rows_kernel_ptx_for_sm90(norm: bool) -> str:
+    """The FP8 rows kernel (computing pending RMSNorm rows itself or not), compiled for sm_90 with Triton's own
+    ptxas (no GPU needed)."""
     import inspect
 
     import triton
@@ -168,9 +162,9 @@ def rows_kernel_ptx_for_sm90(op: str) -> str:
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     names = list(inspect.signature(fp8_rows_kernel.fn).parameters)
-    constants = dict(ROWS_KERNEL_CONSTANTS, OP=op)
+    constants = dict(ROWS_KERNEL_CONSTANTS, NORM=norm)
     pointers = dict(X="*bf16", XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
-                    Out="*bf16", Partial="*fp32", Counters="*i32", Extra="*bf16", NormWeight="*bf16",
+                    Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
                     ResidualOut="*bf16")
     signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n == "eps" else "i32")
                  for n in names}
@@ -180,13 +174,12 @@ def rows_kernel_ptx_for_sm90(op: str) -> str:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
 
 
-def test_rows_kernel_compiles_each_pending_op_for_sm90():
+def test_rows_kernel_computes_the_norm_for_sm90():
     triton = pytest.importorskip("triton")
     from pathlib import Path
 
     if not (Path(triton.__path__[0]) / "backends/nvidia/bin/ptxas").exists():
         pytest.skip("Triton's CUDA backend tools are not installed")
-    plain, norm, silu = (rows_kernel_ptx_for_sm90(op) for op in ("", "rmsnorm", "silu_mul"))
-    assert "rsqrt" in norm and "rsqrt" not in plain and "rsqrt" not in silu  # the RMSNorm's rstd
-    assert "ex2" in silu and "ex2" not in plain  # the SiLU's sigmoid
+    plain, norm = rows_kernel_ptx_for_sm90(False), rows_kernel_ptx_for_sm90(True)
+    assert "rsqrt" in norm and "rsqrt" not in plain  # the RMSNorm's rstd
     assert norm.count("st.global") > plain.count("st.global")  # x + residual for the next layer
