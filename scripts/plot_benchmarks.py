@@ -3,6 +3,7 @@
 python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
     [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
     [--targets-results benchmarks/results/2026-11-27e] [--pdl-again-results benchmarks/results/2026-11-27f]
+    [--batch1-results benchmarks/results/2026-11-27g]
     [--out docs/img]
 """
 
@@ -212,6 +213,31 @@ def plot_pdl_again(results: Path, out: Path) -> None:
            legend_at="upper right")
 
 
+def plot_batch1_fusion(results: Path, out: Path) -> None:
+    """The seventh session's batch-1 changes as FP8 / bf16 ratios, each against the bf16 run of its own call: the
+    L2 prefetch of the next weight (call 1, reverted) and the RMSNorm computed by the FP8 rows kernel (call 3, A/B
+    against the tree before it in the same call)."""
+
+    def tbt(call: str, run: str) -> float:
+        return one_batch_tbt_ms(results / call / run / "one_batch.json")
+
+    prefetch_bf16, fused_bf16 = tbt("call1_prefetch", "one_batch_bs1_none"), tbt("call3_tuner_and_ab", "bs1_bf16")
+    cases = [("call 1: prefetch off", tbt("call1_prefetch", "one_batch_bs1_fp8_no_prefetch") / prefetch_bf16),
+             ("call 1: L2 prefetch\nof the next weight", tbt("call1_prefetch", "one_batch_bs1_fp8") / prefetch_bf16),
+             ("call 3: tree before", tbt("call3_tuner_and_ab", "bs1_fp8_base") / fused_bf16),
+             ("call 3: RMSNorm in\nthe FP8 rows kernel", tbt("call3_tuner_and_ab", "bs1_fp8_fused_again") / fused_bf16)]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=["#8c8c8c", "#c44e52", "#8c8c8c", "#55a868"],
+                  label="FP8 weights / bf16, same call")
+    for bar, (_, value) in zip(bars, cases):
+        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    ax.axhline(0.6, ls="--", color="gray", label="target 0.6")
+    ax.set_ylim(0.5, 0.68)
+    finish(fig, ax, "FP8 / bf16 time between tokens",
+           "llama-3.1-8b, batch 1, 1k context, H100, 2026-11-27 (seventh session)", out / "fp8_batch1_fusion.png",
+           legend_at="upper right")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
@@ -219,6 +245,7 @@ def main() -> None:
     parser.add_argument("--pdl-results", type=Path, default=Path("benchmarks/results/2026-11-27d"))
     parser.add_argument("--targets-results", type=Path, default=Path("benchmarks/results/2026-11-27e"))
     parser.add_argument("--pdl-again-results", type=Path, default=Path("benchmarks/results/2026-11-27f"))
+    parser.add_argument("--batch1-results", type=Path, default=Path("benchmarks/results/2026-11-27g"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -228,6 +255,7 @@ def main() -> None:
     plot_fp8_pdl(args.pdl_results, args.out)
     plot_fp8_steps(args.targets_results, args.out)
     plot_pdl_again(args.pdl_again_results, args.out)
+    plot_batch1_fusion(args.batch1_results, args.out)
 
 
 if __name__ == "__main__":
