@@ -201,16 +201,20 @@ def plot_pdl_again(results: Path, out: Path) -> None:
     cases = [("batch 1, 1k\nPDL off", ratio("bs1_pdl0_fp8", "bs1_pdl0_none")),
              ("batch 1, 1k\nPDL on, no prefetch", ratio("bs1_pdl1_no_prefetch_fp8", "bs1_pdl1_none")),
              ("batch 64 at 4k\nPDL on, FP8 KV too", ratio("4k_pdl1_fp8", "4k_pdl1_none"))]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=["#4c72b0", "#55a868", "#55a868"],
-                  label="FP8 weights / bf16, same call")
+    ratio_bars(cases, ["#4c72b0", "#55a868", "#55a868"], (7, 4),
+               "llama-3.1-8b, H100, 2026-11-27: PDL (reverted: 2 of 5 FP8 runs hung)", out / "fp8_pdl_again.png")
+
+
+def ratio_bars(cases: list[tuple[str, float]], colors: list[str], size: tuple[int, int], title: str, path: Path
+               ) -> None:
+    """FP8 / bf16 ratios (label, value) as annotated bars against the 0.6 target."""
+    fig, ax = plt.subplots(figsize=size)
+    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=colors, label="FP8 weights / bf16, same call")
     for bar, (_, value) in zip(bars, cases):
         ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
     ax.axhline(0.6, ls="--", color="gray", label="target 0.6")
     ax.set_ylim(0.5, 0.68)
-    finish(fig, ax, "FP8 / bf16 time between tokens",
-           "llama-3.1-8b, H100, 2026-11-27: PDL (reverted: 2 of 5 FP8 runs hung)", out / "fp8_pdl_again.png",
-           legend_at="upper right")
+    finish(fig, ax, "FP8 / bf16 time between tokens", title, path, legend_at="upper right")
 
 
 def plot_batch1_fusion(results: Path, out: Path) -> None:
@@ -226,16 +230,8 @@ def plot_batch1_fusion(results: Path, out: Path) -> None:
              ("call 1: L2 prefetch\nof the next weight", tbt("call1_prefetch", "one_batch_bs1_fp8") / prefetch_bf16),
              ("call 3: tree before", tbt("call3_tuner_and_ab", "bs1_fp8_base") / fused_bf16),
              ("call 3: RMSNorm in\nthe FP8 rows kernel", tbt("call3_tuner_and_ab", "bs1_fp8_fused_again") / fused_bf16)]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=["#8c8c8c", "#c44e52", "#8c8c8c", "#55a868"],
-                  label="FP8 weights / bf16, same call")
-    for bar, (_, value) in zip(bars, cases):
-        ax.annotate(f"{value:.3f}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
-    ax.axhline(0.6, ls="--", color="gray", label="target 0.6")
-    ax.set_ylim(0.5, 0.68)
-    finish(fig, ax, "FP8 / bf16 time between tokens",
-           "llama-3.1-8b, batch 1, 1k context, H100, 2026-11-27 (seventh session)", out / "fp8_batch1_fusion.png",
-           legend_at="upper right")
+    ratio_bars(cases, ["#8c8c8c", "#c44e52", "#8c8c8c", "#55a868"], (8, 4),
+               "llama-3.1-8b, batch 1, 1k context, H100, 2026-11-27 (seventh session)", out / "fp8_batch1_fusion.png")
 
 
 def main() -> None:

@@ -16,10 +16,11 @@ from pdserve.kernels.ops import rmsnorm
 
 @dataclass(frozen=True, slots=True)
 class PendingNorm:
-    """RMSNorm(x + residual) * weight, quantized per token for `fp8`'s layer; residual_out takes x + residual, written
-    by whichever kernel evaluates the rows (the residual stream of the next layer: nothing reads it before that)."""
+    """RMSNorm(hidden + residual) * weight, quantized per token for `fp8`'s layer; residual_out takes hidden +
+    residual, written by whichever kernel evaluates the rows (the next layer's residual stream: nothing reads it
+    before that)."""
 
-    x: torch.Tensor
+    hidden: torch.Tensor
     residual: torch.Tensor
     weight: torch.Tensor
     eps: float
@@ -28,12 +29,12 @@ class PendingNorm:
 
     @property
     def shape(self) -> torch.Size:
-        return self.x.shape
+        return self.hidden.shape
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.x.dtype
+        return self.hidden.dtype
 
     def evaluate(self) -> Fp8Rows:
-        rows, _ = rmsnorm(self.x, self.weight, self.eps, self.residual, self.fp8, self.residual_out)
+        rows, _ = rmsnorm(self.hidden, self.weight, self.eps, self.residual, self.fp8, self.residual_out)
         return rows

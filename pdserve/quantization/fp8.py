@@ -109,7 +109,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         rows, row_scale, dtype = x.values, x.scale, x.dtype
     elif isinstance(x, PendingNorm):
         assert cfg.quantize_in_kernel
-        rows, residual, norm_weight, residual_out, eps = x.x, x.residual, x.weight, x.residual_out, x.eps
+        rows, residual, norm_weight, residual_out, eps = x.hidden, x.residual, x.weight, x.residual_out, x.eps
         row_scale, dtype = weight_scale, x.dtype
     else:
         x, dtype = (x if x.stride(1) == 1 else x.contiguous()), x.dtype
