@@ -50,7 +50,8 @@ _BATCH_SHAPES = ((128, 256, 8, 4, 2), (64, 256, 4, 4, 2), (128, 128, 8, 4, 1), (
                  (64, 256, 4, 3, 2))
 FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 # rows up to which the tuner times the kernel computing pending RMSNorm rows itself: with 4 and 8 rows it lost on
-# every llama-3.1-8b shape (H100, 2026-11-27, benchmarks/results/2026-11-27g), with 1 and 2 it won on qkv and gate_up
+# every llama-3.1-8b shape (H100, 2026-11-27, benchmarks/results/2026-11-27g), with 1 it won on qkv and gate_up,
+# with 2 on qkv
 FUSED_NORM_ROWS = 2
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
