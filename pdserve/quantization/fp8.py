@@ -190,11 +190,13 @@ def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, we
     the FP8 rows kernel where `tune_fp8_rows` chose it for the shape and kind of rows, else quantize, then the GEMM.
     x may be `Fp8Rows` (2-D), quantized by the kernel before, or `PendingNorm` (2-D), which the rows kernel computes
     itself where that was chosen and which is evaluated first anywhere else: the output is then 2-D."""
-    if isinstance(x, PendingNorm) and not (weight.is_cuda and skinny_choice(x, weight)):
-        x = x.evaluate()
     two_d = isinstance(x, (Fp8Rows, PendingNorm))
     rows = x if two_d else x.reshape(-1, x.shape[-1])
-    if weight.is_cuda and (cfg := skinny_choice(rows, weight)) is not None:
+    cfg = skinny_choice(rows, weight) if weight.is_cuda else None
+    if isinstance(rows, PendingNorm) and cfg is None:  # the RMSNorm kernel first, then its Fp8Rows' choice
+        rows = rows.evaluate()
+        cfg = skinny_choice(rows, weight) if weight.is_cuda else None
+    if cfg is not None:
         out = fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg)
     else:
         out = quantized_linear(rows, weight, weight_scale, input_scale, bias)

@@ -6,39 +6,29 @@ from __future__ import annotations
 
 import inspect
 import re
-from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import compile_for_sm90 as compile_kernel_for_sm90
+from sm90_compile import needs_ptxas
 
-triton = pytest.importorskip("triton")
-# a Triton build without the CUDA backend's own ptxas cannot compile for sm_90; any other compile error fails
-pytestmark = pytest.mark.skipif(not (Path(triton.__path__[0]) / "backends/nvidia/bin/ptxas").exists(),
-                                reason="Triton's CUDA backend tools are not installed")
+pytestmark = needs_ptxas
 
 
 DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256)
 
 
 def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from pdserve.kernels import attention
 
     kernel = getattr(attention, kernel_name)
-    names = list(inspect.signature(kernel.fn).parameters)
     words = constants.get("V_WORDS", False)
     pointers = dict(Q="*bf16", K=f"*{kv_dtype}", V="*i32" if words else f"*{kv_dtype}", PageTable="*i32",
                     SeqLens="*i32", Out="*bf16", PartialO="*fp32", PartialLse="*fp32", Counters="*i32",
                     PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32")
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n in ("sm_scale_log2", "v_scale")
-                                 else "i32") for n in names}
+    names = inspect.signature(kernel.fn).parameters
     aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_pb")]  # as launched
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constants.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=num_stages))
+    return compile_kernel_for_sm90(kernel, pointers, constants, ("sm_scale_log2", "v_scale"), aligned, 4, num_stages)
 
 
 @pytest.mark.parametrize("kv_dtype, tile_bytes", [("bf16", 2 * 128 * 128 * 2), ("fp8e4nv", 2 * 128 * 128)])

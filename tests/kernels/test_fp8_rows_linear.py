@@ -5,6 +5,7 @@ interpreter and GPU); `fp8_linear` routes a batch's rows to it only where the tu
 from __future__ import annotations
 
 import pytest
+import sm90_compile
 import torch
 
 from pdserve.kernels import ops, skinny
@@ -153,33 +154,20 @@ ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:
     """The FP8 rows kernel (computing pending RMSNorm rows itself or not), compiled for sm_90 with Triton's own
     ptxas (no GPU needed)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from sm90_compile import compile_for_sm90
 
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
-    names = list(inspect.signature(fp8_rows_kernel.fn).parameters)
-    constants = dict(ROWS_KERNEL_CONSTANTS, NORM=norm)
     pointers = dict(X="*bf16", XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
                     Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
                     ResidualOut="*bf16")
-    signature = {n: pointers.get(n, "constexpr" if n in constants else "fp32" if n == "eps" else "i32")
-                 for n in names}
-    source = ASTSource(fn=fp8_rows_kernel, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constants.items()},
-                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in pointers})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+    kernel = compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, NORM=norm), ("eps",),
+                              list(pointers), num_warps=4, num_stages=4)
+    return kernel.asm["ptx"]
 
 
+@sm90_compile.needs_ptxas
 def test_rows_kernel_computes_the_norm_for_sm90():
-    triton = pytest.importorskip("triton")
-    from pathlib import Path
-
-    if not (Path(triton.__path__[0]) / "backends/nvidia/bin/ptxas").exists():
-        pytest.skip("Triton's CUDA backend tools are not installed")
     plain, norm = rows_kernel_ptx_for_sm90(False), rows_kernel_ptx_for_sm90(True)
     assert "rsqrt" in norm and "rsqrt" not in plain  # the RMSNorm's rstd
     assert norm.count("st.global") > plain.count("st.global")  # x + residual for the next layer
