@@ -35,11 +35,17 @@
 #                run; greedy identity with colocated both ways (about 9 minutes)
 #   fp8_profile  where an FP8 decode step's time goes (step_profile, llama-3.1-8b): batch 1 at 1k with FP8 weights,
 #                batch 64 at 4k with FP8 weights + FP8 KV, and bf16 at 4k beside it (about 6 minutes)
+#   pdl_targets  programmatic dependent launch (PDSERVE_PDL) off and on, interleaved: the PDL GPU test; one_batch
+#                llama-3.1-8b batch 1 at 1k, bf16 and FP8 weights, PDL off then on (about 9 minutes on a cold machine)
+#   pdl_4k       one_batch llama-3.1-8b batch 64 at 4k, bf16 and FP8 weights + FP8 KV, PDL on then off (about 6
+#                minutes)
+#   pdl_cold     qwen3-0.6b FP8 weights, PDL on, three times on an empty Triton cache: graph capture after cold
+#                compiles (about 6 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -183,6 +189,32 @@ suite_fp8_batch1() {
 suite_fp8_4k() {
   LM_HEAD=1 bf16_then_fp8 4k 150 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 --input-lens 4096 \
     --output-lens 64
+}
+
+suite_pdl_targets() {
+  TAILN=6 step 150 pdl_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_pdl.py
+  local pdl
+  for pdl in 0 1; do
+    PDSERVE_PDL=$pdl bf16_then_fp8 "bs1_pdl$pdl" 240 "--quantization fp8" --batch-sizes 1 --input-lens 1024 \
+      --output-lens 64
+  done
+}
+
+suite_pdl_4k() {
+  local pdl
+  for pdl in 1 0; do
+    PDSERVE_PDL=$pdl bf16_then_fp8 "4k_pdl$pdl" 200 "--quantization fp8 --kv-cache-dtype fp8_e4m3" --batch-sizes 64 \
+      --input-lens 4096 --output-lens 64
+  done
+}
+
+suite_pdl_cold() {
+  local run
+  for run in 1 2 3; do
+    TRITON_CACHE_DIR=$(mktemp -d) TAILN=4 step 150 "one_batch_qwen_cold_pdl_$run" python3 -m pdserve.bench.one_batch \
+      --model-path "$(model qwen3-0.6b)" --batch-sizes 1 --input-lens 1024 --output-lens 64 --quantization fp8 \
+      --out "$OUT/one_batch_qwen_cold_pdl_$run"
+  done
 }
 
 suite_decode_stages() {

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fp8_rows import Fp8Output
+from pdserve.kernels.pdl import launch_options, start_dependent
 from pdserve.mem_cache.kv_quant import float32, fp8_max, is_fp8
 
 
@@ -59,7 +60,8 @@ def _scale_pointers(fp8: Fp8Output | None, scales: torch.Tensor | None, unused: 
 @triton.jit
 def _quantize_tokens_kernel(X, Q, Scale, StaticScale, stride_x, stride_q, K, FP8_MAX: tl.constexpr,
                             INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr):
+                            HW_CAST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    start_dependent(PDL)
     rows = tl.program_id(0) + tl.arange(0, 1)
     cols = tl.arange(0, BLOCK)
     mask = (cols < K)[None, :]
@@ -78,7 +80,7 @@ def quantize_tokens(x: torch.Tensor, fp8: Fp8Output) -> tuple[torch.Tensor, torc
     block = triton.next_power_of_2(k)
     _quantize_tokens_kernel[(m,)](
         x, q, *_scale_pointers(fp8, scale, x), x.stride(0), q.stride(0), k, **fp8.constants(x.device), BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **launch_options(x.device),
     )
     return q, scale
 
@@ -88,9 +90,10 @@ def _rmsnorm_kernel(
     X, Res, W, Out, ResOut, QScale, StaticScale, n_rows, stride_x, stride_r, stride_o, stride_ro, eps,
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, STATIC: tl.constexpr,
-    HW_CAST: tl.constexpr,
+    HW_CAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """QUANT: Out is FP8 and takes the normed rows quantized per row (`store_fp8_rows`), their scales in QScale."""
+    start_dependent(PDL)
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < N)[None, :]
@@ -128,7 +131,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         x2, r2, weight, out2, res2, *_scale_pointers(fp8, scale, x2), x2.shape[0],
         x2.stride(0), r2.stride(0), out2.stride(0), res2.stride(0), eps, N=n, BLOCK=block, ROWS=rows_per_prog,
         HAS_RESIDUAL=residual is not None, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8, x.device),
-        num_warps=4 if block <= 2048 else 8,
+        num_warps=4 if block <= 2048 else 8, **launch_options(x.device),
     )
     out = out2.view(x.shape) if fp8 is None else (out2, scale)
     return out if residual is None else (out, res2.view(x.shape))
@@ -216,10 +219,11 @@ def _qk_norm_rope_store_kv_kernel(
     k_inv_scale, v_inv_scale,
     HQ: tl.constexpr, HK: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, HALF: tl.constexpr, HAS_NORM: tl.constexpr,
-    QUANT: tl.constexpr, FP8_MAX: tl.constexpr,
+    QUANT: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (t, part): part 0 normalizes and rotates token t's q heads, part 1 its k heads and stores them
     into KCache, part 2 copies its v heads into VCache (an FP8 cache: quantized at the layer's scales)."""
+    start_dependent(PDL)
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -264,15 +268,16 @@ def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, l
         HQ=q.shape[1], HK=num_kv_heads, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         D=dim, BLOCK_D=block_d, HALF=cos_sin_cache.shape[1] // 2, HAS_NORM=has_norm,
         QUANT=quant, FP8_MAX=fp8_max(k_cache.dtype) if quant else 0.0,
-        num_warps=4 if block_hq * block_d <= 4096 else 8,
+        num_warps=4 if block_hq * block_d <= 4096 else 8, **launch_options(q.device),
     )
 
 
 @triton.jit(do_not_specialize=["n_rows"])  # the token count, a mask bound: one variant for every count
 def _silu_and_mul_kernel(X, Out, QScale, StaticScale, n_rows, stride_x, stride_o, INTER: tl.constexpr,
                          BLOCK: tl.constexpr, QUANT: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr,
-                         MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, HW_CAST: tl.constexpr):
+                         MIN_SCALE: tl.constexpr, STATIC: tl.constexpr, HW_CAST: tl.constexpr, PDL: tl.constexpr):
     """QUANT: one program a row (BLOCK >= INTER); Out is FP8 and takes the row quantized (`store_fp8_rows`)."""
+    start_dependent(PDL)
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = (cols < INTER)[None, :]
@@ -299,6 +304,6 @@ def silu_and_mul(x: torch.Tensor, fp8: Fp8Output | None = None):
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2, out2, *_scale_pointers(fp8, scale, x2), x2.shape[0], x2.stride(0),
             out2.stride(0), INTER=inter, BLOCK=block, QUANT=fp8 is not None, **Fp8Output.constants_of(fp8, x.device),
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16,
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **launch_options(x.device),
         )
     return out2.view(*x.shape[:-1], inter) if fp8 is None else (out2, scale)

@@ -78,6 +78,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """x [M <= MAX_ROWS, K] @ weight[N, K]^T (+ bias) in fp32, rounded once to x's dtype; weight rows contiguous."""
     import triton
 
+    from pdserve.kernels.pdl import launch_options
     from pdserve.kernels.skinny_triton import skinny_kernel
 
     m, k = x.shape
@@ -87,7 +88,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     skinny_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         ROWS=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out
 

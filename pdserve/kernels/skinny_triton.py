@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pdserve.kernels.pdl import launch_next, wait_for_previous
+
 
 @triton.jit
 def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
@@ -20,11 +22,13 @@ def load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, in_k, EVEN_K: tl.constexpr):
 def skinny_kernel(
     X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: output columns [pid * BLOCK_N, +BLOCK_N) of every row; the M <= ROWS rows ride in one MMA tile,
-    so the weight block is read from memory once whatever M is."""
+    so the weight block is read from memory once whatever M is. PDL: see `pdserve.kernels.pdl`."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -36,6 +40,7 @@ def skinny_kernel(
         acc = tl.dot(x, tl.trans(w), acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    launch_next(PDL)
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out_ptrs = Out + offs_m[:, None] * stride_om + offs_n[None, :]

@@ -101,6 +101,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     dtype."""
     import triton
 
+    from pdserve.kernels.pdl import launch_options
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
     residual = norm_weight = residual_out = weight_scale  # a pending RMSNorm's operands: unread without one
@@ -139,7 +140,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
         AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **launch_options(rows.device),
     )
     return out
 

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels.fused import to_e4m3
+from pdserve.kernels.pdl import launch_next, wait_for_previous
 from pdserve.kernels.skinny_triton import load_blocks
 
 
@@ -33,7 +34,7 @@ def fp8_rows_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -52,10 +53,13 @@ def fp8_rows_kernel(
     computed block by block as they are quantized: a first pass sums the squares of X + Residual for each row's rstd
     (in another order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X +
     Residual to ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that
-    pass is one load, whose rows give the amax too, so the rows are read once before the weight blocks stream."""
+    pass is one load, whose rows give the amax too, so the rows are read once before the weight blocks stream.
+    PDL: launched while the kernel before runs, it waits for it before any load and lets the next kernel launch when
+    its weight blocks are streamed (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -114,6 +118,7 @@ def fp8_rows_kernel(
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    launch_next(PDL)
     if SPLIT_K > 1:
         tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + offs_m[None, :]
         tl.store(Partial + (tl.program_id(1) * tl.num_programs(0) + pid_n) * (BLOCK_N * ROWS) + tile, acc)

@@ -23,6 +23,7 @@ def interpreted(monkeypatch):
     import pdserve.kernels.attention as attention
     import pdserve.kernels.fused as fused
     import pdserve.kernels.gumbel_sampling as gumbel_sampling
+    import pdserve.kernels.pdl as pdl
     import pdserve.kernels.skinny_triton as skinny_triton
     import pdserve.quantization.fp8_triton as fp8_triton
 
@@ -52,7 +53,7 @@ def interpreted(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpretedFunction, "__call__", device_call)
     # Triton's own library functions (tl.cdiv, tl.sigmoid, tl.random.philox, ...) are jitted at import time as well.
-    for module in (attention, fused, gumbel_sampling, skinny_triton, fp8_triton, tl, tl_random, tl_standard):
+    for module in (attention, fused, gumbel_sampling, pdl, skinny_triton, fp8_triton, tl, tl_random, tl_standard):
         for name, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction):
                 monkeypatch.setattr(module, name, interpreter.InterpretedFunction(obj.fn))

@@ -15,7 +15,8 @@ from sm90_compile import needs_ptxas
 pytestmark = needs_ptxas
 
 
-DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256)
+DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256,
+              PDL=False)
 
 
 def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):

@@ -148,7 +148,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
-                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True)
+                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, PDL=False)
 
 
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:
