@@ -18,7 +18,7 @@ from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels.skinny import SkinnyTuner
-from pdserve.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+from pdserve.layers.linear import ColumnParallelLinear, GateUpLinear, ParallelLMHead, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.mem_cache.kv_quant import KVScales, cuda_support_problem, is_fp8, kv_cache_dtype
 from pdserve.models.kv_scales import resolve_kv_scales
@@ -79,7 +79,8 @@ class ModelRunner:
             linears = self._linear_layers()
             SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
             if fp8 := [(m.weight, m.weight_scale) for m in linears if m.weight_scale is not None]:
-                tune_fp8_rows(rows, fp8, self.dtype)
+                gated = [m.weight for m in linears if isinstance(m, GateUpLinear) and m.weight_scale is not None]
+                tune_fp8_rows(rows, fp8, self.dtype, gated)
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:

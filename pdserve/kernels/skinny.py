@@ -46,8 +46,8 @@ CANDIDATES = (
     SkinnyConfig(32, 128, 4, 3),
 )
 
-# (rows, out, in, weight dtype, `input_kind`) -> a config, or None: the baseline measured faster
-_choice: dict[tuple[int, int, int, torch.dtype, torch.dtype | str], object] = {}
+# (rows, out, in, weight dtype, `input_kind`, epilogue) -> a config, or None: the baseline measured faster
+_choice: dict[tuple[int, int, int, torch.dtype, torch.dtype | str, str | None], object] = {}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,12 +57,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor) -> SkinnyConfig | None:
-    """The config tuned for x's rows times this weight's shape and dtype (and x's `input_kind`); None where the
-    baseline measured faster or the shape and row count were not tuned."""
+def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, epilogue: str | None = None
+                  ) -> SkinnyConfig | None:
+    """The config tuned for x's rows times this weight's shape and dtype (and x's `input_kind`, and what the
+    kernel computes of the product: its epilogue, None for the product itself); None where the baseline measured
+    faster or the shape and row count were not tuned."""
     if len(x.shape) != 2:
         return None
-    return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, input_kind(x)))
+    return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, input_kind(x), epilogue))
 
 
 def input_kind(x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.dtype | str:
@@ -127,12 +129,15 @@ def cold_weights(w: torch.Tensor) -> Callable[[], torch.Tensor]:
 class SkinnyTuner:
     """Times a baseline and every candidate config on each weight shape for each row count up to max_rows; records
     the fastest for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned
-    apart). candidates: the configs, or a function of the row count giving them."""
+    apart). candidates: the configs, or a function of the row count giving them; epilogue: what the timed
+    functions compute of the product, recorded with the choice (None: the product)."""
 
     def __init__(self, rows: Iterable[int], label: str = "skinny linear",
-                 candidates: tuple | Callable[[int], tuple] = CANDIDATES, max_rows: int = MAX_ROWS):
+                 candidates: tuple | Callable[[int], tuple] = CANDIDATES, max_rows: int = MAX_ROWS,
+                 epilogue: str | None = None):
         self.rows = [m for m in rows if m <= max_rows]
         self.label = label
+        self.epilogue = epilogue
         self.candidates = candidates if callable(candidates) else lambda rows: candidates
 
     def tune(self, weights: list[torch.Tensor], x_dtype: torch.dtype | None = None,
@@ -152,7 +157,7 @@ class SkinnyTuner:
                 reference = _graph_us(lambda: baseline(x, weight()))
                 best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
                                     default=(float("inf"), None))
-                _choice[(m, n, k, dtype, input_kind(x))] = best if best_us < reference else None
+                _choice[(m, n, k, dtype, input_kind(x), self.epilogue)] = best if best_us < reference else None
                 report[(m, n, k)] = (reference, best_us)
         faster = [key for key, (reference, best) in report.items() if best < reference]
         logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,

@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads_per_rank
+from pdserve.kernels import silu_and_mul
 from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.kernels.skinny import linear
-from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_linear
+from pdserve.kernels.pending_rows import PendingNorm
+from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_gated_linear, fp8_linear
 from pdserve.quantization.formats import Fp8Scheme
 
 
@@ -101,6 +103,20 @@ class ColumnParallelLinear(nn.Module):
         if tensor.shape[0] != shard.full:
             raise ValueError(f"{attr} part {part}: checkpoint has {tensor.shape[0]} rows, the model {shard.full}")
         getattr(self, attr)[offset : offset + shard.size].copy_(tensor[shard.start : shard.start + shard.size])
+
+
+class GateUpLinear(ColumnParallelLinear):
+    """The MLP's fused [gate; up] projection (each part split across ranks), read as SiLU(gate) * up."""
+
+    def __init__(self, in_features: int, shard: Shard, fp8: Fp8Scheme | None = None):
+        super().__init__(in_features, [shard, shard], False, fp8)
+
+    def silu_and_mul(self, x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.Tensor:
+        """SiLU(gate) * up of x's product, in the model dtype; with FP8 weights through `fp8_gated_linear` (which
+        computes it in the rows kernel where that was tuned faster)."""
+        if self.weight_scale is None:
+            return silu_and_mul(linear(x, self.weight))
+        return fp8_gated_linear(x, self.weight, self.weight_scale, self.input_scale)
 
 
 class RowParallelLinear(nn.Module):

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from pdserve.kernels import quantize_tokens
+from pdserve.kernels import quantize_tokens, silu_and_mul
 from pdserve.kernels.fp8_rows import FP8, FP8_MAX, MIN_SCALE, Fp8Output, Fp8Rows, to_fp8  # the format, here too
 from pdserve.kernels.pending_rows import PendingNorm
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
@@ -53,6 +53,7 @@ FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 # every llama-3.1-8b shape (H100, 2026-11-27, benchmarks/results/2026-11-27g), with 1 it won on qkv and gate_up,
 # with 2 on qkv
 FUSED_NORM_ROWS = 2
+FUSED_SILU_ROWS = 2  # rows up to which the tuner times the rows kernel computing SiLU-and-mul of its product
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
     Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
@@ -93,12 +94,13 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig,
+                    gated: bool = False) -> torch.Tensor:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
     once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
     `quantize_tokens` first, as cfg says (the same bytes and scales every way), or computed by the kernel itself
     from a pending RMSNorm (`PendingNorm`, cfg quantizing in the kernel); float32 sums, rounded once to the rows'
-    dtype."""
+    dtype. gated (a [gate; up] weight, no bias): SiLU(gate) * up, as `silu_and_mul` of the product."""
     import triton
 
     from pdserve.kernels.pdl import launch_options
@@ -121,8 +123,9 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     n = weight.shape[0]
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and rows.stride(1) == 1
     assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
-    out = torch.empty((m, n), dtype=dtype, device=rows.device)
-    padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(n, cfg.block_n)
+    assert not gated or (bias is None and n % 2 == 0)
+    out = torch.empty((m, n // 2 if gated else n), dtype=dtype, device=rows.device)
+    padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(out.shape[1], cfg.block_n // (1 + gated))
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, counters = weight_scale, weight_scale  # unused unless split
     if cfg.split_k > 1:
@@ -135,7 +138,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, residual, norm_weight, residual_out,
         m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0), residual_out.stride(0),
-        eps, **Fp8Output(input_scale).constants(rows.device), NORM=isinstance(x, PendingNorm),
+        eps, **Fp8Output(input_scale).constants(rows.device), NORM=isinstance(x, PendingNorm), GATED=gated,
         QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
@@ -145,13 +148,15 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     return out
 
 
-def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype
-                  ) -> dict:
+def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype,
+                  gated: Iterable[torch.Tensor] = ()) -> dict:
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count, for x_dtype activations and for rows a RMSNorm or SiLU kernel quantized already (`Fp8Rows`); then,
     up to FUSED_NORM_ROWS rows, the rows kernel computing pending RMSNorm rows itself (`PendingNorm`) against the
-    RMSNorm kernel followed by what was chosen for its `Fp8Rows`. `fp8_linear` then takes the faster for its input
-    (see `SkinnyTuner`)."""
+    RMSNorm kernel followed by what was chosen for its `Fp8Rows`; then, for the `gated` weights ([gate; up]) up to
+    FUSED_SILU_ROWS rows, the rows kernel computing SiLU(gate) * up of pending RMSNorm rows against what was chosen
+    for them followed by the SiLU-and-mul kernel. `fp8_linear` and `fp8_gated_linear` then take the faster for
+    their input (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
     weights = [w for w, _ in layers]
 
@@ -164,6 +169,12 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     def norm_first(x, w):  # pending RMSNorm rows without the fused kernel
         return fp8_linear(x.evaluate(), w, scales[tuple(w.shape)])
 
+    def silu_after(x, w):  # the product as chosen above, then the SiLU-and-mul kernel
+        return silu_and_mul(fp8_linear(x, w, scales[tuple(w.shape)]))
+
+    def gated_candidate(x, w, cfg):
+        return _gated_rows_linear(x, w, scales[tuple(w.shape)], None, cfg)
+
     report = SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
         weights, x_dtype, baseline, candidate)
     prequantized = SkinnyTuner(rows, "FP8 rows linear, rows quantized before", fp8_candidates(FP8_MAX_ROWS),
@@ -171,8 +182,17 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
                                                   prepare=lambda x: Fp8Rows(*quantize_tokens(x), x.dtype))
     fused_norm = SkinnyTuner(rows, "FP8 rows linear computing pending RMSNorm rows", _in_kernel_candidates,
                              FUSED_NORM_ROWS).tune(weights, x_dtype, norm_first, candidate, prepare=pending_norm)
+    fused_silu = SkinnyTuner(rows, "FP8 rows linear computing SiLU-and-mul", _row_candidates, FUSED_SILU_ROWS,
+                             epilogue="silu_and_mul").tune(list(gated), x_dtype, silu_after, gated_candidate,
+                                                           prepare=pending_norm)
     return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()},
-            **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()}}
+            **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()},
+            **{(m, n, k, "silu_and_mul"): times for (m, n, k), times in fused_silu.items()}}
+
+
+def _row_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
+    """The configs of the 1-row block shapes (a few rows' decode, where the fused epilogues are timed)."""
+    return fp8_candidates(rows, FP8_CANDIDATES[: 2 * len(_ROW_SHAPES)])
 
 
 def _in_kernel_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
@@ -202,6 +222,29 @@ def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, we
     else:
         out = quantized_linear(rows, weight, weight_scale, input_scale, bias)
     return out if two_d else out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_gated_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(gate) * up of x times a [gate; up] FP8 weight (no bias): `silu_and_mul` of `fp8_linear`, or, for a
+    decode batch's few rows where `tune_fp8_rows` chose it, the rows kernel computing it as it writes (the
+    SiLU-and-mul kernel's launch and its gap in the decode graph saved)."""
+    two_d = isinstance(x, (Fp8Rows, PendingNorm))
+    rows = x if two_d else x.reshape(-1, x.shape[-1])
+    cfg = skinny_choice(rows, weight, "silu_and_mul") if weight.is_cuda else None
+    if cfg is None:
+        return silu_and_mul(fp8_linear(x, weight, weight_scale, input_scale))
+    out = _gated_rows_linear(rows, weight, weight_scale, input_scale, cfg)
+    return out if two_d else out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _gated_rows_linear(rows: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       input_scale: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
+    """The rows kernel's SiLU(gate) * up; pending RMSNorm rows are computed by the kernel where cfg quantizes in the
+    kernel, else by the RMSNorm kernel first."""
+    if isinstance(rows, PendingNorm) and not cfg.quantize_in_kernel:
+        rows = rows.evaluate()
+    return fp8_rows_linear(rows, weight, weight_scale, input_scale, None, cfg, gated=True)
 
 
 def quantized_linear(rows: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -34,7 +34,7 @@ def fp8_rows_kernel(
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -54,11 +54,21 @@ def fp8_rows_kernel(
     (in another order than the RMSNorm kernel: the same up to float32 rounding) and program (0, 0) writes X +
     Residual to ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that
     pass is one load, whose rows give the amax too, so the rows are read once before the weight blocks stream.
+    GATED (no bias): W is a gate_up projection's [gate; up] (N rows, N // 2 each) and Out takes SiLU(gate) * up
+    (N // 2 columns), with the SiLU-and-mul kernel's arithmetic on the rounded gate and up (`silu_times_up`): the
+    program's block interleaves gate rows [pid0 * BLOCK_N / 2, +BLOCK_N / 2) with the same up rows, so each output
+    column has both of its sums.
     PDL: launched while the kernel before runs, it waits for it before any load and lets the next kernel launch when
     its weight blocks are streamed (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
+    if GATED:
+        half = N // 2
+        pair = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * (BLOCK_N // 2) + pair // 2 + (pair % 2) * half
+        mask_n = pid_n * (BLOCK_N // 2) + pair // 2 < half
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
     wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
@@ -133,5 +143,18 @@ def fp8_rows_kernel(
     acc = acc * tl.load(WScale + offs_n, mask=mask_n, other=0.0)[:, None] * x_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = Out + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+    if GATED:
+        out = silu_times_up(acc.to(Out.dtype.element_ty), BLOCK_N // 2, ROWS)
+        offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        mask_out = offs_out < N // 2
+    else:
+        out, offs_out, mask_out = acc.to(Out.dtype.element_ty), offs_n, mask_n
+    tl.store(Out + offs_m[None, :] * stride_om + offs_out[:, None], out, mask=mask_out[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def silu_times_up(gate_up, PAIRS: tl.constexpr, ROWS: tl.constexpr):
+    """[2 * PAIRS, ROWS] sums, gate and up interleaved -> SiLU(gate) * up [PAIRS, ROWS] in their dtype, computed in
+    float32 from the rounded sums as the SiLU-and-mul kernel computes it (`pdserve.kernels.fused`)."""
+    gate, up = tl.split(tl.permute(tl.reshape(gate_up.to(tl.float32), [PAIRS, 2, ROWS]), [0, 2, 1]))
+    return (gate * tl.sigmoid(gate) * up).to(gate_up.dtype)

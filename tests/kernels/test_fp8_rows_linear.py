@@ -75,6 +75,29 @@ def test_rows_kernel_computes_pending_norm_rows_interpreted(interpreted, m, n, k
     assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 1e-6)
 
 
+def silu_and_mul_exact(product: torch.Tensor) -> torch.Tensor:
+    gate, up = product.double().chunk(2, dim=1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.parametrize("m, n, k, cfg, pending", [
+    (1, 48, 64, IN_KERNEL, True), (3, 40, 96, IN_KERNEL, False), (2, 40, 200, IN_KERNEL_SPLIT, True),
+    (4, 48, 64, QUANTIZED_FIRST, False), (5, 40, 256, QUANTIZED_FIRST_SPLIT, False),
+])
+def test_rows_kernel_computes_silu_and_mul_interpreted(interpreted, m, n, k, cfg, pending):
+    """gated: the kernel's SiLU(gate) * up of the [gate; up] product, half the columns (40: a last block of gate
+    and up rows cut short), against float64 of the same quantized operands; pending RMSNorm rows too."""
+    x, w_q, w_scale, _ = operands(m, n, k)
+    rows = fp8.pending_norm(x) if pending else x
+    quantized = rows.evaluate() if pending else fp8.Fp8Rows(*quantize_tokens_ref(x), x.dtype)
+    exact = silu_and_mul_exact((quantized.values.double() * quantized.scale.double())
+                               @ (w_q.double() * w_scale.double()[:, None]).t())
+    got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True)
+    assert got.shape == (m, n // 2)
+    assert ((got.double() - exact).norm(dim=1) <= 1e-6 * exact.norm(dim=1)).all(), (got - exact).abs().max()
+    assert not fp8.split_counters(x.device).any()
+
+
 def test_only_few_rows_are_quantized_in_the_kernel():
     assert any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS))
     assert not any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1))
@@ -103,7 +126,7 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     monkeypatch.setattr(ops, "_use_triton", lambda x: False)
     monkeypatch.setattr(fp8, "quantize_tokens", quantize_tokens_ref)
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, x.dtype), fp8.FP8_CANDIDATES[0])
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, x.dtype, None), fp8.FP8_CANDIDATES[0])
     assert torch.equal(fp8.fp8_linear(x, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
     assert len(calls) == 1 and calls[0][-1] == fp8.FP8_CANDIDATES[0]
     fp8.fp8_linear(torch.randn(4, 32), w_q, w_scale)  # 4 rows were not tuned: quantize + GEMM
@@ -111,16 +134,45 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     rows = fp8.Fp8Rows(*quantize_tokens_ref(x), x.dtype)  # quantized by the kernel before: tuned apart
     assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
     assert len(calls) == 1
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, fp8.FP8), fp8.FP8_CANDIDATES[1])
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, fp8.FP8, None), fp8.FP8_CANDIDATES[1])
     assert torch.equal(fp8.fp8_linear(rows, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
     assert len(calls) == 2 and calls[1][0] is rows and calls[1][-1] == fp8.FP8_CANDIDATES[1]
     pending = fp8.pending_norm(x)  # not chosen for pending rows: the RMSNorm first, then routed as Fp8Rows
     assert torch.equal(fp8.fp8_linear(pending, w_q, w_scale), fp8.quantized_linear(pending.evaluate(), w_q, w_scale,
                                                                                     None, None))
     assert len(calls) == 3 and isinstance(calls[2][0], fp8.Fp8Rows)
-    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm"), fp8.FP8_CANDIDATES[0])
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm", None), fp8.FP8_CANDIDATES[0])
     fp8.fp8_linear(pending, w_q, w_scale)
     assert len(calls) == 4 and calls[3][0] is pending
+
+
+def test_gated_linear_routes_rows_by_the_tuned_choice(monkeypatch):
+    """SiLU(gate) * up: the product as `fp8_linear` routes it, then the SiLU-and-mul kernel; where the kernel
+    computing it was chosen for the rows, that kernel (pending RMSNorm rows evaluated first for a config that does
+    not quantize in the kernel)."""
+    x, w_q, w_scale, _ = operands(3, 48, 32)
+    pending = fp8.pending_norm(x)
+    calls = []
+
+    def rows_kernel(x, *args, gated=False):  # recorded, computed by quantize + GEMM
+        calls.append((x, args[-1], gated))
+        out = fp8.quantized_linear(x.evaluate() if hasattr(x, "evaluate") else x, *args[:4])
+        return ops.silu_and_mul(out) if gated else out
+
+    monkeypatch.setattr(fp8, "fp8_rows_linear", rows_kernel)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(ops, "_use_triton", lambda x: False)
+    monkeypatch.setattr(fp8, "quantize_tokens", quantize_tokens_ref)
+    monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
+    expected = ops.silu_and_mul(fp8.quantized_linear(pending.evaluate(), w_q, w_scale, None, None))
+    assert torch.equal(fp8.fp8_gated_linear(pending, w_q, w_scale), expected) and not calls
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm", "silu_and_mul"), IN_KERNEL)
+    assert torch.equal(fp8.fp8_gated_linear(pending, w_q, w_scale), expected)
+    assert calls[-1] == (pending, IN_KERNEL, True)
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm", "silu_and_mul"), QUANTIZED_FIRST)
+    assert torch.equal(fp8.fp8_gated_linear(pending, w_q, w_scale), expected)
+    assert isinstance(calls[-1][0], fp8.Fp8Rows) and calls[-1][1:] == (QUANTIZED_FIRST, True)
+    assert len(calls) == 2
 
 
 @pytest.mark.fp8_gpu
@@ -134,11 +186,20 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
             if cfg.quantize_in_kernel:
                 assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 4e-3)
+            if m <= fp8.FUSED_SILU_ROWS and cfg in fp8.FP8_CANDIDATES[: 2 * len(fp8._ROW_SHAPES)]:
+                rows = fp8.pending_norm(x) if cfg.quantize_in_kernel else x
+                quantized = rows.evaluate() if cfg.quantize_in_kernel else fp8.Fp8Rows(*fp8.quantize_tokens(x), dtype)
+                exact = silu_and_mul_exact((quantized.values.double() * quantized.scale.double())
+                                           @ (w_q.double() * w_scale.double()[:, None]).t())
+                got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True).double()
+                assert ((got - exact).norm(dim=1) <= 4e-3 * exact.norm(dim=1)).all()
     assert not fp8.split_counters(x.device).any()
-    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype)
+    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype, gated=[w_q])
     tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
-    # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS rows pending RMSNorm rows
-    assert set(report) == tuned | {(*shape, "quantized") for shape in tuned} | {(1, 6144, 4096, "rmsnorm")}
+    # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS (FUSED_SILU_ROWS) rows pending RMSNorm rows (their
+    # SiLU-and-mul)
+    assert set(report) == (tuned | {(*shape, "quantized") for shape in tuned}
+                           | {(1, 6144, 4096, "rmsnorm"), (1, 6144, 4096, "silu_and_mul")})
     x_q, x_scale = fp8.quantize_tokens(x)
     got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)  # as a RMSNorm hands them over
     exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
@@ -148,7 +209,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
-                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, PDL=False)
+                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, PDL=False)
 
 
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:

@@ -43,7 +43,7 @@ def _kernels():
                           Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
                           ResidualOut="*bf16"),
                      dict(QUANTIZE=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
-                          SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, NORM=True, **FP8_CONSTANTS), ("eps",)),
+                          SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, NORM=True, GATED=True, **FP8_CONSTANTS), ("eps",)),
         "skinny": (skinny_triton.skinny_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Out="*bf16"),
                    dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True), ()),
     }
