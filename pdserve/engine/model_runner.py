@@ -18,7 +18,7 @@ from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels.skinny import SkinnyTuner
-from pdserve.layers.linear import ColumnParallelLinear, GateUpLinear, ParallelLMHead, RowParallelLinear
+from pdserve.layers.linear import ColumnParallelLinear, GateUpLinear, ParallelLMHead, QKVLinear, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.mem_cache.kv_quant import KVScales, cuda_support_problem, is_fp8, kv_cache_dtype
 from pdserve.models.kv_scales import resolve_kv_scales
@@ -78,9 +78,7 @@ class ModelRunner:
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
             linears = self._linear_layers()
             SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
-            if fp8 := [(m.weight, m.weight_scale) for m in linears if m.weight_scale is not None]:
-                gated = [m.weight for m in linears if isinstance(m, GateUpLinear) and m.weight_scale is not None]
-                tune_fp8_rows(rows, fp8, self.dtype, gated)
+            self._tune_fp8_rows(rows, [m for m in linears if m.weight_scale is not None])
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
@@ -92,6 +90,15 @@ class ModelRunner:
             args.tp_rank, args.tp_size, model_config.architecture, self.device, dtype_name(self.dtype),
             self.backend_name, self.pool.layout.num_slots, dtype_name(self.kv_dtype), args.page_size,
         )
+
+    def _tune_fp8_rows(self, rows: list[int], linears: list[nn.Module]) -> None:
+        """The FP8 rows kernel's choices for the FP8 layers (gate_up also with its SiLU-and-mul, qkv with the
+        rotary and the KV store after it)."""
+        if linears:
+            tune_fp8_rows(rows, [(m.weight, m.weight_scale) for m in linears], self.dtype,
+                          [m.weight for m in linears if isinstance(m, GateUpLinear)],
+                          [(m.weight, m.num_q_heads, m.num_kv_heads, m.head_dim) for m in linears
+                           if isinstance(m, QKVLinear) and m.fused_rotary], self.kv_dtype)
 
     def _linear_layers(self) -> list[nn.Module]:
         linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)

@@ -205,7 +205,7 @@ def _norm_rope_heads(X, NormW, t, cos, sin, partner, first_half, rotates, stride
 
 
 @triton.jit
-def _to_cache(x, inv_scale, Cache, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
+def to_cache(x, inv_scale, Cache, QUANT: tl.constexpr, FP8_MAX: tl.constexpr):
     """Heads as the cache stores them: cast, or for an FP8 cache x * inv_scale clamped to the format's range."""
     if QUANT:
         x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
@@ -232,7 +232,7 @@ def _qk_norm_rope_store_kv_kernel(
     cache_offs = tl.load(Loc + t).to(tl.int64) * stride_ct + kv_heads[:, None] * D + offs_d[None, :]
     if part == 2:
         v = tl.load(V + t * stride_vt + kv_heads[:, None] * stride_vh + offs_d[None, :], mask=kv_mask)
-        tl.store(VCache + cache_offs, _to_cache(v, v_inv_scale, VCache, QUANT, FP8_MAX), mask=kv_mask)
+        tl.store(VCache + cache_offs, to_cache(v, v_inv_scale, VCache, QUANT, FP8_MAX), mask=kv_mask)
     else:
         first_half = offs_d < HALF
         rotates = offs_d < 2 * HALF
@@ -247,7 +247,7 @@ def _qk_norm_rope_store_kv_kernel(
         else:
             k = _norm_rope_heads(K, KNormW, t, cos, sin, partner, first_half, rotates, stride_kt, stride_kh, eps,
                                  HK, BLOCK_HK, D, BLOCK_D, HAS_NORM)
-            tl.store(KCache + cache_offs, _to_cache(k, k_inv_scale, KCache, QUANT, FP8_MAX), mask=kv_mask)
+            tl.store(KCache + cache_offs, to_cache(k, k_inv_scale, KCache, QUANT, FP8_MAX), mask=kv_mask)
 
 
 def qk_norm_rope_store_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache, loc, q_norm_weight=None,

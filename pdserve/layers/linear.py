@@ -19,7 +19,8 @@ from pdserve.kernels import silu_and_mul
 from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.kernels.skinny import linear
 from pdserve.kernels.pending_rows import PendingNorm
-from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_gated_linear, fp8_linear
+from pdserve.kernels.rope_store import RopeStore
+from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_gated_linear, fp8_linear, fp8_rope_linear
 from pdserve.quantization.formats import Fp8Scheme
 
 
@@ -103,6 +104,27 @@ class ColumnParallelLinear(nn.Module):
         if tensor.shape[0] != shard.full:
             raise ValueError(f"{attr} part {part}: checkpoint has {tensor.shape[0]} rows, the model {shard.full}")
         getattr(self, attr)[offset : offset + shard.size].copy_(tensor[shard.start : shard.start + shard.size])
+
+
+class QKVLinear(ColumnParallelLinear):
+    """The attention's fused [q; k; v] projection (heads split across ranks). fused_rotary: the layer does a plain
+    neox rotary and the KV store right after it (no per-head norm), which `rotary_and_store` may do in the FP8 rows
+    kernel."""
+
+    def __init__(self, in_features: int, q_shard: Shard, kv_shard: Shard, head_dim: int, bias: bool,
+                 fp8: Fp8Scheme | None, fused_rotary: bool):
+        super().__init__(in_features, [q_shard, kv_shard, kv_shard], bias, fp8)
+        self.num_q_heads, self.num_kv_heads = q_shard.size // head_dim, kv_shard.size // head_dim
+        self.head_dim = head_dim
+        self.fused_rotary = fused_rotary
+
+    def rotary_and_store(self, x: torch.Tensor | Fp8Rows | PendingNorm, rope: RopeStore) -> torch.Tensor:
+        """The qkv rows of x with `rope.apply` done (q and k rotated, k and v stored into the cache); with FP8
+        weights through `fp8_rope_linear` (done in the rows kernel where that was tuned faster)."""
+        assert self.fused_rotary
+        if self.weight_scale is None:
+            return rope.apply(linear(x, self.weight, self.bias))
+        return fp8_rope_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias, rope)
 
 
 class GateUpLinear(ColumnParallelLinear):

@@ -8,7 +8,8 @@ from torch import nn
 from pdserve.attention.base import ForwardContext
 from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import qk_norm_rope_store_kv, silu_and_mul
-from pdserve.layers.linear import (ColumnParallelLinear, GateUpLinear, ParallelLMHead, RowParallelLinear, Shard,
+from pdserve.kernels.rope_store import RopeStore
+from pdserve.layers.linear import (GateUpLinear, ParallelLMHead, QKVLinear, RowParallelLinear, Shard,
                                    VocabParallelEmbedding, fp8_input)
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
@@ -34,8 +35,8 @@ class Attention(nn.Module):
         q_shard = Shard.even(cfg.num_heads * cfg.head_dim, tp)
         kv_shard = Shard.kv_heads(cfg.num_kv_heads, cfg.head_dim, tp)
         prefix = f"model.layers.{layer_id}.self_attn"
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_shard, kv_shard, kv_shard], cfg.attention_bias,
-                                             _fp8(cfg, prefix, "q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = QKVLinear(cfg.hidden_size, q_shard, kv_shard, cfg.head_dim, cfg.attention_bias,
+                                  _fp8(cfg, prefix, "q_proj", "k_proj", "v_proj"), fused_rotary=not qk_norm)
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp,
                                         _fp8(cfg, prefix, "o_proj"))
@@ -46,22 +47,26 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q, k and v stay views of the qkv output: normed and rotated there in place, K/V stored from there."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        pool, layer = ctx.pool, self.layer_id
+        if self.q_norm is None:
+            qkv = self.qkv_proj.rotary_and_store(x, RopeStore(
+                positions, ctx.backend.out_cache_loc, self.rotary.cos_sin_cache, pool.k_buffer(layer),
+                pool.v_buffer(layer), pool.k_scale(layer), pool.v_scale(layer), self.num_heads, self.num_kv_heads,
+                self.head_dim))
+        else:
+            qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        pool, layer = ctx.pool, self.layer_id
-        qk_norm_rope_store_kv(
-            positions, q, k, v, self.rotary.cos_sin_cache, pool.k_buffer(layer), pool.v_buffer(layer),
-            ctx.backend.out_cache_loc, **self._qk_norm_args(), k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
-        )
+        if self.q_norm is not None:
+            qk_norm_rope_store_kv(
+                positions, q, k, v, self.rotary.cos_sin_cache, pool.k_buffer(layer), pool.v_buffer(layer),
+                ctx.backend.out_cache_loc, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
+            )
         out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
         return self.o_proj(out.view(-1, self.q_size))
-
-    def _qk_norm_args(self) -> dict:
-        if self.q_norm is None:
-            return {}
-        return dict(q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight, eps=self.q_norm.eps)
 
 
 class MLP(nn.Module):

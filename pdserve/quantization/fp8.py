@@ -12,7 +12,7 @@ runs inside CUDA graphs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -21,7 +21,9 @@ import torch
 from pdserve.kernels import quantize_tokens, silu_and_mul
 from pdserve.kernels.fp8_rows import FP8, FP8_MAX, MIN_SCALE, Fp8Output, Fp8Rows, to_fp8  # the format, here too
 from pdserve.kernels.pending_rows import PendingNorm
+from pdserve.kernels.rope_store import RopeStore
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
+from pdserve.mem_cache.kv_quant import float32, fp8_max, is_fp8
 
 FP8_MAX_ROWS = 64  # rows of a decode batch the FP8 rows kernel is tuned for; more go to quantize + _scaled_mm
 PROMOTE_K = 32  # the FP8 MMA's partial sums are added in float32 every PROMOTE_K products (one MMA's K)
@@ -54,6 +56,7 @@ FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 # with 2 on qkv
 FUSED_NORM_ROWS = 2
 FUSED_SILU_ROWS = 2  # rows up to which the tuner times the rows kernel computing SiLU-and-mul of its product
+FUSED_ROPE_ROWS = 2  # and doing the rotary and the KV store after a qkv product
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
     Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
@@ -95,12 +98,13 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig,
-                    gated: bool = False) -> torch.Tensor:
+                    gated: bool = False, rope: RopeStore | None = None) -> torch.Tensor:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
     once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
     `quantize_tokens` first, as cfg says (the same bytes and scales every way), or computed by the kernel itself
     from a pending RMSNorm (`PendingNorm`, cfg quantizing in the kernel); float32 sums, rounded once to the rows'
-    dtype. gated (a [gate; up] weight, no bias): SiLU(gate) * up, as `silu_and_mul` of the product."""
+    dtype. gated (a [gate; up] weight, no bias): SiLU(gate) * up, as `silu_and_mul` of the product. rope (a qkv
+    weight): the product with `rope.apply` done to it (q and k rotated, k and v stored into the cache)."""
     import triton
 
     from pdserve.kernels.pdl import launch_options
@@ -124,8 +128,11 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and rows.stride(1) == 1
     assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
     assert not gated or (bias is None and n % 2 == 0)
+    assert rope is None or (not gated and n == (rope.num_q_heads + 2 * rope.num_kv_heads) * rope.head_dim
+                            and rope.head_dim // 2 % (cfg.block_n // 2) == 0)
     out = torch.empty((m, n // 2 if gated else n), dtype=dtype, device=rows.device)
-    padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(out.shape[1], cfg.block_n // (1 + gated))
+    paired = gated or rope is not None  # blocks of BLOCK_N / 2 row pairs
+    padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(n // (1 + paired), cfg.block_n // (1 + paired))
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, counters = weight_scale, weight_scale  # unused unless split
     if cfg.split_k > 1:
@@ -138,7 +145,8 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, residual, norm_weight, residual_out,
         m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0), residual_out.stride(0),
-        eps, **Fp8Output(input_scale).constants(rows.device), NORM=isinstance(x, PendingNorm), GATED=gated,
+        eps, **_rope_operands(rope, weight_scale), **Fp8Output(input_scale).constants(rows.device),
+        NORM=isinstance(x, PendingNorm), GATED=gated,
         QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
@@ -148,14 +156,32 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     return out
 
 
+def _rope_operands(rope: RopeStore | None, unused: torch.Tensor) -> dict:
+    """The rows kernel's arguments for `rope` (ROPE), or stand-ins it does not read."""
+    if rope is None:
+        return dict(Pos=unused, Loc=unused, CosSin=unused, KCache=unused, VCache=unused, stride_c=0, stride_ct=0,
+                    k_inv_scale=1.0, v_inv_scale=1.0, ROPE=False, HEADS_Q=1, HEADS_KV=1, HALF=1, KV_QUANT=False,
+                    KV_FP8_MAX=0.0)
+    assert rope.cos_sin_cache.shape[1] == rope.head_dim and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+    quant = is_fp8(rope.k_cache.dtype)
+    return dict(Pos=rope.positions, Loc=rope.loc, CosSin=rope.cos_sin_cache, KCache=rope.k_cache, VCache=rope.v_cache,
+                stride_c=rope.cos_sin_cache.stride(0), stride_ct=rope.k_cache.stride(0),
+                k_inv_scale=float32(1.0 / rope.k_scale), v_inv_scale=float32(1.0 / rope.v_scale), ROPE=True,
+                HEADS_Q=rope.num_q_heads, HEADS_KV=rope.num_kv_heads, HALF=rope.head_dim // 2, KV_QUANT=quant,
+                KV_FP8_MAX=fp8_max(rope.k_cache.dtype) if quant else 0.0)
+
+
 def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype,
-                  gated: Iterable[torch.Tensor] = ()) -> dict:
+                  gated: Iterable[torch.Tensor] = (), rotary: Iterable[tuple[torch.Tensor, int, int, int]] = (),
+                  kv_dtype: torch.dtype | None = None) -> dict:
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count, for x_dtype activations and for rows a RMSNorm or SiLU kernel quantized already (`Fp8Rows`); then,
     up to FUSED_NORM_ROWS rows, the rows kernel computing pending RMSNorm rows itself (`PendingNorm`) against the
     RMSNorm kernel followed by what was chosen for its `Fp8Rows`; then, for the `gated` weights ([gate; up]) up to
     FUSED_SILU_ROWS rows, the rows kernel computing SiLU(gate) * up of pending RMSNorm rows against what was chosen
-    for them followed by the SiLU-and-mul kernel. `fp8_linear` and `fp8_gated_linear` then take the faster for
+    for them followed by the SiLU-and-mul kernel, and for the `rotary` qkv weights (with their q heads, kv heads
+    and head size; the cache in kv_dtype) the rows kernel doing the rotary and the cache store against the rotary
+    kernel after the product. `fp8_linear`, `fp8_gated_linear` and `fp8_rope_linear` then take the faster for
     their input (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
     weights = [w for w, _ in layers]
@@ -173,7 +199,21 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
         return silu_and_mul(fp8_linear(x, w, scales[tuple(w.shape)]))
 
     def gated_candidate(x, w, cfg):
-        return _gated_rows_linear(x, w, scales[tuple(w.shape)], None, cfg)
+        return _epilogue_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg, gated=True)
+
+    heads, samples = {tuple(w.shape): shape for w, *shape in rotary}, {}
+
+    def rope_for(x, w):  # made on the first (untimed) call, outside the graph
+        key = (x.shape[0], tuple(w.shape))
+        if key not in samples:
+            samples[key] = RopeStore.sample(x.shape[0], *heads[tuple(w.shape)], kv_dtype or x_dtype, w.device)
+        return samples[key]
+
+    def rope_after(x, w):  # the product as chosen above, then the rotary kernel
+        return rope_for(x, w).apply(fp8_linear(x, w, scales[tuple(w.shape)]))
+
+    def rope_candidate(x, w, cfg):
+        return _epilogue_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg, rope=rope_for(x, w))
 
     report = SkinnyTuner(rows, "FP8 rows linear", fp8_candidates, FP8_MAX_ROWS).tune(
         weights, x_dtype, baseline, candidate)
@@ -185,9 +225,14 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     fused_silu = SkinnyTuner(rows, "FP8 rows linear computing SiLU-and-mul", _row_candidates, FUSED_SILU_ROWS,
                              epilogue="silu_and_mul").tune(list(gated), x_dtype, silu_after, gated_candidate,
                                                            prepare=pending_norm)
+    fused_rope = SkinnyTuner(rows, "FP8 rows linear doing the rotary and the KV store", _row_candidates,
+                             FUSED_ROPE_ROWS, epilogue="rope_store").tune([w for w, *_ in rotary], x_dtype,
+                                                                         rope_after, rope_candidate,
+                                                                         prepare=pending_norm)
     return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()},
             **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()},
-            **{(m, n, k, "silu_and_mul"): times for (m, n, k), times in fused_silu.items()}}
+            **{(m, n, k, "silu_and_mul"): times for (m, n, k), times in fused_silu.items()},
+            **{(m, n, k, "rope_store"): times for (m, n, k), times in fused_rope.items()}}
 
 
 def _row_candidates(rows: int) -> tuple[Fp8RowsConfig, ...]:
@@ -226,25 +271,41 @@ def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, we
 
 def fp8_gated_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
                      input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """SiLU(gate) * up of x times a [gate; up] FP8 weight (no bias): `silu_and_mul` of `fp8_linear`, or, for a
-    decode batch's few rows where `tune_fp8_rows` chose it, the rows kernel computing it as it writes (the
-    SiLU-and-mul kernel's launch and its gap in the decode graph saved)."""
+    """SiLU(gate) * up of x times a [gate; up] FP8 weight (no bias): `silu_and_mul` of `fp8_linear`, or the rows
+    kernel computing it (see `_with_epilogue`)."""
+    return _with_epilogue(x, weight, weight_scale, input_scale, None, "silu_and_mul", silu_and_mul, gated=True)
+
+
+def fp8_rope_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, rope: RopeStore) -> torch.Tensor:
+    """x times a qkv FP8 weight, then `rope.apply` (q and k rotated, k and v stored into the cache), or the rows
+    kernel doing all of it (see `_with_epilogue`); returns the qkv rows."""
+    return _with_epilogue(x, weight, weight_scale, input_scale, bias, "rope_store", rope.apply, rope=rope)
+
+
+def _with_epilogue(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   input_scale: torch.Tensor | None, bias: torch.Tensor | None, epilogue: str,
+                   unfused: Callable[[torch.Tensor], torch.Tensor], **kernel_epilogue) -> torch.Tensor:
+    """unfused(fp8_linear(...)), or, for a decode batch's few rows where `tune_fp8_rows` chose it for `epilogue`,
+    the rows kernel computing the same as it writes (the epilogue kernel's launch and its gap in the decode graph
+    saved)."""
     two_d = isinstance(x, (Fp8Rows, PendingNorm))
     rows = x if two_d else x.reshape(-1, x.shape[-1])
-    cfg = skinny_choice(rows, weight, "silu_and_mul") if weight.is_cuda else None
+    cfg = skinny_choice(rows, weight, epilogue) if weight.is_cuda else None
     if cfg is None:
-        return silu_and_mul(fp8_linear(x, weight, weight_scale, input_scale))
-    out = _gated_rows_linear(rows, weight, weight_scale, input_scale, cfg)
+        return unfused(fp8_linear(x, weight, weight_scale, input_scale, bias))
+    out = _epilogue_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg, **kernel_epilogue)
     return out if two_d else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _gated_rows_linear(rows: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
-                       input_scale: torch.Tensor | None, cfg: Fp8RowsConfig) -> torch.Tensor:
-    """The rows kernel's SiLU(gate) * up; pending RMSNorm rows are computed by the kernel where cfg quantizes in the
-    kernel, else by the RMSNorm kernel first."""
+def _epilogue_rows_linear(rows: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor,
+                          weight_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                          cfg: Fp8RowsConfig, **kernel_epilogue) -> torch.Tensor:
+    """`fp8_rows_linear` with an epilogue; pending RMSNorm rows are computed by the kernel where cfg quantizes in
+    the kernel, else by the RMSNorm kernel first."""
     if isinstance(rows, PendingNorm) and not cfg.quantize_in_kernel:
         rows = rows.evaluate()
-    return fp8_rows_linear(rows, weight, weight_scale, input_scale, None, cfg, gated=True)
+    return fp8_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg, **kernel_epilogue)
 
 
 def quantized_linear(rows: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,

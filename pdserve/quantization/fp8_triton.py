@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pdserve.kernels.fused import to_e4m3
+from pdserve.kernels.fused import to_cache, to_e4m3
 from pdserve.kernels.pdl import launch_next, wait_for_previous
 from pdserve.kernels.skinny_triton import load_blocks
 
@@ -30,11 +30,14 @@ def normed(h, rstd, NormWeight, cols, K):
 @triton.jit(do_not_specialize=["M", "eps"])  # the batch's rows, a mask bound: one variant for every batch size
 def fp8_rows_kernel(
     X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Residual, NormWeight, ResidualOut, M, N, K,
-    K_SPLIT, stride_xm, stride_wn, stride_om, stride_res, stride_rm, eps,
+    K_SPLIT, stride_xm, stride_wn, stride_om, stride_res, stride_rm, eps, Pos, Loc, CosSin, KCache, VCache, stride_c,
+    stride_ct, k_inv_scale, v_inv_scale,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
+    HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr, KV_QUANT: tl.constexpr,
+    KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -57,15 +60,19 @@ def fp8_rows_kernel(
     GATED (no bias): W is a gate_up projection's [gate; up] (N rows, N // 2 each) and Out takes SiLU(gate) * up
     (N // 2 columns), with the SiLU-and-mul kernel's arithmetic on the rounded gate and up (`silu_times_up`): the
     program's block interleaves gate rows [pid0 * BLOCK_N / 2, +BLOCK_N / 2) with the same up rows, so each output
-    column has both of its sums.
+    column has both of its sums (`paired_rows`).
+    ROPE: W is a qkv projection's (HEADS_Q q heads, HEADS_KV k heads, HEADS_KV v heads, 2 * HALF rows each) and the
+    kernel does what `qk_norm_rope_store_kv` does after it without a norm (`rope_store`): the block pairs rows i
+    and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
+    (Pos, CosSin) and writes them into Out, and a k or v program also into KCache / VCache at slots Loc (an FP8
+    cache: KV_QUANT, at the layer's inverse scales).
     PDL: launched while the kernel before runs, it waits for it before any load and lets the next kernel launch when
     its weight blocks are streamed (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
     if GATED:
-        half = N // 2
-        pair = tl.arange(0, BLOCK_N)
-        offs_n = pid_n * (BLOCK_N // 2) + pair // 2 + (pair % 2) * half
-        mask_n = pid_n * (BLOCK_N // 2) + pair // 2 < half
+        offs_n, mask_n = paired_rows(pid_n, N, N // 2, BLOCK_N)
+    elif ROPE:
+        offs_n, mask_n = paired_rows(pid_n, N, HALF, BLOCK_N)
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
@@ -144,17 +151,63 @@ def fp8_rows_kernel(
     if HAS_BIAS:
         acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     if GATED:
-        out = silu_times_up(acc.to(Out.dtype.element_ty), BLOCK_N // 2, ROWS)
+        gate, up = unpair(acc.to(Out.dtype.element_ty), BLOCK_N // 2, ROWS)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        mask_out = offs_out < N // 2
+        out_mask = (offs_out < N // 2)[:, None] & mask_m[None, :]
+        tl.store(Out + offs_m[None, :] * stride_om + offs_out[:, None],
+                 (gate * tl.sigmoid(gate) * up).to(Out.dtype.element_ty), mask=out_mask)
+    elif ROPE:
+        rope_store(acc.to(Out.dtype.element_ty), pid_n, offs_m, mask_m, Out, Pos, Loc, CosSin, KCache, VCache,
+                   stride_om, stride_c, stride_ct, k_inv_scale, v_inv_scale, BLOCK_N // 2, ROWS, HEADS_Q, HEADS_KV,
+                   HALF, KV_QUANT, KV_FP8_MAX)
     else:
-        out, offs_out, mask_out = acc.to(Out.dtype.element_ty), offs_n, mask_n
-    tl.store(Out + offs_m[None, :] * stride_om + offs_out[:, None], out, mask=mask_out[:, None] & mask_m[None, :])
+        tl.store(Out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
-def silu_times_up(gate_up, PAIRS: tl.constexpr, ROWS: tl.constexpr):
-    """[2 * PAIRS, ROWS] sums, gate and up interleaved -> SiLU(gate) * up [PAIRS, ROWS] in their dtype, computed in
-    float32 from the rounded sums as the SiLU-and-mul kernel computes it (`pdserve.kernels.fused`)."""
-    gate, up = tl.split(tl.permute(tl.reshape(gate_up.to(tl.float32), [PAIRS, 2, ROWS]), [0, 2, 1]))
-    return (gate * tl.sigmoid(gate) * up).to(gate_up.dtype)
+def paired_rows(pid_n, N, GROUP, BLOCK_N: tl.constexpr):
+    """The weight rows of block pid_n when each row i of a group of GROUP rows is paired with row i of the group
+    after it (a [a; b] pair of groups every 2 * GROUP rows): BLOCK_N // 2 pairs, interleaved a0, b0, a1, b1, ...;
+    and the rows' mask (pairs < N // 2)."""
+    r = tl.arange(0, BLOCK_N)
+    pair = pid_n * (BLOCK_N // 2) + r // 2
+    return (pair // GROUP) * (2 * GROUP) + pair % GROUP + (r % 2) * GROUP, pair < N // 2
+
+
+@triton.jit
+def unpair(rows, PAIRS: tl.constexpr, ROWS: tl.constexpr):
+    """[2 * PAIRS, ROWS] values of `paired_rows` -> the a and b halves, [PAIRS, ROWS] each, in float32."""
+    return tl.split(tl.permute(tl.reshape(rows.to(tl.float32), [PAIRS, 2, ROWS]), [0, 2, 1]))
+
+
+@triton.jit
+def rope_store(qkv, pid_n, offs_m, mask_m, Out, Pos, Loc, CosSin, KCache, VCache, stride_om, stride_c, stride_ct,
+               k_inv_scale, v_inv_scale, PAIRS: tl.constexpr, ROWS: tl.constexpr, HEADS_Q: tl.constexpr,
+               HEADS_KV: tl.constexpr, HALF: tl.constexpr, KV_QUANT: tl.constexpr, KV_FP8_MAX: tl.constexpr):
+    """`qk_norm_rope_store_kv`'s arithmetic (no norm) on block pid_n of a qkv product (rounded to Out's dtype),
+    whose PAIRS pairs (i, i + HALF) all lie in one head (PAIRS divides HALF)."""
+    a, b = unpair(qkv, PAIRS, ROWS)
+    head = pid_n * PAIRS // HALF
+    i = (pid_n * PAIRS) % HALF + tl.arange(0, PAIRS)
+    if head < HEADS_Q + HEADS_KV:  # q or k: neox rotary at each row's position
+        cos_sin = CosSin + tl.load(Pos + offs_m, mask=mask_m, other=0).to(tl.int64)[None, :] * stride_c + i[:, None]
+        cos = tl.load(cos_sin, mask=mask_m[None, :], other=1.0).to(tl.float32)
+        sin = tl.load(cos_sin + HALF, mask=mask_m[None, :], other=0.0).to(tl.float32)
+        a, b = a * cos - b * sin, b * cos + a * sin
+    a = a.to(Out.dtype.element_ty)
+    b = b.to(Out.dtype.element_ty)
+    mask = mask_m[None, :] & (i < HALF)[:, None]
+    out = Out + offs_m[None, :] * stride_om + head * (2 * HALF) + i[:, None]
+    tl.store(out, a, mask=mask)
+    tl.store(out + HALF, b, mask=mask)
+    if head >= HEADS_Q:  # k or v: into the cache at the rows' slots
+        loc = tl.load(Loc + offs_m, mask=mask_m, other=0).to(tl.int64)[None, :] * stride_ct + i[:, None]
+        if head < HEADS_Q + HEADS_KV:
+            cache = KCache + loc + (head - HEADS_Q) * (2 * HALF)
+            tl.store(cache, to_cache(a, k_inv_scale, KCache, KV_QUANT, KV_FP8_MAX), mask=mask)
+            tl.store(cache + HALF, to_cache(b, k_inv_scale, KCache, KV_QUANT, KV_FP8_MAX), mask=mask)
+        else:
+            cache = VCache + loc + (head - HEADS_Q - HEADS_KV) * (2 * HALF)
+            tl.store(cache, to_cache(a, v_inv_scale, VCache, KV_QUANT, KV_FP8_MAX), mask=mask)
+            tl.store(cache + HALF, to_cache(b, v_inv_scale, VCache, KV_QUANT, KV_FP8_MAX), mask=mask)

@@ -4,12 +4,15 @@ interpreter and GPU); `fp8_linear` routes a batch's rows to it only where the tu
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import sm90_compile
 import torch
 
 from pdserve.kernels import ops, skinny
 from pdserve.kernels.fp8_rows import quantize_tokens_ref
+from pdserve.kernels.rope_store import RopeStore
 from pdserve.quantization import fp8
 
 IN_KERNEL = fp8.Fp8RowsConfig(16, 32, 4, 1, True)
@@ -98,6 +101,36 @@ def test_rows_kernel_computes_silu_and_mul_interpreted(interpreted, m, n, k, cfg
     assert not fp8.split_counters(x.device).any()
 
 
+def rope_sample(m: int, kv_dtype: torch.dtype) -> RopeStore:
+    """4 q heads, 2 kv heads of 32; rows at positions 5, 9, 0 stored into slots 3, 0, 7 of 8."""
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.zeros(8, 2, 32).to(kv_dtype)
+    return RopeStore(torch.tensor([5, 9, 0][:m]), torch.tensor([3, 0, 7][:m]), torch.randn(16, 32, generator=gen),
+                     cache, cache.clone(), 0.5, 2.0, 4, 2, 32)
+
+
+@pytest.mark.parametrize("m, cfg, pending, kv_dtype", [
+    (1, IN_KERNEL, True, torch.float32), (3, IN_KERNEL_SPLIT, False, torch.float32),
+    (2, QUANTIZED_FIRST, False, torch.float8_e4m3fn), (3, IN_KERNEL, True, torch.bfloat16),
+])
+def test_rows_kernel_does_the_rotary_and_the_kv_store_interpreted(fp8_interpreted, m, cfg, pending, kv_dtype):
+    """rope: the qkv rows with q and k rotated at their positions, and k and v in the cache at their slots (an FP8
+    cache at the layer's scales), as `RopeStore.apply` after the product leaves them."""
+    x, w_q, w_scale, bias = operands(m, 256, 64)
+    rows = fp8.pending_norm(x) if pending else x
+    rope, expected_rope = rope_sample(m, kv_dtype), rope_sample(m, kv_dtype)
+    plain = rows.evaluate() if pending else x
+    plain_cfg = fp8.Fp8RowsConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False, cfg.split_k)
+    expected = expected_rope.apply(fp8.fp8_rows_linear(plain, w_q, w_scale, None, bias, plain_cfg))
+    got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, bias, cfg, rope=rope)
+    assert ((got - expected).norm(dim=1) <= 1e-6 * expected.norm(dim=1)).all(), (got - expected).abs().max()
+    step = {torch.float32: 1e-6, torch.bfloat16: 2**-7, torch.float8_e4m3fn: 2**-3}[kv_dtype]  # one rounding apart
+    for cache, expected_cache in ((rope.k_cache, expected_rope.k_cache), (rope.v_cache, expected_rope.v_cache)):
+        difference = (cache.float() - expected_cache.float()).abs()
+        assert (difference <= 1e-6 + step * expected_cache.float().abs()).all()
+        assert expected_cache.float().abs().sum(dim=(1, 2)).nonzero().flatten().tolist() == sorted(rope.loc.tolist())
+
+
 def test_only_few_rows_are_quantized_in_the_kernel():
     assert any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS))
     assert not any(cfg.quantize_in_kernel for cfg in fp8.fp8_candidates(fp8.FP8_IN_KERNEL_ROWS + 1))
@@ -175,6 +208,25 @@ def test_gated_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     assert len(calls) == 2
 
 
+def assert_rotary_and_store_as_applied(rows, w_q, w_scale, bias, cfg):
+    """On the GPU: the rows kernel's rotary and KV store (bf16 and FP8 caches) against `RopeStore.apply` after the
+    same kernel's product: the same qkv rows and cache bytes up to one rounding of the float32 arithmetic."""
+    m, device = rows.shape[0], w_q.device
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        sample = RopeStore.sample(m, 32, 8, 128, kv_dtype, device)
+        fused, applied = (dataclasses.replace(sample, k_cache=torch.zeros_like(sample.k_cache),
+                                              v_cache=torch.zeros_like(sample.v_cache), k_scale=0.5, v_scale=2.0)
+                          for _ in range(2))
+        plain = rows.evaluate() if cfg.quantize_in_kernel else rows
+        plain_cfg = fp8.Fp8RowsConfig(cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False, cfg.split_k)
+        expected = applied.apply(fp8.fp8_rows_linear(plain, w_q, w_scale, None, bias, plain_cfg)).float()
+        got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, bias, cfg, rope=fused).float()
+        assert ((got - expected).abs() <= 2**-7 * expected.abs() + 1e-6).all()
+        step = 2**-7 if kv_dtype == torch.bfloat16 else 2**-3
+        for cache, expected_cache in ((fused.k_cache, applied.k_cache), (fused.v_cache, applied.v_cache)):
+            assert ((cache.float() - expected_cache.float()).abs() <= step * expected_cache.float().abs() + 1e-6).all()
+
+
 @pytest.mark.fp8_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
@@ -193,13 +245,16 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
                                            @ (w_q.double() * w_scale.double()[:, None]).t())
                 got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True).double()
                 assert ((got - exact).norm(dim=1) <= 4e-3 * exact.norm(dim=1)).all()
+                if n == 6144:  # llama-3.1-8b's qkv: 32 q heads, 8 kv heads of 128
+                    assert_rotary_and_store_as_applied(rows, w_q, w_scale, bias, cfg)
     assert not fp8.split_counters(x.device).any()
-    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype, gated=[w_q])
+    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype, gated=[w_q], rotary=[(w_q, 32, 8, 128)],
+                               kv_dtype=torch.float8_e4m3fn)
     tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
-    # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS (FUSED_SILU_ROWS) rows pending RMSNorm rows (their
-    # SiLU-and-mul)
+    # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS (FUSED_SILU_ROWS, FUSED_ROPE_ROWS) rows pending RMSNorm
+    # rows (their SiLU-and-mul, their rotary and KV store)
     assert set(report) == (tuned | {(*shape, "quantized") for shape in tuned}
-                           | {(1, 6144, 4096, "rmsnorm"), (1, 6144, 4096, "silu_and_mul")})
+                           | {(1, 6144, 4096, epilogue) for epilogue in ("rmsnorm", "silu_and_mul", "rope_store")})
     x_q, x_scale = fp8.quantize_tokens(x)
     got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)  # as a RMSNorm hands them over
     exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
@@ -209,7 +264,8 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
-                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, PDL=False)
+                             SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, ROPE=False, HEADS_Q=1,
+                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PDL=False)
 
 
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:
@@ -221,8 +277,9 @@ def rows_kernel_ptx_for_sm90(norm: bool) -> str:
 
     pointers = dict(X="*bf16", XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
                     Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
-                    ResidualOut="*bf16")
-    kernel = compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, NORM=norm), ("eps",),
+                    ResidualOut="*bf16", Pos="*i64", Loc="*i64", CosSin="*fp32", KCache="*bf16", VCache="*bf16")
+    kernel = compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, NORM=norm),
+                              ("eps", "k_inv_scale", "v_inv_scale"),
                               list(pointers), num_warps=4, num_stages=4)
     return kernel.asm["ptx"]
 
