@@ -146,7 +146,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         bias if bias is not None else weight_scale, out, partial, counters, residual, norm_weight, residual_out,
         m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0), residual_out.stride(0),
         eps, **_rope_operands(rope, weight_scale), **Fp8Output(input_scale).constants(rows.device),
-        NORM=isinstance(x, PendingNorm), GATED=gated, PREFETCH=rows.is_cuda,
+        NORM=isinstance(x, PendingNorm), GATED=gated,
         QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,

@@ -37,7 +37,7 @@ def fp8_rows_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr, KV_QUANT: tl.constexpr,
-    KV_FP8_MAX: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -66,8 +66,6 @@ def fp8_rows_kernel(
     and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
     (Pos, CosSin) and writes them into Out, and a k or v program also into KCache / VCache at slots Loc (an FP8
     cache: KV_QUANT, at the layer's inverse scales).
-    PREFETCH (a GPU): with QUANTIZE, the program first asks L2 for its first two weight blocks, which arrive while
-    the amax pass runs.
     PDL: launched while the kernel before runs, it waits for it before any load and lets the next kernel launch when
     its weight blocks are streamed (`pdserve.kernels.pdl`)."""
     pid_n = tl.program_id(0)
@@ -79,10 +77,6 @@ def fp8_rows_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
     wait_for_previous(PDL)
-    k_start = tl.program_id(1) * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    if QUANTIZE and PREFETCH:  # the amax (and RMSNorm) pass below delays the first weight loads: L2 fetches meanwhile
-        prefetch_rows(W, offs_n, mask_n, stride_wn, k_start, tl.minimum(k_start + 2 * BLOCK_K, k_end), 2 * BLOCK_K)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -125,6 +119,8 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     if QUANTIZE:
         x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    k_start = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
     x_ptrs += k_start
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
@@ -167,17 +163,6 @@ def fp8_rows_kernel(
     else:
         tl.store(Out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
                  mask=mask_n[:, None] & mask_m[None, :])
-
-
-@triton.jit
-def prefetch_rows(W, offs_n, mask_n, stride_wn, k_start, k_end, COLUMNS: tl.constexpr):
-    """Ask L2 for bytes [k_start, k_end) (at most COLUMNS, a multiple of 128) of weight rows offs_n, one prefetch
-    a 128-byte line, without waiting for them (masked lines ask for W's first)."""
-    lines = k_start + tl.arange(0, COLUMNS // 128) * 128
-    ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + lines[None, :]
-    ptrs = tl.where(mask_n[:, None] & (lines < k_end)[None, :], ptrs, W)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -265,8 +265,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
                              SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, ROPE=False, HEADS_Q=1,
-                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PREFETCH=True,
-                             PDL=False)
+                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PDL=False)
 
 
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:
@@ -290,6 +289,3 @@ def test_rows_kernel_computes_the_norm_for_sm90():
     plain, norm = rows_kernel_ptx_for_sm90(False), rows_kernel_ptx_for_sm90(True)
     assert "rsqrt" in norm and "rsqrt" not in plain  # the RMSNorm's rstd
     assert norm.count("st.global") > plain.count("st.global")  # x + residual for the next layer
-    # quantizing in the kernel (both): its first two weight blocks asked of L2 before the amax pass, a 128-byte
-    # line each for each of the block's 64 rows (2 x 256 bytes: 4 lines a row), spread over the 128 threads
-    assert plain.count("prefetch.global.L2") == norm.count("prefetch.global.L2") == 64 * 4 // 128

@@ -45,8 +45,7 @@ def _kernels():
                           VCache="*fp8e4nv"),
                      dict(QUANTIZE=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
                           SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, NORM=True, GATED=False, ROPE=True, HEADS_Q=32,
-                          HEADS_KV=8, HALF=64, KV_QUANT=True, KV_FP8_MAX=448.0, PREFETCH=True,
-                          **FP8_CONSTANTS),
+                          HEADS_KV=8, HALF=64, KV_QUANT=True, KV_FP8_MAX=448.0, **FP8_CONSTANTS),
                      ("eps", "k_inv_scale", "v_inv_scale")),
         "skinny": (skinny_triton.skinny_kernel, dict(X="*bf16", W="*bf16", B="*bf16", Out="*bf16"),
                    dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True), ()),
@@ -59,7 +58,7 @@ def _ptx(name: str, pdl_on: bool) -> str:
                             num_stages=3).asm["ptx"]
 
 
-MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.", "red.", "prefetch")
+MEMORY_OPS = ("ld.global", "st.global", "cp.async", "atom.", "red.")
 
 
 STREAMING = ("decode", "fp8_rows", "skinny")  # kernels with a main loop over a weight or the KV cache
