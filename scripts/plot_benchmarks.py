@@ -234,6 +234,30 @@ def plot_batch1_fusion(results: Path, out: Path) -> None:
                "llama-3.1-8b, batch 1, 1k context, H100, 2026-11-27 (seventh session)", out / "fp8_batch1_fusion.png")
 
 
+def plot_pdl_shipped(results: Path, out: Path) -> None:
+    """The eighth session's changes as FP8 / bf16 ratios, each against the bf16 run of its own call: PDL off and on
+    (calls 1, 2), then at batch 1 the epilogues fused into the FP8 rows kernel against the PDL-only tree, and the L2
+    prefetch before the amax pass (reverted) against the tree without it (calls 5, 6: A/B in one call, two runs each,
+    their mean)."""
+
+    def tbt(call: str, *runs: str) -> float:
+        return sum(one_batch_tbt_ms(results / call / run / "one_batch.json") for run in runs) / len(runs)
+
+    pdl, pdl_4k = "call1_pdl_targets", "call2_pdl_4k"
+    fused, prefetch = "call5_ab_fused_epilogues", "call6_ab_l2_prefetch"
+    cases = [("1k, batch 1\nPDL off", tbt(pdl, "one_batch_bs1_pdl0_fp8") / tbt(pdl, "one_batch_bs1_pdl0_none")),
+             ("1k, batch 1\nPDL on", tbt(pdl, "one_batch_bs1_pdl1_fp8") / tbt(pdl, "one_batch_bs1_pdl1_none")),
+             ("PDL only\n(call 5)", tbt(fused, "bs1_fp8_pdl_only", "bs1_fp8_pdl_only_again") / tbt(fused, "bs1_bf16")),
+             ("+ SiLU, rotary\nin the kernel", tbt(fused, "bs1_fp8_fused", "bs1_fp8_fused_again")
+              / tbt(fused, "bs1_bf16")),
+             ("+ L2 prefetch\n(reverted)", tbt(prefetch, "bs1_fp8_fused", "bs1_fp8_fused_again")
+              / tbt(prefetch, "bs1_bf16")),
+             ("4k, batch 64\nPDL off", tbt(pdl_4k, "one_batch_4k_pdl0_fp8") / tbt(pdl_4k, "one_batch_4k_pdl0_none")),
+             ("4k, batch 64\nPDL on", tbt(pdl_4k, "one_batch_4k_pdl1_fp8") / tbt(pdl_4k, "one_batch_4k_pdl1_none"))]
+    ratio_bars(cases, ["#8c8c8c", "#55a868", "#8c8c8c", "#55a868", "#c44e52", "#8c8c8c", "#55a868"], (11, 4),
+               "llama-3.1-8b, H100, 2026-11-27 (eighth session; 4k: FP8 weights + FP8 KV)", out / "fp8_pdl_shipped.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
@@ -242,6 +266,7 @@ def main() -> None:
     parser.add_argument("--targets-results", type=Path, default=Path("benchmarks/results/2026-11-27e"))
     parser.add_argument("--pdl-again-results", type=Path, default=Path("benchmarks/results/2026-11-27f"))
     parser.add_argument("--batch1-results", type=Path, default=Path("benchmarks/results/2026-11-27g"))
+    parser.add_argument("--pdl-shipped-results", type=Path, default=Path("benchmarks/results/2026-11-27h"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -252,6 +277,7 @@ def main() -> None:
     plot_fp8_steps(args.targets_results, args.out)
     plot_pdl_again(args.pdl_again_results, args.out)
     plot_batch1_fusion(args.batch1_results, args.out)
+    plot_pdl_shipped(args.pdl_shipped_results, args.out)
 
 
 if __name__ == "__main__":
