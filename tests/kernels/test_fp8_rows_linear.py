@@ -83,6 +83,7 @@ def silu_and_mul_exact(product: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # SiLU of large negative gates
 @pytest.mark.parametrize("m, n, k, cfg, pending", [
     (1, 48, 64, IN_KERNEL, True), (3, 40, 96, IN_KERNEL, False), (2, 40, 200, IN_KERNEL_SPLIT, True),
     (4, 48, 64, QUANTIZED_FIRST, False), (5, 40, 256, QUANTIZED_FIRST_SPLIT, False),
