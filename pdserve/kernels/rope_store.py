@@ -36,10 +36,10 @@ class RopeStore:
         rotated in place); returns qkv."""
         q, k, v = qkv.split([self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.head_dim], dim=-1)
-        qk_norm_rope_store_kv(self.positions, q.view(-1, self.num_q_heads, self.head_dim),
-                              k.view(-1, self.num_kv_heads, self.head_dim), v.view(-1, self.num_kv_heads, self.head_dim),
-                              self.cos_sin_cache, self.k_cache, self.v_cache, self.loc, k_scale=self.k_scale,
-                              v_scale=self.v_scale)
+        heads = (self.num_q_heads, self.num_kv_heads, self.num_kv_heads)
+        q, k, v = (part.view(-1, n, self.head_dim) for part, n in zip((q, k, v), heads))
+        qk_norm_rope_store_kv(self.positions, q, k, v, self.cos_sin_cache, self.k_cache, self.v_cache, self.loc,
+                              k_scale=self.k_scale, v_scale=self.v_scale)
         return qkv
 
     @staticmethod

@@ -162,7 +162,8 @@ def _rope_operands(rope: RopeStore | None, unused: torch.Tensor) -> dict:
         return dict(Pos=unused, Loc=unused, CosSin=unused, KCache=unused, VCache=unused, stride_c=0, stride_ct=0,
                     k_inv_scale=1.0, v_inv_scale=1.0, ROPE=False, HEADS_Q=1, HEADS_KV=1, HALF=1, KV_QUANT=False,
                     KV_FP8_MAX=0.0)
-    assert rope.cos_sin_cache.shape[1] == rope.head_dim and rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
+    assert rope.cos_sin_cache.shape[1] == rope.head_dim
+    assert rope.k_cache.is_contiguous() and rope.v_cache.is_contiguous()
     quant = is_fp8(rope.k_cache.dtype)
     return dict(Pos=rope.positions, Loc=rope.loc, CosSin=rope.cos_sin_cache, KCache=rope.k_cache, VCache=rope.v_cache,
                 stride_c=rope.cos_sin_cache.stride(0), stride_ct=rope.k_cache.stride(0),

@@ -58,9 +58,9 @@ def fp8_rows_kernel(
     Residual to ResidualOut (stride_rm), the residual stream the next layer reads. ONE_BLOCK (K <= AMAX_BLOCK): that
     pass is one load, whose rows give the amax too, so the rows are read once before the weight blocks stream.
     GATED (no bias): W is a gate_up projection's [gate; up] (N rows, N // 2 each) and Out takes SiLU(gate) * up
-    (N // 2 columns), with the SiLU-and-mul kernel's arithmetic on the rounded gate and up (`silu_times_up`): the
-    program's block interleaves gate rows [pid0 * BLOCK_N / 2, +BLOCK_N / 2) with the same up rows, so each output
-    column has both of its sums (`paired_rows`).
+    (N // 2 columns), with the SiLU-and-mul kernel's arithmetic on the rounded gate and up: the program's block
+    interleaves gate rows [pid0 * BLOCK_N / 2, +BLOCK_N / 2) with the same up rows, so each output column has both
+    of its sums (`paired_rows`).
     ROPE: W is a qkv projection's (HEADS_Q q heads, HEADS_KV k heads, HEADS_KV v heads, 2 * HALF rows each) and the
     kernel does what `qk_norm_rope_store_kv` does after it without a norm (`rope_store`): the block pairs rows i
     and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
