@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.fp8_rows import Fp8Rows
-from pdserve.kernels.pending_rows import PendingNorm
+from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, epilogue: str | None = None
-                  ) -> SkinnyConfig | None:
+def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax, weight: torch.Tensor,
+                  epilogue: str | None = None) -> SkinnyConfig | None:
     """The config tuned for x's rows times this weight's shape and dtype (and x's `input_kind`, and what the
     kernel computes of the product: its epilogue, None for the product itself); None where the baseline measured
     faster or the shape and row count were not tuned."""
@@ -67,11 +67,14 @@ def skinny_choice(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor,
     return _choice.get((x.shape[0], weight.shape[0], weight.shape[1], weight.dtype, input_kind(x), epilogue))
 
 
-def input_kind(x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.dtype | str:
-    """Which kind of rows a choice is tuned for: model-dtype rows (their dtype), FP8 `Fp8Rows` (float8), or RMSNorm
-    rows still to compute (`PendingNorm`: "rmsnorm")."""
+def input_kind(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax) -> torch.dtype | str:
+    """Which kind of rows a choice is tuned for: model-dtype rows (their dtype), FP8 `Fp8Rows` (float8), RMSNorm
+    rows still to compute (`PendingNorm`: "rmsnorm"), or rows with their amax in parts (`RowsWithAmax`:
+    "amax_parts")."""
     if isinstance(x, PendingNorm):
         return "rmsnorm"
+    if isinstance(x, RowsWithAmax):
+        return "amax_parts"
     return x.values.dtype if isinstance(x, Fp8Rows) else x.dtype
 
 

@@ -18,7 +18,7 @@ from pdserve.distributed.tensor_parallel import TPGroup, kv_head_start, kv_heads
 from pdserve.kernels import silu_and_mul
 from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.kernels.skinny import linear
-from pdserve.kernels.pending_rows import PendingNorm
+from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 from pdserve.kernels.rope_store import RopeStore
 from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_gated_linear, fp8_linear, fp8_rope_linear
 from pdserve.quantization.formats import Fp8Scheme
@@ -61,9 +61,9 @@ def fp8_input(layer: nn.Module) -> Fp8Output | None:
     return None if layer.weight_scale is None else Fp8Output(layer.input_scale)
 
 
-def _matmul(layer: nn.Module, x: torch.Tensor | Fp8Rows, bias: torch.Tensor | None) -> torch.Tensor:
-    if layer.weight_scale is None:
-        return linear(x, layer.weight, bias)
+def _matmul(layer: nn.Module, x: torch.Tensor | Fp8Rows | RowsWithAmax, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.weight_scale is None:  # (RowsWithAmax: an FP8 gate_up's rows before a model-dtype down projection)
+        return linear(x.evaluate() if isinstance(x, RowsWithAmax) else x, layer.weight, bias)
     return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, bias)
 
 
@@ -133,9 +133,9 @@ class GateUpLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, shard: Shard, fp8: Fp8Scheme | None = None):
         super().__init__(in_features, [shard, shard], False, fp8)
 
-    def silu_and_mul(self, x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor | Fp8Rows | PendingNorm) -> torch.Tensor | RowsWithAmax:
         """SiLU(gate) * up of x's product, in the model dtype; with FP8 weights through `fp8_gated_linear` (which
-        computes it in the rows kernel where that was tuned faster)."""
+        computes it in the rows kernel where that was tuned faster, with each row's amax in parts)."""
         if self.weight_scale is None:
             return silu_and_mul(linear(x, self.weight))
         return fp8_gated_linear(x, self.weight, self.weight_scale, self.input_scale)
@@ -151,7 +151,7 @@ class RowParallelLinear(nn.Module):
         _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows | RowsWithAmax) -> torch.Tensor:
         out = self.tp.all_reduce(_matmul(self, x, None))
         return out if self.bias is None else out + self.bias
 

@@ -20,7 +20,7 @@ import torch
 
 from pdserve.kernels import quantize_tokens, silu_and_mul
 from pdserve.kernels.fp8_rows import FP8, FP8_MAX, MIN_SCALE, Fp8Output, Fp8Rows, to_fp8  # the format, here too
-from pdserve.kernels.pending_rows import PendingNorm
+from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 from pdserve.kernels.rope_store import RopeStore
 from pdserve.kernels.skinny import SkinnyTuner, skinny_choice
 from pdserve.mem_cache.kv_quant import float32, fp8_max, is_fp8
@@ -96,15 +96,17 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(weight.float() / scale[:, None]), scale
 
 
-def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    input_scale: torch.Tensor | None, bias: torch.Tensor | None, cfg: Fp8RowsConfig,
-                    gated: bool = False, rope: RopeStore | None = None) -> torch.Tensor:
+def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
+                    cfg: Fp8RowsConfig, gated: bool = False, rope: RopeStore | None = None
+                    ) -> torch.Tensor | RowsWithAmax:
     """`fp8_linear` of a decode batch's M <= FP8_MAX_ROWS rows through `fp8_rows_kernel` (the FP8 weight streamed
-    once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself or by
-    `quantize_tokens` first, as cfg says (the same bytes and scales every way), or computed by the kernel itself
-    from a pending RMSNorm (`PendingNorm`, cfg quantizing in the kernel); float32 sums, rounded once to the rows'
-    dtype. gated (a [gate; up] weight, no bias): SiLU(gate) * up, as `silu_and_mul` of the product. rope (a qkv
-    weight): the product with `rope.apply` done to it (q and k rotated, k and v stored into the cache)."""
+    once into the MMA): rows already quantized (`Fp8Rows`), or quantized by the kernel itself (their amax from the
+    parts of `RowsWithAmax` where given) or by `quantize_tokens` first, as cfg says (the same bytes and scales
+    every way), or computed by the kernel itself from a pending RMSNorm (`PendingNorm`, cfg quantizing in the
+    kernel); float32 sums, rounded once to the rows' dtype. gated (a [gate; up] weight, no bias): SiLU(gate) * up,
+    as `silu_and_mul` of the product, with its amax parts (`RowsWithAmax`). rope (a qkv weight): the product with
+    `rope.apply` done to it (q and k rotated, k and v stored into the cache)."""
     import triton
 
     from pdserve.kernels.pdl import launch_options
@@ -112,6 +114,10 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
 
     residual = norm_weight = residual_out = weight_scale  # a pending RMSNorm's operands: unread without one
     eps = 0.0
+    parts = None  # amax parts the kernel reads
+    if isinstance(x, RowsWithAmax):
+        parts = x.amax_parts if cfg.quantize_in_kernel and input_scale is None else None
+        x = x.values
     if isinstance(x, Fp8Rows):
         assert not cfg.quantize_in_kernel
         rows, row_scale, dtype = x.values, x.scale, x.dtype
@@ -128,11 +134,13 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
     assert m <= FP8_MAX_ROWS and weight.shape[1] == k and weight.stride(1) == 1 and rows.stride(1) == 1
     assert m <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel
     assert not gated or (bias is None and n % 2 == 0)
+    assert parts is None or parts.shape[0] == m
     assert rope is None or (not gated and n == (rope.num_q_heads + 2 * rope.num_kv_heads) * rope.head_dim
                             and rope.head_dim // 2 % (cfg.block_n // 2) == 0)
     out = torch.empty((m, n // 2 if gated else n), dtype=dtype, device=rows.device)
     paired = gated or rope is not None  # blocks of BLOCK_N / 2 row pairs
     padded_rows, column_blocks = triton.next_power_of_2(m), triton.cdiv(n // (1 + paired), cfg.block_n // (1 + paired))
+    amax_out = torch.empty((m, column_blocks), dtype=torch.float32, device=rows.device) if gated else None
     k_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     partial, counters = weight_scale, weight_scale  # unused unless split
     if cfg.split_k > 1:
@@ -145,7 +153,8 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         rows, row_scale, weight, weight_scale, input_scale if input_scale is not None else weight_scale,
         bias if bias is not None else weight_scale, out, partial, counters, residual, norm_weight, residual_out,
         m, n, k, k_split, rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0), residual_out.stride(0),
-        eps, **_rope_operands(rope, weight_scale), **Fp8Output(input_scale).constants(rows.device),
+        eps, **_rope_operands(rope, weight_scale), **_amax_operands(parts, amax_out, weight_scale),
+        **Fp8Output(input_scale).constants(rows.device),
         NORM=isinstance(x, PendingNorm), GATED=gated,
         QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
@@ -153,7 +162,16 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tenso
         AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k,
         num_stages=cfg.num_stages, **launch_options(rows.device),
     )
-    return out
+    return out if amax_out is None else RowsWithAmax(out, amax_out)
+
+
+def _amax_operands(parts: torch.Tensor | None, amax_out: torch.Tensor | None, unused: torch.Tensor) -> dict:
+    """The rows kernel's amax parts to read (PARTS) and to write (a gated product's), or stand-ins it does not
+    touch."""
+    read, written = (unused if parts is None else parts), (unused if amax_out is None else amax_out)
+    return dict(AmaxParts=read, stride_ap=read.stride(0), num_parts=0 if parts is None else parts.shape[1],
+                AmaxOut=written, stride_ao=written.stride(0),
+                PARTS=0 if parts is None else max(2, 1 << (parts.shape[1] - 1).bit_length()))
 
 
 def _rope_operands(rope: RopeStore | None, unused: torch.Tensor) -> dict:
@@ -180,10 +198,12 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     up to FUSED_NORM_ROWS rows, the rows kernel computing pending RMSNorm rows itself (`PendingNorm`) against the
     RMSNorm kernel followed by what was chosen for its `Fp8Rows`; then, for the `gated` weights ([gate; up]) up to
     FUSED_SILU_ROWS rows, the rows kernel computing SiLU(gate) * up of pending RMSNorm rows against what was chosen
-    for them followed by the SiLU-and-mul kernel, and for the `rotary` qkv weights (with their q heads, kv heads
-    and head size; the cache in kv_dtype) the rows kernel doing the rotary and the cache store against the rotary
-    kernel after the product. `fp8_linear`, `fp8_gated_linear` and `fp8_rope_linear` then take the faster for
-    their input (see `SkinnyTuner`)."""
+    for them followed by the SiLU-and-mul kernel, and for the weights after them (a down projection: [K, N / 2] of
+    a [N, K] gated weight) the rows kernel reading the amax parts that kernel leaves (`RowsWithAmax`) against the
+    choice for plain rows; for the `rotary` qkv weights (with their q heads, kv heads and head size; the cache in
+    kv_dtype) the rows kernel doing the rotary and the cache store against the rotary kernel after the product.
+    `fp8_linear`, `fp8_gated_linear` and `fp8_rope_linear` then take the faster for their input (see
+    `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
     weights = [w for w, _ in layers]
 
@@ -202,6 +222,11 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     def gated_candidate(x, w, cfg):
         return _epilogue_rows_linear(x, w, scales[tuple(w.shape)], None, None, cfg, gated=True)
 
+    def plain_first(x, w):  # the rows as they are, as chosen above
+        return fp8_linear(x.evaluate(), w, scales[tuple(w.shape)])
+
+    gated = list(gated)
+    after_gated = [w for w in weights if any(w.shape == (g.shape[1], g.shape[0] // 2) for g in gated)]
     heads, samples = {tuple(w.shape): shape for w, *shape in rotary}, {}
 
     def rope_for(x, w):  # made on the first (untimed) call, outside the graph
@@ -224,8 +249,11 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     fused_norm = SkinnyTuner(rows, "FP8 rows linear computing pending RMSNorm rows", _in_kernel_candidates,
                              FUSED_NORM_ROWS).tune(weights, x_dtype, norm_first, candidate, prepare=pending_norm)
     fused_silu = SkinnyTuner(rows, "FP8 rows linear computing SiLU-and-mul", _row_candidates, FUSED_SILU_ROWS,
-                             epilogue="silu_and_mul").tune(list(gated), x_dtype, silu_after, gated_candidate,
+                             epilogue="silu_and_mul").tune(gated, x_dtype, silu_after, gated_candidate,
                                                            prepare=pending_norm)
+    amax_parts = SkinnyTuner(rows, "FP8 rows linear reading amax parts", _in_kernel_candidates,
+                             FUSED_SILU_ROWS).tune(after_gated, x_dtype, plain_first, candidate,
+                                                   prepare=rows_with_amax)
     fused_rope = SkinnyTuner(rows, "FP8 rows linear doing the rotary and the KV store", _row_candidates,
                              FUSED_ROPE_ROWS, epilogue="rope_store").tune([w for w, *_ in rotary], x_dtype,
                                                                          rope_after, rope_candidate,
@@ -233,6 +261,7 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()},
             **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()},
             **{(m, n, k, "silu_and_mul"): times for (m, n, k), times in fused_silu.items()},
+            **{(m, n, k, "amax_parts"): times for (m, n, k), times in amax_parts.items()},
             **{(m, n, k, "rope_store"): times for (m, n, k), times in fused_rope.items()}}
 
 
@@ -251,16 +280,27 @@ def pending_norm(x: torch.Tensor) -> PendingNorm:
                        Fp8Output(), torch.empty_like(x))
 
 
-def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+GATED_PART = 32  # columns of a gated product per amax part as the tuner hands them over (block_n 64: 32 pairs)
+
+
+def rows_with_amax(x: torch.Tensor, part: int = GATED_PART) -> RowsWithAmax:
+    """x with its amax in parts of `part` columns (the last one shorter), as the gated rows kernel leaves it."""
+    parts = torch.stack([c.abs().amax(dim=1).float() for c in x.split(part, dim=1)], dim=1)
+    return RowsWithAmax(x, parts)
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax, weight: torch.Tensor,
+               weight_scale: torch.Tensor, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """x [..., K] times the FP8 weight [N, K] with its scales [N] (+ bias), in x's dtype: few rows on CUDA through
     the FP8 rows kernel where `tune_fp8_rows` chose it for the shape and kind of rows, else quantize, then the GEMM.
-    x may be `Fp8Rows` (2-D), quantized by the kernel before, or `PendingNorm` (2-D), which the rows kernel computes
-    itself where that was chosen and which is evaluated first anywhere else: the output is then 2-D."""
-    two_d = isinstance(x, (Fp8Rows, PendingNorm))
+    x may be `Fp8Rows` (2-D), quantized by the kernel before, or `PendingNorm` or `RowsWithAmax` (2-D), which the
+    rows kernel takes as they are where that was chosen and which are evaluated first anywhere else: the output is
+    then 2-D."""
+    two_d = isinstance(x, (Fp8Rows, PendingNorm, RowsWithAmax))
     rows = x if two_d else x.reshape(-1, x.shape[-1])
     cfg = skinny_choice(rows, weight) if weight.is_cuda else None
-    if isinstance(rows, PendingNorm) and cfg is None:  # the RMSNorm kernel first, then its Fp8Rows' choice
+    if isinstance(rows, (PendingNorm, RowsWithAmax)) and cfg is None:  # the plain rows, then their choice
         rows = rows.evaluate()
         cfg = skinny_choice(rows, weight) if weight.is_cuda else None
     if cfg is not None:
@@ -271,9 +311,10 @@ def fp8_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, we
 
 
 def fp8_gated_linear(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     input_scale: torch.Tensor | None = None) -> torch.Tensor | RowsWithAmax:
     """SiLU(gate) * up of x times a [gate; up] FP8 weight (no bias): `silu_and_mul` of `fp8_linear`, or the rows
-    kernel computing it (see `_with_epilogue`)."""
+    kernel computing it (see `_with_epilogue`), which hands over each row's amax in parts too (`RowsWithAmax`,
+    for 2-D x)."""
     return _with_epilogue(x, weight, weight_scale, input_scale, None, "silu_and_mul", silu_and_mul, gated=True)
 
 
@@ -296,12 +337,15 @@ def _with_epilogue(x: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor
     if cfg is None:
         return unfused(fp8_linear(x, weight, weight_scale, input_scale, bias))
     out = _epilogue_rows_linear(rows, weight, weight_scale, input_scale, bias, cfg, **kernel_epilogue)
-    return out if two_d else out.reshape(*x.shape[:-1], out.shape[-1])
+    if two_d or x.dim() == 2:
+        return out
+    values = out.evaluate() if isinstance(out, RowsWithAmax) else out
+    return values.reshape(*x.shape[:-1], values.shape[-1])
 
 
 def _epilogue_rows_linear(rows: torch.Tensor | Fp8Rows | PendingNorm, weight: torch.Tensor,
                           weight_scale: torch.Tensor, input_scale: torch.Tensor | None, bias: torch.Tensor | None,
-                          cfg: Fp8RowsConfig, **kernel_epilogue) -> torch.Tensor:
+                          cfg: Fp8RowsConfig, **kernel_epilogue) -> torch.Tensor | RowsWithAmax:
     """`fp8_rows_linear` with an epilogue; pending RMSNorm rows are computed by the kernel where cfg quantizes in
     the kernel, else by the RMSNorm kernel first."""
     if isinstance(rows, PendingNorm) and not cfg.quantize_in_kernel:

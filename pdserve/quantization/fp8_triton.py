@@ -31,13 +31,13 @@ def normed(h, rstd, NormWeight, cols, K):
 def fp8_rows_kernel(
     X, XScale, W, WScale, StaticScale, B, Out, Partial, Counters, Residual, NormWeight, ResidualOut, M, N, K,
     K_SPLIT, stride_xm, stride_wn, stride_om, stride_res, stride_rm, eps, Pos, Loc, CosSin, KCache, VCache, stride_c,
-    stride_ct, k_inv_scale, v_inv_scale,
+    stride_ct, k_inv_scale, v_inv_scale, AmaxParts, stride_ap, num_parts, AmaxOut, stride_ao,
     FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, QUANTIZE: tl.constexpr,
     STATIC: tl.constexpr, HW_CAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr, KV_QUANT: tl.constexpr,
-    KV_FP8_MAX: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8_MAX: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -47,6 +47,9 @@ def fp8_rows_kernel(
     quantizes them itself (a pass for their amax in AMAX_BLOCK columns at a time, a whole row of a few rows in one
     load: that pass is a chain of L2 round trips before the first weight block; then each block as it streams: the
     same bytes and scales as `quantize_tokens`); else X is already FP8 with its row scales in XScale.
+    PARTS > 0 (QUANTIZE, no NORM): the kernel that made the rows left each row's amax in num_parts parts (AmaxParts,
+    stride_ap; `pdserve.kernels.pending_rows.RowsWithAmax`), PARTS of them loaded at once: their max is the amax
+    the pass would find (a max is exact in any order), so the pass is one small load.
     Hopper's FP8 MMA sums with fewer bits than float32: the partial sums are added in float32 every PROMOTE_K
     products. SPLIT_K > 1 (a weight with few output blocks and a long K, e.g. the MLP's down projection: more
     programs streaming at once): program pid1 sums K range [pid1 * K_SPLIT, +K_SPLIT) into Partial and counts
@@ -60,7 +63,8 @@ def fp8_rows_kernel(
     GATED (no bias): W is a gate_up projection's [gate; up] (N rows, N // 2 each) and Out takes SiLU(gate) * up
     (N // 2 columns), with the SiLU-and-mul kernel's arithmetic on the rounded gate and up: the program's block
     interleaves gate rows [pid0 * BLOCK_N / 2, +BLOCK_N / 2) with the same up rows, so each output column has both
-    of its sums (`paired_rows`).
+    of its sums (`paired_rows`); and the amax of each row's rounded block in AmaxOut[row, pid0] (stride_ao), the
+    parts a down projection's kernel reads (PARTS).
     ROPE: W is a qkv projection's (HEADS_Q q heads, HEADS_KV k heads, HEADS_KV v heads, 2 * HALF rows each) and the
     kernel does what `qk_norm_rope_store_kv` does after it without a norm (`rope_store`): the block pairs rows i
     and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
@@ -108,7 +112,12 @@ def fp8_rows_kernel(
     elif STATIC:
         x_scale = tl.zeros([ROWS], dtype=tl.float32) + tl.load(StaticScale)
     else:
-        if not NORM or not ONE_BLOCK:  # else the amax came with the rstd
+        if PARTS > 0:
+            offs_p = tl.arange(0, PARTS)
+            parts = tl.load(AmaxParts + offs_m[:, None] * stride_ap + offs_p[None, :],
+                            mask=mask_m[:, None] & (offs_p < num_parts)[None, :], other=0.0)
+            amax = tl.max(parts, 1)
+        elif not NORM or not ONE_BLOCK:  # else the amax came with the rstd
             for k0 in range(0, K, AMAX_BLOCK):
                 row_mask = mask_m[:, None] & ((k0 + offs_a) < K)[None, :]
                 row = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_a[None, :], mask=row_mask, other=0.0)
@@ -154,8 +163,9 @@ def fp8_rows_kernel(
         gate, up = unpair(acc.to(Out.dtype.element_ty), BLOCK_N // 2, ROWS)
         offs_out = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_mask = (offs_out < N // 2)[:, None] & mask_m[None, :]
-        tl.store(Out + offs_m[None, :] * stride_om + offs_out[:, None],
-                 (gate * tl.sigmoid(gate) * up).to(Out.dtype.element_ty), mask=out_mask)
+        gated = (gate * tl.sigmoid(gate) * up).to(Out.dtype.element_ty)
+        tl.store(Out + offs_m[None, :] * stride_om + offs_out[:, None], gated, mask=out_mask)
+        tl.store(AmaxOut + offs_m * stride_ao + pid_n, tl.max(tl.abs(gated.to(tl.float32)), 0), mask=mask_m)
     elif ROPE:
         rope_store(acc.to(Out.dtype.element_ty), pid_n, offs_m, mask_m, Out, Pos, Loc, CosSin, KCache, VCache,
                    stride_om, stride_c, stride_ct, k_inv_scale, v_inv_scale, BLOCK_N // 2, ROWS, HEADS_Q, HEADS_KV,

@@ -96,10 +96,40 @@ def test_rows_kernel_computes_silu_and_mul_interpreted(interpreted, m, n, k, cfg
     quantized = rows.evaluate() if pending else fp8.Fp8Rows(*quantize_tokens_ref(x), x.dtype)
     exact = silu_and_mul_exact((quantized.values.double() * quantized.scale.double())
                                @ (w_q.double() * w_scale.double()[:, None]).t())
-    got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True)
+    got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True).values
     assert got.shape == (m, n // 2)
     assert ((got.double() - exact).norm(dim=1) <= 1e-6 * exact.norm(dim=1)).all(), (got - exact).abs().max()
     assert not fp8.split_counters(x.device).any()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("m, n, k, cfg", [(1, 48, 64, IN_KERNEL), (2, 40, 200, IN_KERNEL_SPLIT),
+                                          (4, 40, 96, QUANTIZED_FIRST)])
+def test_gated_kernel_leaves_each_rows_amax_in_parts_interpreted(interpreted, m, n, k, cfg):
+    """Part j of a row: the amax of the row's rounded SiLU(gate) * up over columns [j * block_n / 2, +block_n / 2)
+    (n = 40: 20 columns, a last part cut short where block_n / 2 does not divide them)."""
+    x, w_q, w_scale, _ = operands(m, n, k)
+    got = fp8.fp8_rows_linear(x, w_q, w_scale, None, None, cfg, gated=True)
+    blocks = got.values.split(cfg.block_n // 2, dim=1)
+    assert got.amax_parts.shape == (m, len(blocks))
+    assert torch.equal(got.amax_parts, torch.stack([b.abs().amax(dim=1) for b in blocks], dim=1))
+
+
+@pytest.mark.parametrize("m, n, k, cfg, part", [
+    (1, 48, 64, IN_KERNEL, 32), (3, 40, 200, IN_KERNEL_SPLIT, 16), (2, 32, 2100, IN_KERNEL, 32),
+    (3, 48, 96, QUANTIZED_FIRST, 32),  # quantized before the kernel: the parts go unread
+])
+def test_rows_kernel_reads_the_amax_parts_interpreted(interpreted, m, n, k, cfg, part):
+    """Rows with their amax in parts give the bytes the kernel's own amax pass gives (a max is exact in any order),
+    parts of a static-scale layer go unread; parts that lie are believed (so the kernel did read them)."""
+    x, w_q, w_scale, bias = operands(m, n, k)
+    rows = fp8.rows_with_amax(x, part)
+    assert rows.amax_parts.shape == (m, -(-k // part))
+    for static in (None, torch.tensor(0.02)):
+        expected = fp8.fp8_rows_linear(x, w_q, w_scale, static, bias, cfg)
+        assert torch.equal(fp8.fp8_rows_linear(rows, w_q, w_scale, static, bias, cfg), expected)
+    tripled = fp8.fp8_rows_linear(fp8.RowsWithAmax(x, rows.amax_parts * 3), w_q, w_scale, None, bias, cfg)
+    assert torch.equal(tripled, fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg)) != cfg.quantize_in_kernel
 
 
 def rope_sample(m: int, kv_dtype: torch.dtype) -> RopeStore:
@@ -178,6 +208,12 @@ def test_fp8_linear_routes_rows_by_the_tuned_choice(monkeypatch):
     monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "rmsnorm", None), fp8.FP8_CANDIDATES[0])
     fp8.fp8_linear(pending, w_q, w_scale)
     assert len(calls) == 4 and calls[3][0] is pending
+    with_amax = fp8.rows_with_amax(x)  # not chosen for rows with amax parts: routed as the rows themselves
+    assert torch.equal(fp8.fp8_linear(with_amax, w_q, w_scale), fp8.quantized_linear(x, w_q, w_scale, None, None))
+    assert len(calls) == 5 and calls[4][0] is x and calls[4][-1] == fp8.FP8_CANDIDATES[0]
+    monkeypatch.setitem(skinny._choice, (3, 48, 32, fp8.FP8, "amax_parts", None), IN_KERNEL)
+    fp8.fp8_linear(with_amax, w_q, w_scale)
+    assert len(calls) == 6 and calls[5][0] is with_amax and calls[5][-1] == IN_KERNEL
 
 
 def test_gated_linear_routes_rows_by_the_tuned_choice(monkeypatch):
@@ -239,23 +275,31 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
             if cfg.quantize_in_kernel:
                 assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 4e-3)
+                assert torch.equal(fp8.fp8_rows_linear(fp8.rows_with_amax(x), w_q, w_scale, None, bias, cfg),
+                                   fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg))
             if m <= fp8.FUSED_SILU_ROWS and cfg in fp8.FP8_CANDIDATES[: 2 * len(fp8._ROW_SHAPES)]:
                 rows = fp8.pending_norm(x) if cfg.quantize_in_kernel else x
                 quantized = rows.evaluate() if cfg.quantize_in_kernel else fp8.Fp8Rows(*fp8.quantize_tokens(x), dtype)
                 exact = silu_and_mul_exact((quantized.values.double() * quantized.scale.double())
                                            @ (w_q.double() * w_scale.double()[:, None]).t())
-                got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True).double()
+                got = fp8.fp8_rows_linear(rows, w_q, w_scale, None, None, cfg, gated=True)
+                assert torch.equal(got.amax_parts, torch.stack([b.abs().amax(dim=1).float() for b in
+                                                                got.values.split(cfg.block_n // 2, dim=1)], dim=1))
+                got = got.values.double()
                 assert ((got - exact).norm(dim=1) <= 4e-3 * exact.norm(dim=1)).all()
                 if n == 6144:  # llama-3.1-8b's qkv: 32 q heads, 8 kv heads of 128
                     assert_rotary_and_store_as_applied(rows, w_q, w_scale, bias, cfg)
     assert not fp8.split_counters(x.device).any()
-    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale)], dtype, gated=[w_q], rotary=[(w_q, 32, 8, 128)],
-                               kv_dtype=torch.float8_e4m3fn)
-    tuned = {(1, 6144, 4096), (4, 6144, 4096), (64, 6144, 4096)}  # over FP8_MAX_ROWS: not tuned
+    down = fp8.quantize_rows(torch.randn(4096, 3072, device="cuda"))  # after a [6144, 4096] gated weight
+    report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale), down], dtype, gated=[w_q],
+                               rotary=[(w_q, 32, 8, 128)], kv_dtype=torch.float8_e4m3fn)
+    tuned = {(m, *shape) for m in (1, 4, 64) for shape in ((6144, 4096), (4096, 3072))}  # 65 > FP8_MAX_ROWS
     # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS (FUSED_SILU_ROWS, FUSED_ROPE_ROWS) rows pending RMSNorm
-    # rows (their SiLU-and-mul, their rotary and KV store)
+    # rows (their SiLU-and-mul, their rotary and KV store; the down projection's rows with their amax parts)
     assert set(report) == (tuned | {(*shape, "quantized") for shape in tuned}
-                           | {(1, 6144, 4096, epilogue) for epilogue in ("rmsnorm", "silu_and_mul", "rope_store")})
+                           | {(1, n, k, "rmsnorm") for n, k in ((6144, 4096), (4096, 3072))}
+                           | {(1, 6144, 4096, epilogue) for epilogue in ("silu_and_mul", "rope_store")}
+                           | {(1, 4096, 3072, "amax_parts")})
     x_q, x_scale = fp8.quantize_tokens(x)
     got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)  # as a RMSNorm hands them over
     exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
@@ -266,7 +310,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
                              SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, ROPE=False, HEADS_Q=1,
-                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PDL=False)
+                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PARTS=0, PDL=False)
 
 
 def rows_kernel_ptx_for_sm90(norm: bool) -> str:
@@ -278,7 +322,8 @@ def rows_kernel_ptx_for_sm90(norm: bool) -> str:
 
     pointers = dict(X="*bf16", XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
                     Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
-                    ResidualOut="*bf16", Pos="*i64", Loc="*i64", CosSin="*fp32", KCache="*bf16", VCache="*bf16")
+                    ResidualOut="*bf16", Pos="*i64", Loc="*i64", CosSin="*fp32", KCache="*bf16", VCache="*bf16",
+                    AmaxParts="*fp32", AmaxOut="*fp32")
     kernel = compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, NORM=norm),
                               ("eps", "k_inv_scale", "v_inv_scale"),
                               list(pointers), num_warps=4, num_stages=4)
@@ -290,3 +335,20 @@ def test_rows_kernel_computes_the_norm_for_sm90():
     plain, norm = rows_kernel_ptx_for_sm90(False), rows_kernel_ptx_for_sm90(True)
     assert "rsqrt" in norm and "rsqrt" not in plain  # the RMSNorm's rstd
     assert norm.count("st.global") > plain.count("st.global")  # x + residual for the next layer
+
+
+@pytest.mark.parametrize("fp8_down", [False, True])
+def test_a_down_projection_takes_gated_rows_with_their_amax_parts(fp8_down):
+    """An FP8 gate_up kernel hands its rows over with their amax parts; a model-dtype down projection (a checkpoint
+    that left it unquantized) and an FP8 one without a tuned choice take the rows as they are."""
+    from pdserve.distributed.tensor_parallel import TPGroup
+    from pdserve.layers.linear import RowParallelLinear
+    from pdserve.quantization.formats import Fp8Scheme
+
+    down = RowParallelLinear(64, 48, False, TPGroup(0, 1), Fp8Scheme(None) if fp8_down else None)
+    if fp8_down:
+        down.weight.data, down.weight_scale.data = fp8.quantize_rows(torch.randn(48, 64))
+    else:
+        torch.nn.init.normal_(down.weight.data)
+    x = torch.randn(3, 64)
+    assert torch.equal(down(fp8.rows_with_amax(x)), down(x))
