@@ -36,6 +36,13 @@ class AttentionBackend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool, scaling: float
     ) -> torch.Tensor: ...
 
+    def forward_with_amax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, and each output row's amax in parts ([T, num_kv_heads] float32, one part a kv head's query
+        heads: `pdserve.kernels.pending_rows.RowsWithAmax`) where the backend's kernel takes them as it writes
+        (the Triton decode kernel), None elsewhere."""
+        return self.forward(q, k, v, layer_id, pool, scaling), None
+
     # CUDA-graph hooks: backends that support graphs keep static metadata buffers of max size.
     supports_cuda_graph: bool = False
 

@@ -118,6 +118,12 @@ class FlashAttnBackend(AttentionBackend):
             return paged_attention(self.attention_fn, q, k_cache, v_cache, plan, self.page_size, scaling)
         return fresh_attention(self.attention_fn, q, k, v, plan, scaling)
 
+    def forward_with_amax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(self.triton.metadata, DecodeMetadata):
+            return self.triton.forward_with_amax(q, k, v, layer_id, pool, scaling)
+        return self.forward(q, k, v, layer_id, pool, scaling), None
+
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         self.triton.init_cuda_graph_state(max_bs, max_pages_per_req)
 

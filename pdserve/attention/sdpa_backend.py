@@ -82,6 +82,12 @@ class SdpaAttnBackend(AttentionBackend):
                 out[rows] = o[0].transpose(0, 1)
         return out
 
+    def forward_with_amax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.split is None:
+            return self.triton.forward_with_amax(q, k, v, layer_id, pool, scaling)
+        return self.forward(q, k, v, layer_id, pool, scaling), None
+
     def init_cuda_graph_state(self, max_bs: int, max_pages_per_req: int) -> None:
         self.triton.init_cuda_graph_state(max_bs, max_pages_per_req)
 

@@ -96,17 +96,31 @@ class TritonAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
                 scaling: float) -> torch.Tensor:
         meta = self.metadata
-        k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
-        scales = dict(k_scale=pool.k_scale(layer_id), v_scale=pool.v_scale(layer_id))  # floats: fixed in graphs
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if isinstance(meta, DecodeMetadata):
-            return decode_attention(
-                q, k_cache, v_cache, meta.page_table, meta.seq_lens, out, scaling, self.page_size,
-                meta.max_splits, meta.workspace, **scales,
-            )
+            return self._decode(q, layer_id, pool, scaling, None)
+        k_cache, v_cache = pool.k_buffer(layer_id), pool.v_buffer(layer_id)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return extend_attention(
             q, k_cache, v_cache, meta.page_table, meta.prefix_lens, meta.extend_lens, meta.extend_start_loc,
-            meta.max_extend_len, out, scaling, self.page_size, **scales,
+            meta.max_extend_len, out, scaling, self.page_size, k_scale=pool.k_scale(layer_id),
+            v_scale=pool.v_scale(layer_id),
+        )
+
+    def forward_with_amax(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, pool: KVPool,
+                          scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not isinstance(self.metadata, DecodeMetadata):
+            return self.forward(q, k, v, layer_id, pool, scaling), None
+        parts = torch.empty((q.shape[0], self.num_kv_heads), dtype=torch.float32, device=q.device)
+        return self._decode(q, layer_id, pool, scaling, parts), parts
+
+    def _decode(self, q: torch.Tensor, layer_id: int, pool: KVPool, scaling: float,
+                amax_parts: torch.Tensor | None) -> torch.Tensor:
+        meta = self.metadata
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return decode_attention(
+            q, pool.k_buffer(layer_id), pool.v_buffer(layer_id), meta.page_table, meta.seq_lens, out, scaling,
+            self.page_size, meta.max_splits, meta.workspace, k_scale=pool.k_scale(layer_id),
+            v_scale=pool.v_scale(layer_id), amax_parts=amax_parts,  # the scales are floats: fixed in graphs
         )
 
     # ------------------------------------------------------------------------------------ CUDA graphs

@@ -93,12 +93,14 @@ class ModelRunner:
 
     def _tune_fp8_rows(self, rows: list[int], linears: list[nn.Module]) -> None:
         """The FP8 rows kernel's choices for the FP8 layers (gate_up also with its SiLU-and-mul, qkv with the
-        rotary and the KV store after it)."""
+        rotary and the KV store after it, o and down also for rows with their amax in parts)."""
         if linears:
             tune_fp8_rows(rows, [(m.weight, m.weight_scale) for m in linears], self.dtype,
                           [m.weight for m in linears if isinstance(m, GateUpLinear)],
                           [(m.weight, m.num_q_heads, m.num_kv_heads, m.head_dim) for m in linears
-                           if isinstance(m, QKVLinear) and m.fused_rotary], self.kv_dtype)
+                           if isinstance(m, QKVLinear) and m.fused_rotary], self.kv_dtype,
+                          [(m.weight, m.amax_part) for m in linears
+                           if isinstance(m, RowParallelLinear) and m.amax_part is not None])
 
     def _linear_layers(self) -> list[nn.Module]:
         linears = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)

@@ -128,12 +128,12 @@ def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.c
 
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
-    Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh,
+    Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters, AmaxOut,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pb, stride_ob, stride_oh, stride_ab,
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    V_WORDS: tl.constexpr, PDL: tl.constexpr,
+    V_WORDS: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -143,7 +143,10 @@ def _decode_split_kernel(
     V_WORDS (an FP8 cache; V and its strides in int32 words): V tiles come as words, unpacked to the dot's dtype in
     registers before shared memory. The PV product takes V transposed, which 16-bit values get from transposing
     ldmatrix loads and 8-bit ones, for Triton 3.6 on sm_90, from byte-by-byte shared-memory loads (H100, 2026-11-27,
-    batch 64 x 4k, llama-8b heads: 219.5 -> 208.8 us, 81% -> 86% of the copy ceiling)."""
+    batch 64 x 4k, llama-8b heads: 219.5 -> 208.8 us, 81% -> 86% of the copy ceiling).
+    AMAX: the program writing the output of (b, kvh) also writes the amax of its rounded values to
+    AmaxOut[b, kvh] (stride_ab): the parts of each row's amax an FP8 o projection reads
+    (`pdserve.kernels.pending_rows.RowsWithAmax`)."""
     wait_for_previous(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -201,7 +204,7 @@ def _decode_split_kernel(
     out = acc / l_safe[:, None] * v_scale
     if MAX_SPLITS == 1:
         o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_g[:, None])
+        _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
     else:
         # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
         row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
@@ -212,15 +215,26 @@ def _decode_split_kernel(
         counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
             o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, o_ptrs, BLOCK_H, HEAD_DIM, MAX_SPLITS)
+            out = _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, BLOCK_H, HEAD_DIM, MAX_SPLITS)
+            _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
             tl.store(counter, 0)
 
 
 @triton.jit
-def _merge_splits(PartialO, PartialLse, first_row, splits, mask_g, o_ptrs,
+def _store_output(o_ptrs, out, mask_g, amax_ptr, AMAX: tl.constexpr):
+    """A (request, kv head)'s output rounded to Out's dtype, and with AMAX the amax of its rounded values."""
+    rounded = out.to(o_ptrs.dtype.element_ty)
+    tl.store(o_ptrs, rounded, mask=mask_g[:, None])
+    if AMAX:
+        tl.store(amax_ptr, tl.max(tl.max(tl.where(mask_g[:, None], tl.abs(rounded.to(tl.float32)), 0.0), 1), 0))
+
+
+@triton.jit
+def _merge_splits(PartialO, PartialLse, first_row, splits, mask_g,
                   BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Run by the last split program of a (request, kv head) to finish (Counters says which): its query heads'
-    partial outputs weighted by their softmax sums, added in split order (the same sums whichever program is last).
+    partial outputs weighted by their softmax sums, added in split order (the same sums whichever program is last);
+    returns the output in float32.
     .cg loads: the other programs' partials, read past this SM's L1."""
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -235,8 +249,7 @@ def _merge_splits(PartialO, PartialLse, first_row, splits, mask_g, o_ptrs,
                     cache_modifier=".cg")
         acc += o * w[:, None]
         total += w
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=mask_g[:, None])
+    return acc / tl.where(total > 0, total, 1.0)[:, None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +294,7 @@ def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scaling: float, page_size: int, max_splits: int, workspace: DecodeWorkspace | None = None,
     config: DecodeConfig | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+    amax_parts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention: request b's single query attends to KV positions 0..seq_lens[b]-1.
 
@@ -289,7 +303,8 @@ def decode_attention(
     max_splits: power of 2 (see decode_num_splits); workspace (decode_workspace) when it is > 1: one launch, the last
     split program of each (request, kv head) merging the splits.
     config: block shape (default decode_config(B, FP8 cache)). k_scale, v_scale: the layer's scales of an FP8 cache
-    (1 else).
+    (1 else). amax_parts: [B, H_kv] float32 (row stride free) to take the amax of each (request, kv head)'s
+    rounded output: the parts of each output row's amax.
     Launches only fixed-shape kernels and never syncs with the host (CUDA-graph safe).
     """
     batch, num_heads, head_dim = q.shape
@@ -303,14 +318,17 @@ def decode_attention(
     fp8 = k_cache.dtype.itemsize == 1
     cfg = config or decode_config(batch, fp8)
     v_words = v_cache.view(torch.int32) if fp8 else v_cache  # V_WORDS: head_dim is a multiple of 4 (16 or more)
+    assert amax_parts is None or (amax_parts.shape == (batch, num_kv_heads) and amax_parts.stride(1) == 1)
+    amax_out = out if amax_parts is None else amax_parts
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
-        q, k_cache, v_words, page_table, seq_lens, out, *scratch,
+        q, k_cache, v_words, page_table, seq_lens, out, *scratch, amax_out,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_words.stride(0), v_words.stride(1),
-        page_table.stride(0), out.stride(0), out.stride(1),
+        page_table.stride(0), out.stride(0), out.stride(1), amax_out.stride(0),
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, AMAX=amax_parts is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )
     return out

@@ -142,14 +142,18 @@ class GateUpLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """Input columns split across ranks; the partial products are summed over the ranks, then the bias added."""
+    """Input columns split across ranks; the partial products are summed over the ranks, then the bias added.
+    amax_part: the kernel before may hand the rows over with their amax in parts of so many columns
+    (`RowsWithAmax`); kept where this layer reads them (FP8 with dynamic activation scales), else None."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fp8: Fp8Scheme | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, fp8: Fp8Scheme | None = None,
+                 amax_part: int | None = None):
         super().__init__()
         self.tp = tp
         self.in_per_rank = in_features // tp.size
         _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
+        self.amax_part = amax_part if fp8 is not None and self.input_scale is None else None
 
     def forward(self, x: torch.Tensor | Fp8Rows | RowsWithAmax) -> torch.Tensor:
         out = self.tp.all_reduce(_matmul(self, x, None))

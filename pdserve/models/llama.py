@@ -8,6 +8,7 @@ from torch import nn
 from pdserve.attention.base import ForwardContext
 from pdserve.distributed.tensor_parallel import TPGroup, kv_heads_per_rank
 from pdserve.kernels import qk_norm_rope_store_kv, silu_and_mul
+from pdserve.kernels.pending_rows import RowsWithAmax
 from pdserve.kernels.rope_store import RopeStore
 from pdserve.layers.linear import (GateUpLinear, ParallelLMHead, QKVLinear, RowParallelLinear, Shard,
                                    VocabParallelEmbedding, fp8_input)
@@ -15,7 +16,7 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve.models.model_config import ModelConfig
 from pdserve.quantization.formats import Fp8Scheme
-from pdserve.quantization.fp8 import FP8_IN_KERNEL_ROWS
+from pdserve.quantization.fp8 import FP8_IN_KERNEL_ROWS, GATED_PART
 
 
 def _fp8(cfg: ModelConfig, prefix: str, *modules: str) -> Fp8Scheme | None:
@@ -39,7 +40,8 @@ class Attention(nn.Module):
                                   _fp8(cfg, prefix, "q_proj", "k_proj", "v_proj"), fused_rotary=not qk_norm)
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp,
-                                        _fp8(cfg, prefix, "o_proj"))
+                                        _fp8(cfg, prefix, "o_proj"),
+                                        amax_part=self.num_heads // self.num_kv_heads * self.head_dim)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
@@ -65,8 +67,12 @@ class Attention(nn.Module):
                 ctx.backend.out_cache_loc, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                 k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
             )
-        out = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling)
-        return self.o_proj(out.view(-1, self.q_size))
+        if self.o_proj.amax_part is None:
+            out, parts = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling), None
+        else:  # an FP8 o projection: the decode kernel hands the amax of each kv head's part of a row over too
+            out, parts = ctx.backend.forward_with_amax(q, k, v, self.layer_id, ctx.pool, self.scaling)
+        rows = out.view(-1, self.q_size)
+        return self.o_proj(rows if parts is None else RowsWithAmax(rows, parts))
 
 
 class MLP(nn.Module):
@@ -75,7 +81,7 @@ class MLP(nn.Module):
         shard, prefix = Shard.even(cfg.intermediate_size, tp), f"model.layers.{layer_id}.mlp"
         self.gate_up_proj = GateUpLinear(cfg.hidden_size, shard, _fp8(cfg, prefix, "gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, tp,
-                                           _fp8(cfg, prefix, "down_proj"))
+                                           _fp8(cfg, prefix, "down_proj"), amax_part=GATED_PART)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # up to FP8_IN_KERNEL_ROWS rows the down projection's kernel quantizes them itself, sooner than the SiLU

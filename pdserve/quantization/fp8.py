@@ -57,6 +57,7 @@ FP8_IN_KERNEL_ROWS = 8  # rows the kernel may quantize itself
 FUSED_NORM_ROWS = 2
 FUSED_SILU_ROWS = 2  # rows up to which the tuner times the rows kernel computing SiLU-and-mul of its product
 FUSED_ROPE_ROWS = 2  # and doing the rotary and the KV store after a qkv product
+FUSED_AMAX_ROWS = 2  # and reading the amax parts its rows come with (`RowsWithAmax`)
 FP8_CANDIDATES = tuple(Fp8RowsConfig(bn, bk, w, s, in_kernel, split) for bn, bk, w, s, split in _ROW_SHAPES
                        for in_kernel in (True, False)) + tuple(
     Fp8RowsConfig(bn, bk, w, s, False, split) for bn, bk, w, s, split in _BATCH_SHAPES)
@@ -192,15 +193,16 @@ def _rope_operands(rope: RopeStore | None, unused: torch.Tensor) -> dict:
 
 def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Tensor]], x_dtype: torch.dtype,
                   gated: Iterable[torch.Tensor] = (), rotary: Iterable[tuple[torch.Tensor, int, int, int]] = (),
-                  kv_dtype: torch.dtype | None = None) -> dict:
+                  kv_dtype: torch.dtype | None = None, amax_parts: Iterable[tuple[torch.Tensor, int]] = ()) -> dict:
     """Times `quantized_linear` against the rows kernel's configs on each (FP8 weight, weight scale) shape for each
     row count, for x_dtype activations and for rows a RMSNorm or SiLU kernel quantized already (`Fp8Rows`); then,
     up to FUSED_NORM_ROWS rows, the rows kernel computing pending RMSNorm rows itself (`PendingNorm`) against the
     RMSNorm kernel followed by what was chosen for its `Fp8Rows`; then, for the `gated` weights ([gate; up]) up to
     FUSED_SILU_ROWS rows, the rows kernel computing SiLU(gate) * up of pending RMSNorm rows against what was chosen
-    for them followed by the SiLU-and-mul kernel, and for the weights after them (a down projection: [K, N / 2] of
-    a [N, K] gated weight) the rows kernel reading the amax parts that kernel leaves (`RowsWithAmax`) against the
-    choice for plain rows; for the `rotary` qkv weights (with their q heads, kv heads and head size; the cache in
+    for them followed by the SiLU-and-mul kernel; for the `amax_parts` weights, whose rows come with their amax in
+    parts of so many columns (`RowsWithAmax`: a down projection after the gated kernel, an o projection after the
+    decode attention), the rows kernel reading the parts against the choice for plain rows; for the `rotary` qkv
+    weights (with their q heads, kv heads and head size; the cache in
     kv_dtype) the rows kernel doing the rotary and the cache store against the rotary kernel after the product.
     `fp8_linear`, `fp8_gated_linear` and `fp8_rope_linear` then take the faster for their input (see
     `SkinnyTuner`)."""
@@ -225,8 +227,8 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     def plain_first(x, w):  # the rows as they are, as chosen above
         return fp8_linear(x.evaluate(), w, scales[tuple(w.shape)])
 
-    gated = list(gated)
-    after_gated = [w for w in weights if any(w.shape == (g.shape[1], g.shape[0] // 2) for g in gated)]
+    amax_parts = list(amax_parts)
+    parts_of = {w.shape[1]: part for w, part in amax_parts}  # by the rows' width: prepare sees only the rows
     heads, samples = {tuple(w.shape): shape for w, *shape in rotary}, {}
 
     def rope_for(x, w):  # made on the first (untimed) call, outside the graph
@@ -249,11 +251,11 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     fused_norm = SkinnyTuner(rows, "FP8 rows linear computing pending RMSNorm rows", _in_kernel_candidates,
                              FUSED_NORM_ROWS).tune(weights, x_dtype, norm_first, candidate, prepare=pending_norm)
     fused_silu = SkinnyTuner(rows, "FP8 rows linear computing SiLU-and-mul", _row_candidates, FUSED_SILU_ROWS,
-                             epilogue="silu_and_mul").tune(gated, x_dtype, silu_after, gated_candidate,
+                             epilogue="silu_and_mul").tune(list(gated), x_dtype, silu_after, gated_candidate,
                                                            prepare=pending_norm)
-    amax_parts = SkinnyTuner(rows, "FP8 rows linear reading amax parts", _in_kernel_candidates,
-                             FUSED_SILU_ROWS).tune(after_gated, x_dtype, plain_first, candidate,
-                                                   prepare=rows_with_amax)
+    with_parts = SkinnyTuner(rows, "FP8 rows linear reading amax parts", _in_kernel_candidates,
+                             FUSED_AMAX_ROWS).tune([w for w, _ in amax_parts], x_dtype, plain_first, candidate,
+                                                   prepare=lambda x: rows_with_amax(x, parts_of[x.shape[1]]))
     fused_rope = SkinnyTuner(rows, "FP8 rows linear doing the rotary and the KV store", _row_candidates,
                              FUSED_ROPE_ROWS, epilogue="rope_store").tune([w for w, *_ in rotary], x_dtype,
                                                                          rope_after, rope_candidate,
@@ -261,7 +263,7 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     return {**report, **{(m, n, k, "quantized"): times for (m, n, k), times in prequantized.items()},
             **{(m, n, k, "rmsnorm"): times for (m, n, k), times in fused_norm.items()},
             **{(m, n, k, "silu_and_mul"): times for (m, n, k), times in fused_silu.items()},
-            **{(m, n, k, "amax_parts"): times for (m, n, k), times in amax_parts.items()},
+            **{(m, n, k, "amax_parts"): times for (m, n, k), times in with_parts.items()},
             **{(m, n, k, "rope_store"): times for (m, n, k), times in fused_rope.items()}}
 
 
@@ -280,11 +282,11 @@ def pending_norm(x: torch.Tensor) -> PendingNorm:
                        Fp8Output(), torch.empty_like(x))
 
 
-GATED_PART = 32  # columns of a gated product per amax part as the tuner hands them over (block_n 64: 32 pairs)
+GATED_PART = 32  # columns of a gated product's amax parts (block_n 64: 32 pairs), as the tuner hands them over
 
 
 def rows_with_amax(x: torch.Tensor, part: int = GATED_PART) -> RowsWithAmax:
-    """x with its amax in parts of `part` columns (the last one shorter), as the gated rows kernel leaves it."""
+    """x with its amax in parts of `part` columns (the last one shorter), as a kernel leaves them."""
     parts = torch.stack([c.abs().amax(dim=1).float() for c in x.split(part, dim=1)], dim=1)
     return RowsWithAmax(x, parts)
 

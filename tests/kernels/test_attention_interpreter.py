@@ -29,6 +29,12 @@ def test_decode_and_extend_interpreted(interpreted, page_size, group):
         pool.store(0, backend.out_cache_loc, k, v)  # the layer's store (kernels.qk_norm_rope_store_kv)
         out = backend.forward(q, k, v, 0, pool, 0.125)
         assert rel_err(out, ref) < 1e-5
+        with_amax, parts = backend.forward_with_amax(q, k, v, 0, pool, 0.125)  # the decode kernel's parts only
+        assert torch.equal(with_amax, out)
+        if mode == ForwardMode.DECODE:
+            assert torch.equal(parts, out.abs().view(3, 2, group * 64).amax(dim=2))
+        else:
+            assert parts is None
 
 
 def test_sdpa_backend_hybrid_interpreted(interpreted):
@@ -45,6 +51,13 @@ def test_sdpa_backend_hybrid_interpreted(interpreted):
     pool.store(0, backend.out_cache_loc, k, v)
     out = backend.forward(q, k, v, 0, pool, 0.125)
     assert rel_err(out, ref) < 1e-5
+    assert backend.forward_with_amax(q, k, v, 0, pool, 0.125)[1] is None
+    decode, pool, q, k, v = make_batch([(30, 1), (50, 1)], page_size=4, num_heads=4, num_kv_heads=2, head_dim=64,
+                                       dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    backend.init_forward_metadata(decode)  # decode goes to the Triton backend, amax parts and all
+    pool.store(0, backend.out_cache_loc, k, v)
+    out, parts = backend.forward_with_amax(q, k, v, 0, pool, 0.125)
+    assert torch.equal(parts, out.abs().view(2, 2, 2 * 64).amax(dim=2))
 
 
 def test_split_decode_merges_in_its_last_program_and_resets_its_counters(interpreted):
@@ -67,6 +80,26 @@ def test_split_decode_merges_in_its_last_program_and_resets_its_counters(interpr
         assert rel_err(out, ref) < 1e-5 and not workspace.counters.any()
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("max_splits", [1, 8])
+def test_decode_leaves_each_rows_amax_in_parts_interpreted(interpreted, max_splits):
+    """amax_parts[b, h]: the amax of request b's output over kv head h's query heads (a merged output's where the
+    KV is split), and the output is the one written without them."""
+    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
+
+    batch, pool, q, k, v = make_batch([(0, 1), (300, 1), (700, 1)], page_size=4, num_heads=6, num_kv_heads=2,
+                                      head_dim=64, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    pool.store(0, batch.out_cache_loc, k, v)
+    workspace = decode_workspace(3, 6, 2, 64, max_splits, "cpu")
+    config = DecodeConfig(block_n=32, min_split_len=64)
+    args = (q, pool.k_buffer(0), pool.v_buffer(0), batch.page_table, batch.seq_lens)
+    plain, out = torch.empty_like(q), torch.empty_like(q)
+    decode_attention(*args, plain, 0.125, 4, max_splits, workspace, config)
+    parts = torch.full((3, 2), float("nan"))
+    decode_attention(*args, out, 0.125, 4, max_splits, workspace, config, amax_parts=parts)
+    assert torch.equal(out, plain)
+    assert torch.equal(parts, out.abs().view(3, 2, 3 * 64).amax(dim=2))
 
 
 def test_eager_decode_steps_reuse_their_split_counters(interpreted):

@@ -16,7 +16,7 @@ pytestmark = needs_ptxas
 
 
 DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256,
-              PDL=False)
+              AMAX=False, PDL=False)
 
 
 def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):
@@ -26,7 +26,7 @@ def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stage
     words = constants.get("V_WORDS", False)
     pointers = dict(Q="*bf16", K=f"*{kv_dtype}", V="*i32" if words else f"*{kv_dtype}", PageTable="*i32",
                     SeqLens="*i32", Out="*bf16", PartialO="*fp32", PartialLse="*fp32", Counters="*i32",
-                    PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32")
+                    PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32", AmaxOut="*fp32")
     names = inspect.signature(kernel.fn).parameters
     aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_pb")]  # as launched
     return compile_kernel_for_sm90(kernel, pointers, constants, ("sm_scale_log2", "v_scale"), aligned, 4, num_stages)

@@ -106,6 +106,8 @@ def test_cuda_graph_decode_after_a_prefill_runs_on_triton(interpreted):
     pool.store(0, batch.out_cache_loc, k, v)
     out = backend.forward(q, k, v, 0, pool, SCALING)
     assert rel_err(out, expected) < 1e-5
+    with_amax, parts = backend.forward_with_amax(q, k, v, 0, pool, SCALING)  # the Triton decode kernel's parts
+    assert torch.equal(with_amax, out) and torch.equal(parts, out.abs().view(3, NUM_KV_HEADS, -1).amax(dim=2))
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 128])

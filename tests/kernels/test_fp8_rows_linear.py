@@ -292,7 +292,7 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
     assert not fp8.split_counters(x.device).any()
     down = fp8.quantize_rows(torch.randn(4096, 3072, device="cuda"))  # after a [6144, 4096] gated weight
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale), down], dtype, gated=[w_q],
-                               rotary=[(w_q, 32, 8, 128)], kv_dtype=torch.float8_e4m3fn)
+                               rotary=[(w_q, 32, 8, 128)], kv_dtype=torch.float8_e4m3fn, amax_parts=[(down[0], 32)])
     tuned = {(m, *shape) for m in (1, 4, 64) for shape in ((6144, 4096), (4096, 3072))}  # 65 > FP8_MAX_ROWS
     # model-dtype rows, Fp8Rows, and up to FUSED_NORM_ROWS (FUSED_SILU_ROWS, FUSED_ROPE_ROWS) rows pending RMSNorm
     # rows (their SiLU-and-mul, their rotary and KV store; the down projection's rows with their amax parts)
