@@ -80,10 +80,19 @@ def fp8_rows_kernel(
     else:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = tl.program_id(1) * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
+    # the first weight block is read before the wait: the weight is no kernel's output, and its bytes come while
+    # the kernel before finishes
+    if EVEN_K:  # whole blocks (or none: an empty split)
+        w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start < k_end), other=0.0)
+    else:
+        w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
     wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
-    offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
     offs_a = tl.arange(0, AMAX_BLOCK)
     rstd = tl.zeros([ROWS], dtype=tl.float32)
@@ -126,21 +135,18 @@ def fp8_rows_kernel(
                                  NormWeight, k0 + offs_a, K)
                 amax = tl.maximum(amax, tl.max(tl.abs(row.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
-    if QUANTIZE:
-        x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
-    k_start = tl.program_id(1) * K_SPLIT
-    k_end = tl.minimum(k_start + K_SPLIT, K)
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
+    x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
     x_ptrs += k_start
-    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
+    x = tl.load(x_ptrs, mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
+    x = rows_block(x, k_start, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd, NormWeight, K,
+                   QUANTIZE, NORM, FP8_MAX, HW_CAST)
+    acc = tl.dot(w_first, tl.trans(x), tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), max_num_imprecise_acc=PROMOTE_K)
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
-        if QUANTIZE:
-            if NORM:
-                block_mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
-                x = normed(residual_sum(x, Residual, block_mask, stride_res, offs_m, k0 + offs_k), rstd, NormWeight,
-                           k0 + offs_k, K)
-            x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
+        x = rows_block(x, k0, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd, NormWeight, K,
+                       QUANTIZE, NORM, FP8_MAX, HW_CAST)
         acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -173,6 +179,20 @@ def fp8_rows_kernel(
     else:
         tl.store(Out + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(Out.dtype.element_ty),
                  mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit
+def rows_block(x, k0, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd, NormWeight, K,
+               QUANTIZE: tl.constexpr, NORM: tl.constexpr, FP8_MAX: tl.constexpr, HW_CAST: tl.constexpr):
+    """A K block of the rows as the MMA takes it: quantized here (from the pending RMSNorm with NORM), or as
+    loaded."""
+    if QUANTIZE:
+        if NORM:
+            block_mask = mask_m[:, None] & (k0 + offs_k < k_end)[None, :]
+            x = normed(residual_sum(x, Residual, block_mask, stride_res, offs_m, k0 + offs_k), rstd, NormWeight,
+                       k0 + offs_k, K)
+        x = to_e4m3(x.to(tl.float32) * x_inv_scale[:, None], FP8_MAX, HW_CAST)
+    return x
 
 
 @triton.jit
