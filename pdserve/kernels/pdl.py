@@ -4,7 +4,8 @@ while the one before streams its last blocks. A decode step is some 300 short ke
 boundary costs the launch, the ramp-up and the first loads' latency.
 
 Every kernel launched with PDL (`launch_options`) waits (`wait_for_previous`) until the kernel before it has
-completed and its writes are visible, before it reads or writes memory, and every program of it waits, so a kernel
+completed and its writes are visible, before it reads or writes memory that a kernel may write (it may read a
+weight before: the FP8 rows kernel reads its first weight block so), and every program of it waits, so a kernel
 completes only after the one before it: each kernel is ordered after all earlier ones, as plain stream order orders
 them (a kernel launched without PDL, e.g. cuBLAS's, starts after the one before has completed, as always).
 `launch_next` lets the next kernel launch: a short kernel calls it at once (`start_dependent`), one that streams a

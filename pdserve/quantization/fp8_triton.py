@@ -70,8 +70,10 @@ def fp8_rows_kernel(
     and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
     (Pos, CosSin) and writes them into Out, and a k or v program also into KCache / VCache at slots Loc (an FP8
     cache: KV_QUANT, at the layer's inverse scales).
-    PDL: launched while the kernel before runs, it waits for it before any load and lets the next kernel launch when
-    its weight blocks are streamed (`pdserve.kernels.pdl`)."""
+    PDL: launched while the kernel before runs, it reads its first weight block (the weight is no kernel's output)
+    and then waits for that kernel before any other load; it lets the next kernel launch when its weight blocks are
+    streamed (`pdserve.kernels.pdl`). The block so read comes while the kernel before finishes (H100, 2026-11-27,
+    llama-3.1-8b batch 1: 3.600 -> 3.539 ms a step)."""
     pid_n = tl.program_id(0)
     if GATED:
         offs_n, mask_n = paired_rows(pid_n, N, N // 2, BLOCK_N)
@@ -84,8 +86,6 @@ def fp8_rows_kernel(
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
-    # the first weight block is read before the wait: the weight is no kernel's output, and its bytes come while
-    # the kernel before finishes
     if EVEN_K:  # whole blocks (or none: an empty split)
         w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start < k_end), other=0.0)
     else:
