@@ -26,8 +26,11 @@ def run_backend(backend_cls, specs, page_size, group, head_dim, mode, seed, num_
     backend.init_forward_metadata(batch)
     pool.store(0, backend.out_cache_loc, k, v)  # the layer's store (kernels.qk_norm_rope_store_kv)
     out = backend.forward(q, k, v, 0, pool, scaling)
+    with_amax, parts = backend.forward_with_amax(q, k, v, 0, pool, scaling)
     torch.cuda.synchronize()
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape and out.dtype == q.dtype and torch.equal(with_amax, out)
+    if parts is not None:  # the decode kernel's: each kv head's part of a row
+        assert torch.equal(parts, out.float().abs().view(out.shape[0], num_kv_heads, -1).amax(dim=2))
     assert torch.equal(pool.k_buffer(0)[batch.out_cache_loc], k)
     assert torch.equal(pool.v_buffer(0)[batch.out_cache_loc], v)
     return out, ref
