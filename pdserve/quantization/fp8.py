@@ -67,15 +67,21 @@ AMAX_ELEMENTS = 16384  # the in-kernel amax pass loads up to this many elements 
 HOPPER_SHARED_MEMORY = 232448  # bytes a program may hold on an H100 / H200 (227 KiB)
 
 
+def preloads(padded_rows: int) -> bool:
+    """Whether the rows kernel reads its first weight block before waiting for the kernel before (PRELOAD): for as
+    few rows as it may quantize itself."""
+    return padded_rows <= FP8_IN_KERNEL_ROWS
+
+
 def fp8_candidates(rows: int, configs: Iterable[Fp8RowsConfig] = FP8_CANDIDATES) -> tuple[Fp8RowsConfig, ...]:
     """The configs that may run `rows` rows: those quantizing in the kernel only up to FP8_IN_KERNEL_ROWS, and
-    those whose pipelined weight and row blocks (num_stages of each; FP8 weight bytes, row elements in FP8 or, where
-    the kernel quantizes them, the model dtype's two bytes) fit a Hopper SM's shared memory at this many rows
-    (padded to a power of 2, as launched)."""
+    those whose pipelined weight and row blocks (num_stages of each, one more where the first is preloaded; FP8
+    weight bytes, row elements in FP8 or, where the kernel quantizes them, the model dtype's two bytes) fit a Hopper
+    SM's shared memory at this many rows (padded to a power of 2, as launched)."""
     padded = 1 << max(rows - 1, 0).bit_length()
     return tuple(cfg for cfg in configs if (rows <= FP8_IN_KERNEL_ROWS or not cfg.quantize_in_kernel)
-                 and cfg.num_stages * cfg.block_k * (cfg.block_n + padded * (1 + cfg.quantize_in_kernel))
-                 <= HOPPER_SHARED_MEMORY)
+                 and (cfg.num_stages + preloads(padded)) * cfg.block_k
+                 * (cfg.block_n + padded * (1 + cfg.quantize_in_kernel)) <= HOPPER_SHARED_MEMORY)
 
 
 SPLIT_COUNTERS = 8192  # column blocks a split-K launch may count in (N / block_n)
@@ -160,7 +166,7 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax, weig
         QUANTIZE=cfg.quantize_in_kernel, ROWS=padded_rows,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
         PROMOTE_K=PROMOTE_K, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
-        AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k,
+        AMAX_BLOCK=amax_block, ONE_BLOCK=amax_block >= k, PRELOAD=preloads(padded_rows),
         num_stages=cfg.num_stages, **launch_options(rows.device),
     )
     return out if amax_out is None else RowsWithAmax(out, amax_out)

@@ -37,7 +37,7 @@ def fp8_rows_kernel(
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PROMOTE_K: tl.constexpr, SPLIT_K: tl.constexpr,
     AMAX_BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, ROPE: tl.constexpr,
     HEADS_Q: tl.constexpr, HEADS_KV: tl.constexpr, HALF: tl.constexpr, KV_QUANT: tl.constexpr,
-    KV_FP8_MAX: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
+    KV_FP8_MAX: tl.constexpr, PARTS: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns [pid0 * BLOCK_N, +BLOCK_N) of the M <= ROWS rows, the weight block as the MMA's wide side and
     the rows as its narrow side (the compiler pads it to the MMA's width), so the FP8 weight is streamed once. How
@@ -70,10 +70,11 @@ def fp8_rows_kernel(
     and i + HALF of one head, as neox rotary does, so each program rotates its q or k pairs at the rows' positions
     (Pos, CosSin) and writes them into Out, and a k or v program also into KCache / VCache at slots Loc (an FP8
     cache: KV_QUANT, at the layer's inverse scales).
-    PDL: launched while the kernel before runs, it reads its first weight block (the weight is no kernel's output)
-    and then waits for that kernel before any other load; it lets the next kernel launch when its weight blocks are
-    streamed (`pdserve.kernels.pdl`). The block so read comes while the kernel before finishes (H100, 2026-11-27,
-    llama-3.1-8b batch 1: 3.600 -> 3.539 ms a step)."""
+    PDL: launched while the kernel before runs, it waits for that kernel before any load but PRELOAD's and lets the
+    next kernel launch when its weight blocks are streamed (`pdserve.kernels.pdl`). PRELOAD (few rows): the first
+    weight block is read before the wait (the weight is no kernel's output), so its bytes come while the kernel
+    before finishes (H100, 2026-11-27, llama-3.1-8b batch 1: 3.600 -> 3.539 ms a step); its product outside the
+    loop takes another pipeline stage of shared memory, which many rows' blocks have no room for."""
     pid_n = tl.program_id(0)
     if GATED:
         offs_n, mask_n = paired_rows(pid_n, N, N // 2, BLOCK_N)
@@ -86,10 +87,11 @@ def fp8_rows_kernel(
     k_start = tl.program_id(1) * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + k_start + offs_k[None, :]
-    if EVEN_K:  # whole blocks (or none: an empty split)
-        w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start < k_end), other=0.0)
-    else:
-        w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
+    if PRELOAD:
+        if EVEN_K:  # whole blocks (or none: an empty split)
+            w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start < k_end), other=0.0)
+        else:
+            w_first = tl.load(w_ptrs, mask=mask_n[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
     wait_for_previous(PDL)
     offs_m = tl.arange(0, ROWS)
     mask_m = offs_m < M
@@ -137,13 +139,17 @@ def fp8_rows_kernel(
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
     x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
     x_ptrs += k_start
-    x = tl.load(x_ptrs, mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
-    x = rows_block(x, k_start, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd, NormWeight, K,
-                   QUANTIZE, NORM, FP8_MAX, HW_CAST)
-    acc = tl.dot(w_first, tl.trans(x), tl.zeros([BLOCK_N, ROWS], dtype=tl.float32), max_num_imprecise_acc=PROMOTE_K)
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
+    loop_start = k_start
+    if PRELOAD:  # the first block's product, from the block read before the wait
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
+        x = rows_block(x, k_start, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd,
+                       NormWeight, K, QUANTIZE, NORM, FP8_MAX, HW_CAST)
+        acc = tl.dot(w_first, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE_K)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        loop_start += BLOCK_K
+    for k0 in range(loop_start, k_end, BLOCK_K):
         w, x = load_blocks(w_ptrs, x_ptrs, mask_n, mask_m, k0 + offs_k < k_end, EVEN_K)
         x = rows_block(x, k0, k_end, offs_k, offs_m, mask_m, x_inv_scale, Residual, stride_res, rstd, NormWeight, K,
                        QUANTIZE, NORM, FP8_MAX, HW_CAST)

@@ -174,7 +174,7 @@ def test_candidates_fit_shared_memory_at_their_row_count():
     assert deep in fp8.FP8_CANDIDATES and deep in fp8.fp8_candidates(1) and deep not in fp8.fp8_candidates(64)
     for rows in (1, 9, 33, fp8.FP8_MAX_ROWS):
         padded = 1 << (rows - 1).bit_length()
-        assert all(c.num_stages * c.block_k * (c.block_n + padded * (1 + c.quantize_in_kernel))
+        assert all((c.num_stages + (padded <= 8)) * c.block_k * (c.block_n + padded * (1 + c.quantize_in_kernel))
                    <= fp8.HOPPER_SHARED_MEMORY for c in fp8.fp8_candidates(rows))
 
 
@@ -310,24 +310,41 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
 ROWS_KERNEL_CONSTANTS = dict(FP8_MAX=448.0, INV_FP8_MAX=1 / 448, MIN_SCALE=1e-12, QUANTIZE=True, STATIC=False,
                              HW_CAST=True, ROWS=1, BLOCK_N=64, BLOCK_K=256, HAS_BIAS=False, EVEN_K=True, PROMOTE_K=32,
                              SPLIT_K=4, AMAX_BLOCK=4096, ONE_BLOCK=True, GATED=False, ROPE=False, HEADS_Q=1,
-                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PARTS=0, PDL=False)
+                             HEADS_KV=1, HALF=1, KV_QUANT=False, KV_FP8_MAX=0.0, PARTS=0, PRELOAD=True, PDL=False)
 
 
-def rows_kernel_ptx_for_sm90(norm: bool) -> str:
-    """The FP8 rows kernel (computing pending RMSNorm rows itself or not), compiled for sm_90 with Triton's own
-    ptxas (no GPU needed)."""
+def rows_kernel_for_sm90(constants: dict, num_warps: int = 4, num_stages: int = 4, x_dtype: str = "*bf16"):
+    """The FP8 rows kernel with these constants, compiled for sm_90 with Triton's own ptxas (no GPU needed); the
+    weight rows and the row length aligned to 16 bytes, as llama's launches specialize them."""
     from sm90_compile import compile_for_sm90
 
     from pdserve.quantization.fp8_triton import fp8_rows_kernel
 
-    pointers = dict(X="*bf16", XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
+    pointers = dict(X=x_dtype, XScale="*fp32", W="*fp8e4nv", WScale="*fp32", StaticScale="*fp32", B="*fp32",
                     Out="*bf16", Partial="*fp32", Counters="*i32", Residual="*bf16", NormWeight="*bf16",
                     ResidualOut="*bf16", Pos="*i64", Loc="*i64", CosSin="*fp32", KCache="*bf16", VCache="*bf16",
                     AmaxParts="*fp32", AmaxOut="*fp32")
-    kernel = compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, NORM=norm),
-                              ("eps", "k_inv_scale", "v_inv_scale"),
-                              list(pointers), num_warps=4, num_stages=4)
-    return kernel.asm["ptx"]
+    return compile_for_sm90(fp8_rows_kernel, pointers, dict(ROWS_KERNEL_CONSTANTS, **constants),
+                            ("eps", "k_inv_scale", "v_inv_scale"),
+                            [*pointers, "stride_wn", "K_SPLIT", "K", "stride_xm"], num_warps, num_stages)
+
+
+def rows_kernel_ptx_for_sm90(norm: bool) -> str:
+    """The rows kernel computing pending RMSNorm rows itself or not."""
+    return rows_kernel_for_sm90(dict(NORM=norm)).asm["ptx"]
+
+
+@sm90_compile.needs_ptxas
+@pytest.mark.parametrize("rows", [8, 64])
+def test_every_candidate_fits_shared_memory_as_compiled(rows):
+    """The shared memory each candidate takes when compiled for sm_90 at its row counts' extremes (the most rows
+    that preload a weight block, the most rows at all) is within a Hopper SM's: `fp8_candidates` counts it right."""
+    for cfg in fp8.fp8_candidates(rows):
+        constants = dict(ROWS=rows, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, NORM=False,
+                         QUANTIZE=cfg.quantize_in_kernel, PRELOAD=fp8.preloads(rows))
+        kernel = rows_kernel_for_sm90(constants, cfg.num_warps, cfg.num_stages,
+                                      "*bf16" if cfg.quantize_in_kernel else "*fp8e4nv")
+        assert kernel.metadata.shared <= fp8.HOPPER_SHARED_MEMORY, cfg
 
 
 @sm90_compile.needs_ptxas
