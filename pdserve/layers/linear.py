@@ -20,7 +20,8 @@ from pdserve.kernels.fp8_rows import Fp8Output
 from pdserve.kernels.skinny import linear
 from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 from pdserve.kernels.rope_store import RopeStore
-from pdserve.quantization.fp8 import FP8, Fp8Rows, fp8_gated_linear, fp8_linear, fp8_rope_linear
+from pdserve.quantization.fp8 import (FP8, FUSED_AMAX_ROWS, Fp8Rows, fp8_gated_linear, fp8_linear,
+                                     fp8_rope_linear)
 from pdserve.quantization.formats import Fp8Scheme
 
 
@@ -154,6 +155,11 @@ class RowParallelLinear(nn.Module):
         _add_weight(self, out_features, self.in_per_rank, fp8)
         self.bias = _new_param(out_features) if bias else None
         self.amax_part = amax_part if fp8 is not None and self.input_scale is None else None
+
+    def reads_amax_parts(self, rows: int) -> bool:
+        """Whether this many rows handed over with their amax in parts may save this layer's kernel its amax pass
+        (as many as the rows kernel is tuned to read them for); else computing the parts is wasted."""
+        return self.amax_part is not None and rows <= FUSED_AMAX_ROWS
 
     def forward(self, x: torch.Tensor | Fp8Rows | RowsWithAmax) -> torch.Tensor:
         out = self.tp.all_reduce(_matmul(self, x, None))

@@ -67,10 +67,10 @@ class Attention(nn.Module):
                 ctx.backend.out_cache_loc, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
                 k_scale=pool.k_scale(layer), v_scale=pool.v_scale(layer),
             )
-        if self.o_proj.amax_part is None:
-            out, parts = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling), None
-        else:  # an FP8 o projection: the decode kernel hands the amax of each kv head's part of a row over too
+        if self.o_proj.reads_amax_parts(q.shape[0]):  # the decode kernel hands each kv head's amax over too
             out, parts = ctx.backend.forward_with_amax(q, k, v, self.layer_id, ctx.pool, self.scaling)
+        else:
+            out, parts = ctx.backend.forward(q, k, v, self.layer_id, ctx.pool, self.scaling), None
         rows = out.view(-1, self.q_size)
         return self.o_proj(rows if parts is None else RowsWithAmax(rows, parts))
 

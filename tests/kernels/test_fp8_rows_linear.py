@@ -362,7 +362,9 @@ def test_a_down_projection_takes_gated_rows_with_their_amax_parts(fp8_down):
     from pdserve.layers.linear import RowParallelLinear
     from pdserve.quantization.formats import Fp8Scheme
 
-    down = RowParallelLinear(64, 48, False, TPGroup(0, 1), Fp8Scheme(None) if fp8_down else None)
+    down = RowParallelLinear(64, 48, False, TPGroup(0, 1), Fp8Scheme(None) if fp8_down else None, amax_part=32)
+    # parts are asked for only where the FP8 rows kernel may read them: few rows, dynamic activation scales
+    assert [down.reads_amax_parts(rows) for rows in (1, fp8.FUSED_AMAX_ROWS, 3)] == [fp8_down, fp8_down, False]
     if fp8_down:
         down.weight.data, down.weight_scale.data = fp8.quantize_rows(torch.randn(48, 64))
     else:
