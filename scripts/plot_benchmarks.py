@@ -258,6 +258,30 @@ def plot_pdl_shipped(results: Path, out: Path) -> None:
                "llama-3.1-8b, H100, 2026-11-27 (eighth session; 4k: FP8 weights + FP8 KV)", out / "fp8_pdl_shipped.png")
 
 
+def plot_amax_preload(results: Path, out: Path) -> None:
+    """The ninth session's changes as FP8 / bf16 ratios, each against the bf16 run of its own call (from the logs:
+    most calls' JSON files did not come back): at batch 1 the session's start, the amax parts, the first weight
+    block read before the PDL wait (call 2, A/B in one call, two runs each, their mean), two blocks (call 3, not
+    kept; against call 2's bf16), the shipped tree with graphs over all batch sizes (call 5); batch 64 at 4k before
+    and after the amax parts were kept to few rows (calls 6, 7)."""
+
+    def tbt(call: str, *runs: str) -> float:
+        return sum(float(TBT_LINE.search((results / call / f"{run}.log").read_text())[1]) for run in runs) / len(runs)
+
+    ab, bf16 = "call2_ab_preload", tbt("call2_ab_preload", "bs1_bf16")
+    cases = [("start\n(ca26aae)", tbt(ab, "bs1_fp8_start", "bs1_fp8_start_again") / bf16),
+             ("+ amax parts", tbt(ab, "bs1_fp8_parts", "bs1_fp8_parts_again") / bf16),
+             ("+ first block\nbefore the wait", tbt(ab, "bs1_fp8_preload", "bs1_fp8_preload_again") / bf16),
+             ("two blocks\n(not kept)", tbt("call3_two_blocks_profile", "bs1_fp8_two_blocks_again") / bf16),
+             ("shipped,\n35 graphs", tbt("call5_full_capture", "bs1_fp8_again")
+              / tbt("call5_full_capture", "bs1_bf16")),
+             ("4k, batch 64\nparts at 64 rows", tbt("call6_4k_gpu_tests", "4k_fp8")
+              / tbt("call6_4k_gpu_tests", "4k_bf16")),
+             ("4k, batch 64\nshipped", tbt("call7_4k_final", "4k_fp8") / tbt("call7_4k_final", "4k_bf16"))]
+    ratio_bars(cases, ["#8c8c8c", "#8c8c8c", "#55a868", "#c44e52", "#55a868", "#c44e52", "#55a868"], (11, 4),
+               "llama-3.1-8b, H100, 2026-11-27 (ninth session; 4k: FP8 weights + FP8 KV)", out / "fp8_amax_preload.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
@@ -267,6 +291,7 @@ def main() -> None:
     parser.add_argument("--pdl-again-results", type=Path, default=Path("benchmarks/results/2026-11-27f"))
     parser.add_argument("--batch1-results", type=Path, default=Path("benchmarks/results/2026-11-27g"))
     parser.add_argument("--pdl-shipped-results", type=Path, default=Path("benchmarks/results/2026-11-27h"))
+    parser.add_argument("--amax-preload-results", type=Path, default=Path("benchmarks/results/2026-11-27i"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -278,6 +303,7 @@ def main() -> None:
     plot_pdl_again(args.pdl_again_results, args.out)
     plot_batch1_fusion(args.batch1_results, args.out)
     plot_pdl_shipped(args.pdl_shipped_results, args.out)
+    plot_amax_preload(args.amax_preload_results, args.out)
 
 
 if __name__ == "__main__":
