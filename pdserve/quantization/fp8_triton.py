@@ -72,8 +72,8 @@ def fp8_rows_kernel(
     cache: KV_QUANT, at the layer's inverse scales).
     PDL: launched while the kernel before runs, it waits for that kernel before any load but PRELOAD's and lets the
     next kernel launch when its weight blocks are streamed (`pdserve.kernels.pdl`). PRELOAD (few rows): the first
-    weight block is read before the wait (the weight is no kernel's output), so its bytes come while the kernel
-    before finishes (H100, 2026-11-27, llama-3.1-8b batch 1: 3.600 -> 3.539 ms a step); its product outside the
+    weight block is read before the wait (weights are written at load only, never by the kernel just before), so
+    its bytes come while the kernel before finishes (H100, 2026-11-27, llama-3.1-8b batch 1: 3.600 -> 3.539 ms a step); its product outside the
     loop takes another pipeline stage of shared memory, which many rows' blocks have no room for."""
     pid_n = tl.program_id(0)
     if GATED:
