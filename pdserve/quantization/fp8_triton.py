@@ -137,7 +137,10 @@ def fp8_rows_kernel(
                                  NormWeight, k0 + offs_a, K)
                 amax = tl.maximum(amax, tl.max(tl.abs(row.to(tl.float32)), axis=1))
         x_scale = tl.maximum(amax * INV_FP8_MAX, MIN_SCALE)
-    x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    if QUANTIZE:
+        x_inv_scale = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), x_scale)
+    else:  # unread: the rows come quantized
+        x_inv_scale = x_scale
     x_ptrs += k_start
     acc = tl.zeros([BLOCK_N, ROWS], dtype=tl.float32)
     loop_start = k_start
