@@ -208,10 +208,9 @@ def tune_fp8_rows(rows: Iterable[int], layers: list[tuple[torch.Tensor, torch.Te
     for them followed by the SiLU-and-mul kernel; for the `amax_parts` weights, whose rows come with their amax in
     parts of so many columns (`RowsWithAmax`: a down projection after the gated kernel, an o projection after the
     decode attention), the rows kernel reading the parts against the choice for plain rows; for the `rotary` qkv
-    weights (with their q heads, kv heads and head size; the cache in
-    kv_dtype) the rows kernel doing the rotary and the cache store against the rotary kernel after the product.
-    `fp8_linear`, `fp8_gated_linear` and `fp8_rope_linear` then take the faster for their input (see
-    `SkinnyTuner`)."""
+    weights (with their q heads, kv heads and head size; the cache in kv_dtype) the rows kernel doing the rotary
+    and the cache store against the rotary kernel after the product. `fp8_linear`, `fp8_gated_linear` and
+    `fp8_rope_linear` then take the faster for their input (see `SkinnyTuner`)."""
     scales = {(w.shape[0], w.shape[1]): s for w, s in layers}
     weights = [w for w, _ in layers]
 
