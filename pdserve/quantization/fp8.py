@@ -175,10 +175,12 @@ def fp8_rows_linear(x: torch.Tensor | Fp8Rows | PendingNorm | RowsWithAmax, weig
 def _amax_operands(parts: torch.Tensor | None, amax_out: torch.Tensor | None, unused: torch.Tensor) -> dict:
     """The rows kernel's amax parts to read (PARTS) and to write (a gated product's), or stand-ins it does not
     touch."""
+    import triton
+
     read, written = (unused if parts is None else parts), (unused if amax_out is None else amax_out)
     return dict(AmaxParts=read, stride_ap=read.stride(0), num_parts=0 if parts is None else parts.shape[1],
                 AmaxOut=written, stride_ao=written.stride(0),
-                PARTS=0 if parts is None else max(2, 1 << (parts.shape[1] - 1).bit_length()))
+                PARTS=0 if parts is None else max(2, triton.next_power_of_2(parts.shape[1])))
 
 
 def _rope_operands(rope: RopeStore | None, unused: torch.Tensor) -> dict:
