@@ -41,11 +41,14 @@
 #                minutes)
 #   pdl_cold     qwen3-0.6b FP8 weights, PDL on, three times on an empty Triton cache: graph capture after cold
 #                compiles (about 6 minutes)
+#   tp           tensor parallelism on two GPUs (llama-3.1-8b): TP 2 against TP 1 over 200 prompts in float32 (greedy
+#                must be identical) and bf16 (prompt-logprob difference); decode TBT at batch 1 and 64 (1k), TP 1 and
+#                TP 2; an 8k prefill's MFU at TP 2; where a TP 2 decode step's time goes (about 9 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold tp)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -273,6 +276,23 @@ suite_fp8_accuracy() {
     TAILN=8 step 170 "accuracy_fp8_$name" python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
       --input-len 512 --output-len 32 --candidate="$candidate" --out "$OUT/accuracy_fp8_$name"
   done
+}
+
+suite_tp() {
+  local big
+  big=$(model llama-3.1-8b)
+  TAILN=8 step 200 accuracy_tp2_fp32 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
+    --input-len 256 --output-len 32 --dtype float32 --candidate="--tp-size 2" --out "$OUT/accuracy_tp2_fp32"
+  TAILN=8 step 150 accuracy_tp2_bf16 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
+    --input-len 256 --output-len 32 --candidate="--tp-size 2" --out "$OUT/accuracy_tp2_bf16"
+  for tp in 1 2; do
+    step 120 "one_batch_tp$tp" python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size "$tp" \
+      --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/one_batch_tp$tp"
+  done
+  step 90 prefill_8k_tp2 python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size 2 --batch-sizes 1 \
+    --input-lens 8192 --output-lens 4 --out "$OUT/prefill_8k_tp2"
+  TAILN=30 step 150 step_profile_tp2 python3 -m pdserve.bench.step_profile --model-path "$big" --tp-size 2 \
+    --batch-sizes 1 64 --context-len 1024 --out "$OUT/step_profile_tp2"
 }
 
 [ "$*" = all ] && set -- "${SUITES[@]}"
