@@ -48,6 +48,8 @@ class Handoff:
     peer_control: str | None = None  # the other side's control endpoint
     peer_targets: list[KVTarget] = field(default_factory=list)  # prefill: each decode rank it writes into
     dst_pages: list[int] = field(default_factory=list)
+    pages_computed: int = 0  # prefill: leading pages whose KV is computed (sent once the page list is known)
+    prefilled: bool = False  # prefill: the prompt is computed and its first token sampled
     pages_sent: int = 0
     writes_in_flight: int = 0
     kv_checksum: bool = False  # the decode asked for a checksum of the pages with the first token

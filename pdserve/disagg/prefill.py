@@ -1,13 +1,19 @@
 """The prefill role: computes a prompt's KV and first token, then pushes both to the decode server.
 
-A request waits (BOOTSTRAPPING) until its decode side sends the destination pages; only then does it enter
-the scheduler's queue (WAITING_FOR_INPUT: back-pressure). After each prefill chunk the newly filled pages
-are pushed; after the last chunk the remaining pages and the first token follow (TRANSFERRING). When the
-last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
+A request is queued for prefill as soon as it arrives: it computes into its own pages while its decode side
+allocates the destination pages (BOOTSTRAPPING: no page list yet). Only the KV writes wait for the page list: once
+it is known (WAITING_FOR_INPUT), each prefill chunk's newly filled pages are pushed; pages computed before it came
+are pushed when it comes. After the last chunk the remaining pages and the first token follow (TRANSFERRING). When
+the last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
+
+Computing ahead is bounded: requests queued without a page list may claim at most `PAGES_AHEAD_SHARE` of the pool
+(their whole prompts' pages); beyond it a request waits for its page list (or for others' lists to free the
+budget), so a decode that has no pages for its requests cannot fill this pool with KV nobody will take.
 
 `PrefillRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
-queues, in SGLang's words: the bootstrap queue (handoffs waiting for their decode side's pages), then the
-scheduler's waiting queue, then the transfer queue (TRANSFERRING: writes in flight until the last one lands).
+queues, in SGLang's words: the bootstrap queue (handoffs without their decode side's pages: computing, or held
+back by the budget), the scheduler's waiting queue, then the transfer queue (TRANSFERRING: writes in flight until
+the last one lands).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from pdserve.timeline import (BOOTSTRAP_RESOLVED, DECODE_PAGES_KNOWN, HANDOFF_RE
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
+PAGES_AHEAD_SHARE = 0.5  # of the pool: pages that requests queued before their page list came may claim in all
 
 
 @dataclass(slots=True)
@@ -176,6 +183,8 @@ class PrefillRole(Role):
             for rank, session in enumerate(sessions):
                 register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.link.auth)
         self.kv_done_after_writes: dict[int, KVDone] = {}  # room -> kv_done the leader sends once all writes landed
+        self.held: dict[int, Handoff] = {}  # rooms without a page list beyond the pages-ahead budget, oldest first
+        self.max_pages_ahead = int(runner.pool.layout.num_pages * PAGES_AHEAD_SHARE)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
         self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
                          WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
@@ -206,6 +215,7 @@ class PrefillRole(Role):
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
         self.early_requests.refusals.take(h.room)  # one left by an earlier request with this room stands no more
+        self.held[h.room] = h  # queued at this step's start, within the budget (`_queue_held`)
         early = self.early_requests.pop(h.room)
         if early is not None:
             self._on_transfer_request(early)
@@ -229,7 +239,29 @@ class PrefillRole(Role):
     def prepare_step(self) -> bool:
         self.link.handle_events(self.handlers)
         self._expire()
+        self._queue_held()
         return True
+
+    def _queue_held(self) -> None:
+        """Queue the held requests, oldest first, while their pages fit in the budget of computing ahead."""
+        ahead = self._pages_ahead()
+        for h in list(self.held.values()):
+            need = self._prompt_pages(h)
+            if ahead + need > self.max_pages_ahead:
+                return  # FIFO: later requests wait behind this one
+            ahead += need
+            self._queue(h)
+
+    def _queue(self, h: Handoff) -> None:
+        del self.held[h.room]
+        self.scheduler.enqueue(h.req)
+
+    def _pages_ahead(self) -> int:
+        """Pages claimed by the requests queued or computed before their page list came."""
+        return sum(self._prompt_pages(h) for h in self.link.bootstrap_queue() if h.room not in self.held)
+
+    def _prompt_pages(self, h: Handoff) -> int:
+        return math.ceil(len(h.req.input_ids) / self.page_size)
 
     def abort(self, req: Req, message: str) -> bool:
         h = self.link.handoff_of(req)
@@ -248,7 +280,7 @@ class PrefillRole(Role):
         plans = []
         for item in items:
             h = self.link.handoff_of(item.req)
-            if min_tokens and h is not None and h.poll != KVPoll.FAILED and item.end - item.start >= min_tokens:
+            if min_tokens and h is not None and _pages_known(h) and item.end - item.start >= min_tokens:
                 runs = self._runs_to_send(h, self._pages_complete_after(item))
                 if runs:
                     plans.append((h, runs))
@@ -266,7 +298,9 @@ class PrefillRole(Role):
     def on_chunk_done(self, req: Req, start: int, end: int) -> None:
         h = self.link.handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
-            self._push(h, end // self.page_size, final=False)
+            h.pages_computed = end // self.page_size
+            if _pages_known(h):
+                self._push(h, h.pages_computed, final=False)
 
     def _pages_complete_after(self, item: ExtendItem) -> int:
         """Pages of the request whose every position is filled once this chunk's forward has run."""
@@ -280,8 +314,15 @@ class PrefillRole(Role):
             self.scheduler.finish(req, FinishReason("length"))
             return
         self.scheduler.cache_kv(req)  # the prompt's KV: every position it computed
-        self._push(h, math.ceil(len(req.input_ids) / self.page_size), final=True)
-        h.advance(KVPoll.TRANSFERRING)
+        h.pages_computed, h.prefilled = self._prompt_pages(h), True
+        if _pages_known(h):
+            self._push_computed(h)
+
+    def _push_computed(self, h: Handoff) -> None:
+        """What is computed and not sent yet; with the first token once the prompt is prefilled."""
+        self._push(h, h.pages_computed, final=h.prefilled)
+        if h.prefilled:
+            h.advance(KVPoll.TRANSFERRING)
 
     def _push(self, h: Handoff, upto_page: int, final: bool) -> None:
         """All layers of the pages not sent yet, up to `upto_page`; `final` also releases the first token: from
@@ -363,7 +404,9 @@ class PrefillRole(Role):
             return
         h.req.stage_marks.mark(DECODE_PAGES_KNOWN)
         h.advance(KVPoll.WAITING_FOR_INPUT)
-        self.scheduler.enqueue(h.req)
+        if h.room in self.held:  # the budget held it back: its decode has pages now, so it computes
+            self._queue(h)
+        self._push_computed(h)
 
     def _targets(self, msg: TransferRequest, layout) -> list[KVTarget]:
         """The decode ranks of `msg`, each with the heads this rank writes into it."""
@@ -440,6 +483,7 @@ class PrefillRole(Role):
     def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric); pages stay held until no write for the room is in flight."""
+        self.held.pop(h.room, None)
         if h.poll != KVPoll.FAILED:
             self.link.transfer_stats.failed(reason)
             h.advance(KVPoll.FAILED, error)
@@ -481,8 +525,8 @@ class PrefillRole(Role):
         return {"kv_transfer": self.link.transfer_snapshot()}
 
     def queued_prefill_tokens(self) -> int:
-        """Prompts still waiting for their decode side's destination pages."""
-        return sum(len(h.req.all_ids) for h in self.link.bootstrap_queue())
+        """Prompts held back until their decode side's destination pages come (the others are queued)."""
+        return sum(len(h.req.all_ids) for h in self.held.values())
 
     def server_info(self) -> dict:
         return {**self.link.server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}
@@ -492,6 +536,11 @@ class PrefillRole(Role):
         if self.bootstrap is not None:
             self.bootstrap.close()
         self.link.close()
+
+
+def _pages_known(h: Handoff) -> bool:
+    """The decode side's page list came, and the handoff has not failed."""
+    return h.poll in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
 
 
 def _first_token_record(h: Handoff, kv_checksum: int | None) -> FirstToken:
