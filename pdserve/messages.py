@@ -172,7 +172,7 @@ class StrOut:
     output_logprobs: list[list] = field(default_factory=list)  # per new token: [logprob, token_id, text]
     output_top_logprobs: list[list[list]] = field(default_factory=list)  # per new token: [[logprob, id, text], ...]
     input_logprobs: list | None = None  # raw from the scheduler; the tokenizer manager knows the prompt ids
-    input_top_logprobs: list | None = None
+    input_top_logprobs: list | None = None  # per prompt position: [[logprob, id, text], ...] or None
     stage_marks: dict[str, float] | None = None  # TokenOut's, passed on
 
 

@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
             output_logprobs=logprobs,
             output_top_logprobs=top_logprobs,
             input_logprobs=out.input_logprobs,
-            input_top_logprobs=out.input_top_logprobs,
+            input_top_logprobs=None if out.input_top_logprobs is None else self._top_entries(out.input_top_logprobs),
             stage_marks=out.stage_marks,
         )
 
@@ -100,8 +100,13 @@ class IncrementalDetokenizer:
             [logprob, token_id, self._token_text(token_id)]
             for logprob, token_id in zip(out.new_logprobs, out.new_token_ids)
         ]
-        top = [[[lp, tid, self._token_text(tid)] for tid, lp in entries] for entries in out.new_top_logprobs]
-        return logprobs, top
+        return logprobs, self._top_entries(out.new_top_logprobs)
+
+    def _top_entries(self, per_position: list) -> list:
+        """The scheduler's [[token_id, logprob], ...] of each position (None where there are none) in SGLang's
+        order, [[logprob, token_id, text], ...]."""
+        return [None if entries is None else [[lp, tid, self._token_text(tid)] for tid, lp in entries]
+                for entries in per_position]
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -171,6 +171,27 @@ def test_logprobs(server, client):
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
 
+def sglang_entry(entry: list, with_text: bool) -> bool:
+    """SGLang's meta_info order, (logprob, token_id, text): text a string with return_text_in_logprobs, else null."""
+    logprob, token_id, text = entry
+    return ((logprob is None or logprob <= 0) and type(token_id) is int
+            and (isinstance(text, str) if with_text else text is None))
+
+
+@pytest.mark.parametrize("with_text", [True, False])
+def test_every_logprob_list_is_in_sglangs_order(server, with_text):
+    body = {"text": PROMPT, "max_new_tokens": 3, "temperature": 0, "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0, "return_text_in_logprobs": with_text}
+    reply = server.post("/generate", body).json()
+    meta = reply["meta_info"]
+    singles = meta["input_token_logprobs"] + meta["output_token_logprobs"]
+    tops = [e for top in meta["input_top_logprobs"] + meta["output_top_logprobs"] if top is not None for e in top]
+    assert len(tops) >= 2 * (meta["prompt_tokens"] - 1 + 3), meta
+    assert all(sglang_entry(e, with_text) for e in singles + tops), meta
+    assert meta["input_top_logprobs"][0] is None  # the first prompt token has nothing before it
+    assert [e[1] for e in meta["output_token_logprobs"]] == reply["output_ids"]
+
+
 # --- concurrency and disconnects ---------------------------------------------------------------------
 
 
