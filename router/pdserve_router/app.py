@@ -67,8 +67,9 @@ class Router:
         self.health = HealthChecker(self.registry, self.session, self.auth)
         await self.health.check_all()  # one round before the port opens, so /health is right from the start
         self.health.start()
-        if self.config.mode == "pd" and self.config.local_prefill_cost_factor > 0:  # prefill load decides too
+        if self.config.load_poll_roles():  # the local-prefill rule reads the instances' load
             self.load = LoadPoller(self.registry, self.session, self.auth)
+            await self.load.check_all()  # loads from the start, like the health checks
             self.load.start()
         if self.config.reported_cache_roles():
             self.cache_reports = CacheReportPoller(self.registry, self.session, self.auth)

@@ -46,8 +46,17 @@ _HELP: dict[str, tuple[str, str]] = {
                                                 "least loaded prefill's queued tokens at its measured rate would "
                                                 "make it wait longer than this factor times its own prefill time "
                                                 "there (0: off; e.g. 2)."),
-    "load_poll_interval_s": (_CONDITIONAL, "Seconds between reads of each prefill's /load (with a local-prefill "
-                                           "rule on)."),
+    "local_prefill_by_load": (_CONDITIONAL, "Choose local or remote prefill per request from measured load: "
+                                            "predicted time to first token on the best prefill (its queue at its "
+                                            "measured rate plus the handoff overhead the router learns) against "
+                                            "the best decode instance's (its queue at the rate it reports it can "
+                                            "prefill within its TPOT budget). Replaces the two rules above."),
+    "local_prefill_alpha": (_CONDITIONAL, "--local-prefill-by-load: local wins when its prediction is below this "
+                                          "times the remote one (above 1 favours the decode instances)."),
+    "local_prefill_kv_gate": (_CONDITIONAL, "--local-prefill-by-load: a decode instance whose KV usage reaches "
+                                            "this fraction takes no local prefill."),
+    "load_poll_interval_s": (_CONDITIONAL, "Seconds between reads of the instances' /load (with a load-reading "
+                                           "local-prefill rule on)."),
     "request_timeout_s": (_REQUESTS, "Whole-request deadline in seconds (504 when hit)."),
     "request_body_timeout_s": (_REQUESTS, "Seconds a client may take to send a request body; a slower one gets "
                                           "408 and its connection is closed."),
@@ -109,9 +118,14 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         group_name, help_text = _HELP[f.name]
         group = groups.get(group_name) or groups.setdefault(group_name, parser.add_argument_group(group_name))
         default = defaults[f.name].default
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+            continue
         kind = type(default) if default is not None else str
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=default,
-                           choices=_CHOICES.get(f.name), help=f"{help_text} (default: {default})")
+        group.add_argument(flag, dest=f.name, type=kind, default=default, choices=_CHOICES.get(f.name),
+                           help=f"{help_text} (default: {default})")
 
 
 def config_from_args(ns: argparse.Namespace) -> RouterConfig:

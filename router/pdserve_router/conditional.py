@@ -1,26 +1,49 @@
 """Conditional disaggregation: send a request to a decode instance alone, which prefills it itself, when that is
 cheaper than the remote path.
 
-Local wins when the prompt is short (`--local-prefill-max-tokens`), or when the least loaded prefill instance's
-queued prompt tokens, at its measured prefill rate, would make the prompt wait longer than prefilling it locally
-takes (`--local-prefill-cost-factor` times the prefill time on that instance: the decode instance alternates its
-prefill chunks with decode steps, and may be a different GPU). The uncached prompt is taken to be all of it: the
-rule does not weigh what the instances' prefix caches hold. The prefill instances report their load on `/load`,
-polled by `workers.LoadPoller`.
+Two rules, one at a time:
+
+- Static (`LocalPrefillRule`): local when the prompt is short (`--local-prefill-max-tokens`), or when the least
+  loaded prefill instance's queued prompt tokens, at its measured prefill rate, would make the prompt wait longer
+  than prefilling it locally takes (`--local-prefill-cost-factor` times the prefill time on that instance).
+- Load-aware (`LoadAwareRule`, `--local-prefill-by-load`): per request, a predicted time to first token on each
+  path. Remote: the best prefill instance's wait (its queued prompt tokens, plus those the router sent it that its
+  last report cannot show yet, plus this prompt, at its measured rate) plus the handoff overhead the router learns
+  from its own remote requests (`HandoffEstimate`). Local, per decode instance: the same sum over its queue at the
+  rate it reports it can prefill while its running decodes stay within its TPOT budget. Local wins on the decode
+  instance with the lowest prediction when that instance reports a budget, its KV usage is below the gate, and its
+  prediction is below alpha times the remote one.
+
+The uncached prompt is taken to be all of it: neither rule weighs what the instances' prefix caches hold. The
+instances report their load on `/load`, polled by `workers.LoadPoller`; the router books each prompt's tokens on
+the instance it sends it to (`BookedTokens`), so that requests between two polls see each other.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CHARS_PER_TOKEN = 4  # prompt text -> token estimate (the router has no tokenizer)
+MAX_REPORTED_TOKENS = 1 << 40  # a larger queue in a /load answer is not believed
+# A request the router has sent is in an instance's /load answer only once the server has queued it; a report
+# asked for this long after the dispatch is taken to include it.
+INGEST_MARGIN_S = 0.05
+HANDOFF_WEIGHT = 0.1  # of each new observation in the handoff overhead's moving average
+MAX_HANDOFF_SAMPLE_S = 60.0  # an observation is clipped to +-this (a stalled request must not own the average)
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillLoad:
+class InstanceLoad:
+    """An instance's `/load` answer: prompt tokens queued, its measured full-speed prefill rate (0.0: not measured
+    yet), the rate at which it can prefill prompts of its own right now within its TPOT budget (a decode
+    instance; 0.0: it takes none now) and the fraction of its KV pool in use."""
+
     queued_tokens: int
-    tokens_per_s: float  # 0.0: not measured yet
+    tokens_per_s: float
+    local_tokens_per_s: float = 0.0
+    kv_usage: float = 1.0
 
     def wait_s(self, prompt_tokens: int) -> float | None:
         """Seconds until this instance has prefilled the queue and the prompt; None without a measured rate."""
@@ -38,7 +61,7 @@ class LocalPrefillRule:
     def enabled(self) -> bool:
         return self.max_tokens > 0 or self.cost_factor > 0
 
-    def prefill_locally(self, prompt_tokens: int | None, loads: Sequence[PrefillLoad | None]) -> bool:
+    def prefill_locally(self, prompt_tokens: int | None, loads: Sequence[InstanceLoad | None]) -> bool:
         """True when the decode instance should prefill a prompt of about `prompt_tokens` tokens itself."""
         if prompt_tokens is None:
             return False
@@ -51,6 +74,108 @@ class LocalPrefillRule:
         return best.wait_s(prompt_tokens) > local_s
 
 
+@dataclass(frozen=True, slots=True)
+class Option:
+    """An instance as the load-aware rule sees it: its last report (None: none) and the prompt tokens the router
+    sent it since that the report cannot show."""
+
+    load: InstanceLoad | None
+    booked_tokens: int = 0
+
+    def prefill_wait_s(self, prompt_tokens: int) -> float | None:
+        """As a prefill instance: seconds until it has prefilled its queue, the booked tokens and the prompt."""
+        return None if self.load is None else self.load.wait_s(self.booked_tokens + prompt_tokens)
+
+    def local_wait_s(self, prompt_tokens: int) -> float | None:
+        """As a decode instance: the same at its budgeted local rate; None when it takes no local prefill now."""
+        if self.load is None or self.load.local_tokens_per_s <= 0:
+            return None
+        return (self.load.queued_tokens + self.booked_tokens + prompt_tokens) / self.load.local_tokens_per_s
+
+
+# why a load-aware choice went the way it did (the reason label of its metric)
+FASTER = "local_faster"
+SLOWER = "remote_faster"
+UNMEASURED = "prefill_unmeasured"
+NO_BUDGET = "no_budget"
+KV_GATE = "kv_gate"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadDecision:
+    decode: int | None  # the index of the decode instance that prefills the prompt itself; None: the remote path
+    reason: str
+    local_s: float | None  # the best decode instance's predicted time to first token (None: none takes it)
+    remote_s: float | None  # the remote path's (None: a prefill instance has no measured rate)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadAwareRule:
+    alpha: float = 1.0  # local wins when its prediction is below alpha times the remote one
+    kv_gate: float = 0.9  # a decode instance whose KV usage reaches this fraction takes no local prefill
+
+    def decide(self, prompt_tokens: int, prefills: Sequence[Option], decodes: Sequence[Option],
+               handoff_s: float) -> LoadDecision:
+        waits = [option.prefill_wait_s(prompt_tokens) for option in prefills]
+        remote_s = None if not waits or None in waits else min(waits) + handoff_s
+        budgeted = [(wait, i) for i, option in enumerate(decodes)
+                    if (wait := option.local_wait_s(prompt_tokens)) is not None]
+        open_ = [(wait, i) for wait, i in budgeted if decodes[i].load.kv_usage < self.kv_gate]
+        local_s, best = min(open_) if open_ else (None, None)
+        if local_s is None:
+            return LoadDecision(None, KV_GATE if budgeted else NO_BUDGET, None, remote_s)
+        if remote_s is None:  # an instance without a measurement may be idle: the remote path is not known slow
+            return LoadDecision(None, UNMEASURED, local_s, None)
+        if local_s < self.alpha * remote_s:
+            return LoadDecision(best, FASTER, local_s, remote_s)
+        return LoadDecision(None, SLOWER, local_s, remote_s)
+
+
+@dataclass(slots=True)
+class HandoffEstimate:
+    """What the remote path takes beyond the prefill instance's predicted wait (the KV transfer, the decode's first
+    step, the hops; and any steady error of the prediction): a moving average of the router's own observations of
+    streamed remote requests, first byte minus predicted wait. Not below zero when used."""
+
+    seconds: float = 0.0
+    samples: int = 0
+
+    def observe(self, first_byte_s: float, predicted_wait_s: float) -> None:
+        sample = min(max(first_byte_s - predicted_wait_s, -MAX_HANDOFF_SAMPLE_S), MAX_HANDOFF_SAMPLE_S)
+        self.seconds = sample if not self.samples else self.seconds + HANDOFF_WEIGHT * (sample - self.seconds)
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return max(self.seconds, 0.0)
+
+
+@dataclass(eq=False, slots=True)
+class Booking:
+    tokens: int
+    booked_at: float  # time.monotonic() at dispatch
+
+
+@dataclass(slots=True)
+class BookedTokens:
+    """Prompt tokens the router sent to one instance and has not yet seen prefilled (its first byte, its failure,
+    or, for the remote path, the prefill's answer ends a booking)."""
+
+    live: set[Booking] = field(default_factory=set)
+
+    def book(self, tokens: int, now: float) -> Booking:
+        booking = Booking(tokens, now)
+        self.live.add(booking)
+        return booking
+
+    def release(self, booking: Booking) -> None:
+        self.live.discard(booking)
+
+    def unseen(self, report_asked_at: float) -> int:
+        """Booked tokens that a report asked for at `report_asked_at` cannot include yet."""
+        return sum(b.tokens for b in self.live if b.booked_at > report_asked_at - INGEST_MARGIN_S)
+
+
 def estimate_prompt_tokens(key: str | Sequence | None) -> int | None:
     """The prompt of `payload.routing_key`: token ids count themselves, text is estimated from its length.
     None when the request has no prompt."""
@@ -61,13 +186,25 @@ def estimate_prompt_tokens(key: str | Sequence | None) -> int | None:
     return len(key)
 
 
-def parse_load(body: object) -> PrefillLoad | None:
-    """A `/load` answer, or None when it does not look like one."""
+def parse_load(body: object) -> InstanceLoad | None:
+    """A `/load` answer, or None when it does not look like one. An answer without a valid local prefill rate and
+    KV usage (a prefill instance, an older server) takes no local prefill."""
     if not isinstance(body, dict):
         return None
-    queued, rate = body.get("queued_prefill_tokens"), body.get("prefill_tokens_per_s")
-    if type(queued) is not int or queued < 0 or not isinstance(rate, (int, float)) or isinstance(rate, bool):
+    queued, rate = _count(body.get("queued_prefill_tokens")), _non_negative(body.get("prefill_tokens_per_s"))
+    if queued is None or rate is None:
         return None
-    if not 0 <= rate < float("inf"):
+    local_rate, kv_usage = _non_negative(body.get("local_prefill_tokens_per_s")), _non_negative(body.get("kv_usage"))
+    if local_rate is None or kv_usage is None or kv_usage > 1:
+        return InstanceLoad(queued, rate)
+    return InstanceLoad(queued, rate, local_rate, kv_usage)
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int and 0 <= value <= MAX_REPORTED_TOKENS else None
+
+
+def _non_negative(value: object) -> float | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
         return None
-    return PrefillLoad(queued, float(rate))
+    return float(value)

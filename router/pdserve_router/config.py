@@ -45,7 +45,10 @@ class RouterConfig:
     # conditional disaggregation (pd mode): some requests go to a decode instance alone, which prefills them
     local_prefill_max_tokens: int = 0
     local_prefill_cost_factor: float = 0.0
-    load_poll_interval_s: float = 0.25
+    local_prefill_by_load: bool = False  # predicted TTFT on both paths from the instances' /load (LoadAwareRule)
+    local_prefill_alpha: float = 1.0
+    local_prefill_kv_gate: float = 0.9
+    load_poll_interval_s: float = 0.1
     # requests
     request_timeout_s: float = 600.0
     request_body_timeout_s: float = 30.0
@@ -98,11 +101,25 @@ class RouterConfig:
         if self.local_prefill_max_tokens < 0 or self.local_prefill_cost_factor < 0 or self.load_poll_interval_s <= 0:
             raise ConfigError("--local-prefill-max-tokens and --local-prefill-cost-factor must be >= 0 and "
                               "--load-poll-interval-s > 0")
+        if self.local_prefill_by_load and (self.local_prefill_max_tokens or self.local_prefill_cost_factor):
+            raise ConfigError("--local-prefill-by-load replaces --local-prefill-max-tokens and "
+                              "--local-prefill-cost-factor: give one rule")
+        if self.local_prefill_alpha <= 0 or not 0 < self.local_prefill_kv_gate <= 1:
+            raise ConfigError("--local-prefill-alpha must be > 0 and --local-prefill-kv-gate in (0, 1]")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold must be in [0, 1]")
 
     def policy_for(self, role: Role) -> str:
         return {"prefill": self.prefill_policy, "decode": self.decode_policy, "regular": self.policy}[role]
+
+    def load_poll_roles(self) -> tuple[Role, ...]:
+        """The roles whose /load the local-prefill rule reads: both for the load-aware rule, the prefills for the
+        cost factor, none otherwise (and outside pd mode)."""
+        if self.mode != "pd":
+            return ()
+        if self.local_prefill_by_load:
+            return ("prefill", "decode")
+        return ("prefill",) if self.local_prefill_cost_factor > 0 else ()
 
     def reported_cache_roles(self) -> tuple[Role, ...]:
         """The roles whose cache-aware policy reads the instances' reports (their /cache_report is polled)."""

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from .cluster_auth import RequestSigner
-from .conditional import LocalPrefillRule, estimate_prompt_tokens
+from .conditional import Booking, HandoffEstimate, LoadAwareRule, LocalPrefillRule, estimate_prompt_tokens
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
@@ -147,6 +147,18 @@ class RequestContext:
         return self.events is not None and self.events.done
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """Where the load-aware rule sent a prompt to be prefilled, and what it booked there."""
+
+    worker: Worker  # the prefill instance, or the decode instance that prefills it itself
+    booking: Booking
+    predicted_wait_s: float | None  # remote: the predicted wait on that prefill (for the handoff estimate)
+
+    def release(self) -> None:
+        self.worker.booked.release(self.booking)
+
+
 @dataclass(slots=True)
 class Attempt:
     ctx: RequestContext
@@ -155,6 +167,7 @@ class Attempt:
     side: Worker | None
     rid: str
     body_rid: str | list[str] | None
+    plan: PrefillPlan | None = None
     main_done: bool = False
     first_received: bool = False
     main_ex: Exchange | None = None
@@ -167,12 +180,14 @@ class Dispatcher:
                  metrics: RouterMetrics, upstream: UpstreamPool):
         self.config, self.registry, self.session, self.metrics = config, registry, session, metrics
         self.upstream = upstream
-        self.main_role: Role = "decode" if config.mode == "pd" else "regular"
         roles: tuple[Role, ...] = ("prefill", "decode") if config.mode == "pd" else ("regular",)
         self.policies = {role: make_policy(config.policy_for(role), config, self.decision_counter(role))
                          for role in roles}
         self.local_rule = LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_cost_factor)
-        self.conditional = config.mode == "pd" and self.local_rule.enabled
+        self.load_rule = (LoadAwareRule(config.local_prefill_alpha, config.local_prefill_kv_gate)
+                          if config.local_prefill_by_load else None)
+        self.handoff = HandoffEstimate()
+        self.conditional = config.mode == "pd" and (self.local_rule.enabled or self.load_rule is not None)
         self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self.auth_line = f"Authorization: Bearer {config.api_key}\r\n".encode() if config.api_key else b""
@@ -272,22 +287,49 @@ class Dispatcher:
 
     def new_attempt(self, ctx: RequestContext, number: int, key) -> Attempt:
         excluded = frozenset(ctx.excluded)
-        main = self.policies[self.main_role].select(self.registry.available(self.main_role, excluded), key)
-        side = None
-        if self.config.mode == "pd":
-            prefills = self.registry.available("prefill", excluded)
-            local = ctx.prompt_only or self.prefill_locally(ctx, key, prefills)
-            side = None if local else self.policies["prefill"].select(prefills, key)
-            self.metrics.prefills.labels(path="local" if local else "remote").inc()
         rid = attempt_rid(ctx.request_id, number)
         body_rid = body_rids(ctx.body.get("rid"), ctx.request_id, ctx.batch, ctx.path, number)
+        if self.config.mode != "pd":
+            main = self.policies["regular"].select(self.registry.available("regular", excluded), key)
+            return Attempt(ctx, number, main, None, rid, body_rid)
+        decodes = self.registry.available("decode", excluded)
+        prefills = self.registry.available("prefill", excluded)
+        prompt = estimate_prompt_tokens(key) if self.conditional and ctx.batch is None else None
+        if self.load_rule is not None and prompt is not None and not ctx.prompt_only:
+            return self.attempt_by_load(ctx, number, key, prompt, prefills, decodes, rid, body_rid)
+        main = self.policies["decode"].select(decodes, key)
+        local = ctx.prompt_only or self.local_rule.prefill_locally(prompt, [w.load for w in prefills])
+        side = None if local else self.policies["prefill"].select(prefills, key)
+        self.metrics.prefills.labels(path="local" if local else "remote").inc()
         return Attempt(ctx, number, main, side, rid, body_rid)
 
-    def prefill_locally(self, ctx: RequestContext, key, prefills: list[Worker]) -> bool:
-        """Conditional disaggregation: the decode instance prefills this (single) request itself."""
-        if not self.conditional or ctx.batch is not None:
-            return False
-        return self.local_rule.prefill_locally(estimate_prompt_tokens(key), [w.load for w in prefills])
+    def attempt_by_load(self, ctx: RequestContext, number: int, key, prompt: int, prefills: list[Worker],
+                        decodes: list[Worker], rid: str, body_rid) -> Attempt:
+        """The load-aware rule's pair: a decode instance alone (the one predicted to give the first token soonest)
+        when that beats the remote path, else the policies' pair; the prompt is booked where it is prefilled."""
+        decision = self.load_rule.decide(prompt, [w.option() for w in prefills], [w.option() for w in decodes],
+                                         self.handoff.value)
+        self.metrics.local_prefill_decisions.labels(reason=decision.reason).inc()
+        for path, seconds in (("local", decision.local_s), ("remote", decision.remote_s)):
+            if seconds is not None:
+                self.metrics.predicted_ttft.labels(path=path).observe(seconds)
+        if decision.decode is not None:
+            main, side = decodes[decision.decode], None
+            plan = PrefillPlan(main, main.booked.book(prompt, time.monotonic()), None)
+        else:
+            main, side = self.policies["decode"].select(decodes, key), self.policies["prefill"].select(prefills, key)
+            wait_s = side.option().prefill_wait_s(prompt)
+            plan = PrefillPlan(side, side.booked.book(prompt, time.monotonic()), wait_s)
+        self.metrics.prefills.labels(path="remote" if side else "local").inc()
+        return Attempt(ctx, number, main, side, rid, body_rid, plan)
+
+    def learn_handoff(self, attempt: Attempt, first_byte_s: float) -> None:
+        """A streamed remote request's first byte teaches the handoff overhead (a whole answer's first byte comes
+        after its last token, and a local one has no handoff)."""
+        plan = attempt.plan
+        if attempt.ctx.stream and attempt.side is not None and plan is not None and plan.predicted_wait_s is not None:
+            self.handoff.observe(first_byte_s, plan.predicted_wait_s)
+            self.metrics.handoff_overhead.set(self.handoff.value)
 
     async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
         ctx = attempt.ctx
@@ -295,7 +337,7 @@ class Dispatcher:
         if attempt.body_rid is not None:
             extra["rid"] = attempt.body_rid
         data = encode_body(ctx.raw, ctx.body, extra)
-        signature = self.signer.header_line(ctx.path, data) if self.signer and attempt.side else b""
+        signature = self.signer.header_line(ctx.path, data) if self.signer else b""  # every PD request
         fields = b"".join((b"Content-Type: application/json\r\nX-Request-Id: ",
                            attempt.rid.encode("utf-8", "surrogateescape"), b"\r\n", self.auth_line, signature))
         main, clock = attempt.main, ctx.clock
@@ -314,6 +356,9 @@ class Dispatcher:
             await self.open_main(attempt, exchange)
             attempt.first_received = True
             clock.mark(FIRST_BYTE[main.role])
+            if attempt.plan is not None:
+                attempt.plan.release()
+                self.learn_handoff(attempt, time.perf_counter() - dispatched)
             return await self.respond(attempt, exchange, dispatched - ctx.started)
         except BaseException as exc:
             self.abort_pair(attempt, exc)
@@ -321,6 +366,8 @@ class Dispatcher:
         finally:
             main.in_flight -= 1
             exchange.close()
+            if attempt.plan is not None:
+                attempt.plan.release()
 
     def start_side(self, attempt: Attempt, data: bytes, fields: bytes) -> None:
         side = attempt.side
@@ -329,6 +376,8 @@ class Dispatcher:
 
         def settle(head: asyncio.Future) -> None:
             side.in_flight -= 1
+            if attempt.plan is not None:
+                attempt.plan.release()  # the prefill answered: its prompt is no longer queued there
             if head.cancelled():
                 return
             error = self.side_error(attempt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from .workers import Worker
@@ -47,6 +47,17 @@ class RouterMetrics:
         self.prefills = Counter(PREFIX + "prefill", "PD requests by where their prompt was prefilled: remote (a "
                                 "prefill instance) or local (the decode instance, conditional disaggregation).",
                                 ("path",), registry=registry)
+        self.local_prefill_decisions = Counter(PREFIX + "local_prefill_decisions", "--local-prefill-by-load "
+                                               "choices, by reason: local_faster, remote_faster, no_budget (no "
+                                               "decode instance reports a local prefill rate), kv_gate (those that "
+                                               "do are above the KV gate), prefill_unmeasured (a prefill instance "
+                                               "has no measured rate).", ("reason",), registry=registry)
+        self.predicted_ttft = Histogram(PREFIX + "predicted_ttft_seconds", "--local-prefill-by-load: the predicted "
+                                        "time to first token of each path at each choice (local: the best decode "
+                                        "instance's).", ("path",), buckets=STAGE_BUCKETS, registry=registry)
+        self.handoff_overhead = Gauge(PREFIX + "handoff_overhead_seconds", "--local-prefill-by-load: the remote "
+                                      "path's learned time to first token beyond the prefill's predicted wait.",
+                                      registry=registry)
         self.cache_decisions = Counter(PREFIX + "cache_aware_decisions", "cache_aware picks, by role and by what "
                                        "decided: reported (an instance's /cache_report), local (the router's own "
                                        "prefix index) or load (no prefix matched enough, or the load was imbalanced).",

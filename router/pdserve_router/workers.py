@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .conditional import PrefillLoad, parse_load
+from .conditional import BookedTokens, InstanceLoad, Option, parse_load
 from .config import ConfigError, Role, RouterConfig
 from .reported_cache import CacheReport, parse_cache_report
 
@@ -71,7 +71,9 @@ class Worker:
     in_flight: int = 0
     health_failures: int = 0
     health_successes: int = 0
-    load: PrefillLoad | None = None  # a prefill's last `/load` answer (conditional disaggregation)
+    load: InstanceLoad | None = None  # its last `/load` answer (conditional disaggregation)
+    load_asked_at: float = 0.0  # time.monotonic() when that answer was asked for
+    booked: BookedTokens = field(default_factory=BookedTokens)  # prompt tokens sent to it, not yet prefilled
     cache_report: CacheReport | None = None  # its last `/cache_report` (cache-aware policy, reported source)
     bootstrap_host: str = field(init=False)
 
@@ -88,9 +90,18 @@ class Worker:
         """What `available` would say, without letting an open breaker turn half-open (for reports)."""
         return self.healthy and self.breaker.state != "open"
 
+    def option(self) -> Option:
+        """This instance for the load-aware rule: its last load and the booked tokens that load cannot show."""
+        return Option(self.load, self.booked.unseen(self.load_asked_at))
+
     def describe(self) -> dict:
         info = {"url": self.url, "role": self.role, "bootstrap_port": self.bootstrap_port, "healthy": self.healthy,
                 "ready": self.ready, "circuit": self.breaker.state, "in_flight": self.in_flight}
+        if self.load is not None:
+            info["load"] = {"queued_prefill_tokens": self.load.queued_tokens,
+                            "prefill_tokens_per_s": self.load.tokens_per_s,
+                            "local_prefill_tokens_per_s": self.load.local_tokens_per_s,
+                            "kv_usage": self.load.kv_usage, "booked_tokens": self.option().booked_tokens}
         if self.cache_report is not None:
             report = self.cache_report
             info["cache_report"] = {"device_blocks": len(report.device), "host_blocks": len(report.host),
@@ -228,20 +239,23 @@ class HealthChecker(PeriodicPoller):
 
 
 class LoadPoller(PeriodicPoller):
-    """Reads every prefill instance's `/load` (conditional disaggregation); one that does not answer has no load."""
+    """Reads the `/load` of every instance whose role the local-prefill rule weighs (conditional disaggregation);
+    one that does not answer has no load."""
 
     def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession, headers: dict[str, str]):
         self.registry, self.session, self.headers = registry, session, headers
+        self.roles = registry.config.load_poll_roles()
         self.interval_s = registry.config.load_poll_interval_s
         self.timeout_s = registry.config.health_check_timeout_s
 
     async def check_all(self) -> None:
-        workers = self.registry.of_role("prefill")
+        workers = [w for role in self.roles for w in self.registry.of_role(role)]
+        asked_at = time.monotonic()
         loads = await asyncio.gather(*(self.poll(w.url) for w in workers))
         for worker, load in zip(workers, loads):
-            worker.load = load
+            worker.load, worker.load_asked_at = load, asked_at
 
-    async def poll(self, url: str) -> PrefillLoad | None:
+    async def poll(self, url: str) -> InstanceLoad | None:
         return parse_load(await self.get_json(url + "/load"))
 
 

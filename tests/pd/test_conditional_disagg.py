@@ -1,7 +1,8 @@
 """Conditional disaggregation end to end: the router sends a short prompt to the decode server alone, which
 prefills it itself (in chunks, alternating with the decode steps of a request running beside it); the output is
 token-identical to a colocated server's (under a JSON schema too) and the router counts local and remote
-prefills."""
+prefills. The cluster has a cluster secret, as every launcher sets one: the decode server accepts the router's
+signed local requests."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 
 import jsonschema
 import pytest
+from pdserve.cluster_auth import HEADER, ClusterAuth
 from cluster_util import Proc, decode_server, free_port, prefill_server, router, scheduler_stats, start_all, \
     stop_all, wait_kv_free
 
@@ -21,15 +23,17 @@ LOCAL_MAX_TOKENS = 40
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
 SHORT_IDS = [(i * 29 + 5) % 1000 + 3 for i in range(LOCAL_MAX_TOKENS)]  # 3 local chunks of 16
 LONG_IDS = [(i * 37 + 11) % 1000 + 3 for i in range(100)]
+SECRET = ("--disaggregation-secret", "conditional-test-secret")
 
 
 @pytest.fixture(scope="module")
 def conditional_cluster(tiny_model) -> Iterator[dict[str, Proc]]:
     bootstrap = free_port()
-    prefill = prefill_server(tiny_model, "tcp", bootstrap, "--chunked-prefill-size", "32")
-    decode = decode_server(tiny_model, "tcp", "--decode-local-prefill-chunk-size", "16", name="decode-conditional")
+    prefill = prefill_server(tiny_model, "tcp", bootstrap, "--chunked-prefill-size", "32", *SECRET)
+    decode = decode_server(tiny_model, "tcp", "--decode-local-prefill-chunk-size", "16", *SECRET,
+                           name="decode-conditional")
     start_all([prefill, decode])
-    front = router([(prefill, bootstrap)], [decode], "--local-prefill-max-tokens", str(LOCAL_MAX_TOKENS),
+    front = router([(prefill, bootstrap)], [decode], "--local-prefill-max-tokens", str(LOCAL_MAX_TOKENS), *SECRET,
                    name="router-conditional")
     try:
         start_all([front])
@@ -79,8 +83,9 @@ def test_local_prefill_matches_colocated_and_is_counted(conditional_cluster, col
 
 
 def test_decode_server_refuses_half_a_bootstrap(conditional_cluster):
-    reply = conditional_cluster["decode"].post("/generate", {"input_ids": SHORT_IDS, "sampling_params": GREEDY,
-                                                             "bootstrap_host": "127.0.0.1"})
+    body = json.dumps({"input_ids": SHORT_IDS, "sampling_params": GREEDY, "bootstrap_host": "127.0.0.1"}).encode()
+    token = ClusterAuth(SECRET[1]).token("POST", "/generate", body)  # signed as the router signs
+    reply = conditional_cluster["decode"].post("/generate", body, headers={HEADER: token})
     assert reply.status == 400 and "bootstrap_room" in reply.json()["error"]["message"]
 
 

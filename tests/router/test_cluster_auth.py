@@ -35,3 +35,14 @@ def test_without_a_secret_no_token_is_sent(stubs, start_router):
     router = start_router("--prefill", prefill.url, "--decode", decode.url)
     assert router.post("/generate", {"text": "hi"}).status == 200
     assert HEADER.lower() not in decode.requests[-1]["headers"]
+
+
+def test_requests_a_decode_instance_prefills_itself_are_signed_too(stubs, start_router):
+    prefill, decode = stubs.add("prefill"), stubs.add("decode")
+    router = start_router("--prefill", prefill.url, "--decode", decode.url, "--disaggregation-secret", "s3cret",
+                          "--local-prefill-max-tokens", "64")
+    for body in ({"text": "hi"}, {"text": "hi", "sampling_params": {"max_new_tokens": 0}}):  # local, prompt-only
+        assert router.post("/generate", body).status == 200
+        sent = decode.requests[-1]
+        assert "bootstrap_room" not in sent["body"] and len(sent["headers"][HEADER.lower()].split(".")) == 4
+    assert not prefill.requests

@@ -6,44 +6,44 @@ from __future__ import annotations
 import time
 
 import pytest
-from pdserve_router.conditional import LocalPrefillRule, PrefillLoad, estimate_prompt_tokens, parse_load
+from pdserve_router.conditional import InstanceLoad, LocalPrefillRule, estimate_prompt_tokens, parse_load
 
-IDLE = PrefillLoad(queued_tokens=0, tokens_per_s=10_000.0)
+IDLE = InstanceLoad(queued_tokens=0, tokens_per_s=10_000.0)
 
 
 def test_short_prompt_goes_local_and_long_goes_remote():
     rule = LocalPrefillRule(max_tokens=256)
     assert rule.prefill_locally(256, [IDLE])
     assert not rule.prefill_locally(257, [IDLE])
-    assert not rule.prefill_locally(4000, [PrefillLoad(10**6, 100.0)])  # no cost factor: load is not read
+    assert not rule.prefill_locally(4000, [InstanceLoad(10**6, 100.0)])  # no cost factor: load is not read
 
 
 def test_saturated_prefill_sends_long_prompts_local():
     rule = LocalPrefillRule(max_tokens=0, cost_factor=2.0)
     # 1,000 tokens at 10k tok/s: 0.1 s remote when idle, 0.2 s local
     assert not rule.prefill_locally(1000, [IDLE])
-    assert not rule.prefill_locally(1000, [PrefillLoad(999, 10_000.0)])  # waits 0.1999 s < 0.2 s
-    assert rule.prefill_locally(1000, [PrefillLoad(1001, 10_000.0)])  # waits 0.2001 s > 0.2 s
-    assert rule.prefill_locally(1000, [PrefillLoad(50_000, 10_000.0), PrefillLoad(60_000, 20_000.0)])
+    assert not rule.prefill_locally(1000, [InstanceLoad(999, 10_000.0)])  # waits 0.1999 s < 0.2 s
+    assert rule.prefill_locally(1000, [InstanceLoad(1001, 10_000.0)])  # waits 0.2001 s > 0.2 s
+    assert rule.prefill_locally(1000, [InstanceLoad(50_000, 10_000.0), InstanceLoad(60_000, 20_000.0)])
 
 
 def test_one_idle_prefill_keeps_the_remote_path():
     rule = LocalPrefillRule(cost_factor=2.0)
-    assert not rule.prefill_locally(1000, [PrefillLoad(50_000, 10_000.0), IDLE])
+    assert not rule.prefill_locally(1000, [InstanceLoad(50_000, 10_000.0), IDLE])
 
 
 def test_unknown_load_or_prompt_keeps_the_remote_path():
     rule = LocalPrefillRule(max_tokens=64, cost_factor=2.0)
     assert not rule.prefill_locally(1000, [None])  # the instance did not answer /load
-    assert not rule.prefill_locally(1000, [PrefillLoad(10**6, 0.0)])  # no prefill measured yet
+    assert not rule.prefill_locally(1000, [InstanceLoad(10**6, 0.0)])  # no prefill measured yet
     assert not rule.prefill_locally(1000, [])
-    assert not rule.prefill_locally(None, [PrefillLoad(10**6, 1.0)])
+    assert not rule.prefill_locally(None, [InstanceLoad(10**6, 1.0)])
 
 
 def test_rule_is_off_by_default():
     rule = LocalPrefillRule()
     assert not rule.enabled
-    assert not rule.prefill_locally(1, [PrefillLoad(10**6, 1.0)])
+    assert not rule.prefill_locally(1, [InstanceLoad(10**6, 1.0)])
 
 
 def test_prompt_token_estimate():
@@ -66,7 +66,7 @@ def test_malformed_load_answers_are_ignored(body):
 
 def test_load_answer_parsed():
     assert parse_load({"queued_prefill_tokens": 12, "prefill_tokens_per_s": 300, "num_waiting": 1}) == \
-        PrefillLoad(12, 300.0)
+        InstanceLoad(12, 300.0)
 
 
 def test_router_spills_to_the_decode_while_the_prefill_reports_a_long_queue(stubs, start_router):

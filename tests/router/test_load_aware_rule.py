@@ -1,0 +1,131 @@
+"""The load-aware local-prefill rule (`--local-prefill-by-load`) as a function of the reported loads: predicted time
+to first token on the best prefill (queue, booked tokens and prompt at its measured rate, plus the learned handoff)
+against the best decode instance's (the same at its budgeted local rate), gated by budget and KV usage; the
+handoff overhead's moving average; bookings that a later report shows stop counting; `/load` parsed defensively."""
+
+from __future__ import annotations
+
+import pytest
+from pdserve_router.conditional import (FASTER, INGEST_MARGIN_S, KV_GATE, NO_BUDGET, SLOWER, UNMEASURED,
+                                        BookedTokens, HandoffEstimate, InstanceLoad, LoadAwareRule, Option, parse_load)
+
+PROMPT = 1000
+FAST_PREFILL = Option(InstanceLoad(0, 10_000.0))  # 0.1 s for the prompt
+BUSY_PREFILL = Option(InstanceLoad(50_000, 10_000.0))  # 5.1 s for the prompt
+BUDGETED_DECODE = Option(InstanceLoad(0, 10_000.0, local_tokens_per_s=2_000.0, kv_usage=0.1))  # 0.5 s locally
+RULE = LoadAwareRule()
+
+
+def test_a_short_prefill_queue_keeps_the_remote_path():
+    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.0)
+    assert decision.decode is None and decision.reason == SLOWER
+    assert decision.remote_s == pytest.approx(0.1) and decision.local_s == pytest.approx(0.5)
+
+
+def test_a_long_prefill_queue_moves_the_prompt_to_a_budgeted_decode():
+    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [BUDGETED_DECODE], handoff_s=0.0)
+    assert decision.decode == 0 and decision.reason == FASTER
+
+
+def test_the_best_prefill_instance_sets_the_remote_prediction():
+    assert RULE.decide(PROMPT, [BUSY_PREFILL, FAST_PREFILL], [BUDGETED_DECODE], 0.0).decode is None
+
+
+def test_the_learned_handoff_counts_on_the_remote_side():
+    assert RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.39).decode is None  # 0.49 < 0.5
+    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.41)
+    assert decision.decode == 0 and decision.remote_s == pytest.approx(0.51)
+
+
+def test_alpha_scales_the_comparison():
+    assert LoadAwareRule(alpha=4.9).decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], 0.0).decode is None
+    assert LoadAwareRule(alpha=5.1).decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], 0.0).decode == 0
+    assert LoadAwareRule(alpha=0.05).decide(PROMPT, [BUSY_PREFILL], [BUDGETED_DECODE], 0.0).decode is None
+
+
+@pytest.mark.parametrize("decode", [Option(InstanceLoad(0, 10_000.0)),  # reports no local rate
+                                    Option(InstanceLoad(0, 10_000.0, local_tokens_per_s=0.0, kv_usage=0.0)),
+                                    Option(None)])  # did not answer /load
+def test_a_decode_without_budget_never_prefills(decode):
+    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [decode], 0.0)
+    assert decision.decode is None and decision.reason == NO_BUDGET and decision.local_s is None
+
+
+@pytest.mark.parametrize("kv_usage", [0.9, 0.95, 1.0])
+def test_a_decode_at_or_above_the_kv_gate_never_prefills(kv_usage):
+    decode = Option(InstanceLoad(0, 10_000.0, local_tokens_per_s=2_000.0, kv_usage=kv_usage))
+    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [decode], 0.0)
+    assert decision.decode is None and decision.reason == KV_GATE
+    assert LoadAwareRule(kv_gate=1.0).decide(PROMPT, [BUSY_PREFILL], [decode], 0.0).decode == \
+        (None if kv_usage == 1.0 else 0)
+
+
+def test_an_unmeasured_prefill_keeps_the_remote_path():
+    for prefills in ([Option(InstanceLoad(10**6, 0.0))], [BUSY_PREFILL, Option(None)], []):
+        decision = RULE.decide(PROMPT, prefills, [BUDGETED_DECODE], 0.0)
+        assert decision.decode is None and decision.reason == UNMEASURED
+
+
+def test_the_decode_predicted_soonest_is_chosen():
+    slow = Option(InstanceLoad(0, 10_000.0, local_tokens_per_s=1_000.0, kv_usage=0.1))  # 1.0 s
+    queued = Option(InstanceLoad(4_000, 10_000.0, local_tokens_per_s=4_000.0, kv_usage=0.1))  # 1.25 s
+    fast_but_full = Option(InstanceLoad(0, 10_000.0, local_tokens_per_s=8_000.0, kv_usage=0.95))
+    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [queued, fast_but_full, slow, BUDGETED_DECODE], 0.0)
+    assert decision.decode == 3 and decision.local_s == pytest.approx(0.5)
+    assert RULE.decide(PROMPT, [BUSY_PREFILL], [queued, fast_but_full, slow], 0.0).decode == 2
+
+
+def test_booked_tokens_count_on_both_sides():
+    booked_decode = Option(BUDGETED_DECODE.load, booked_tokens=25_000)  # 13 s locally
+    assert RULE.decide(PROMPT, [BUSY_PREFILL], [booked_decode], 0.0).decode is None
+    booked_prefill = Option(FAST_PREFILL.load, booked_tokens=9_000)  # 1.0 s remotely
+    assert RULE.decide(PROMPT, [booked_prefill], [BUDGETED_DECODE], 0.0).decode == 0
+
+
+def test_handoff_estimate_is_a_clipped_moving_average_of_the_observed_excess():
+    estimate = HandoffEstimate()
+    assert estimate.value == 0.0  # nothing learned: the remote path pays no handoff yet
+    estimate.observe(first_byte_s=0.5, predicted_wait_s=0.2)
+    assert estimate.value == pytest.approx(0.3)  # the first observation sets it
+    estimate.observe(first_byte_s=1.5, predicted_wait_s=0.2)
+    assert estimate.value == pytest.approx(0.3 + 0.1 * (1.3 - 0.3))
+    for _ in range(200):
+        estimate.observe(first_byte_s=0.0, predicted_wait_s=2.0)  # the prediction overestimates the wait
+    assert estimate.seconds < 0 and estimate.value == 0.0
+    estimate.observe(first_byte_s=1e9, predicted_wait_s=0.0)  # a stalled request moves it by a bounded step
+    assert estimate.value < 10
+
+
+def test_a_booking_counts_until_released_or_shown_by_a_later_report():
+    booked = BookedTokens()
+    first = booked.book(100, now=10.0)
+    booked.book(40, now=10.2)
+    assert booked.unseen(report_asked_at=9.9) == 140
+    assert booked.unseen(report_asked_at=10.0 + INGEST_MARGIN_S / 2) == 140  # the server may not have queued it
+    assert booked.unseen(report_asked_at=10.0 + INGEST_MARGIN_S * 2) == 40
+    booked.release(first)
+    booked.release(first)  # releasing twice (first byte, then the attempt's end) is harmless
+    assert booked.unseen(report_asked_at=0.0) == 40
+
+
+def test_full_load_answer_parsed():
+    body = {"queued_prefill_tokens": 12, "prefill_tokens_per_s": 300.0, "local_prefill_tokens_per_s": 150,
+            "decode_step_ms": 6.1, "num_running_reqs": 3, "kv_usage": 0.25, "tpot_budget_ms": 10.0}
+    assert parse_load(body) == InstanceLoad(12, 300.0, 150.0, 0.25)
+
+
+@pytest.mark.parametrize("extra", [{}, {"local_prefill_tokens_per_s": 100.0},  # no kv_usage: no local prefill
+                                   {"local_prefill_tokens_per_s": -1.0, "kv_usage": 0.1},
+                                   {"local_prefill_tokens_per_s": True, "kv_usage": 0.1},
+                                   {"local_prefill_tokens_per_s": float("inf"), "kv_usage": 0.1},
+                                   {"local_prefill_tokens_per_s": "1", "kv_usage": 0.1},
+                                   {"local_prefill_tokens_per_s": 100.0, "kv_usage": 1.5},
+                                   {"local_prefill_tokens_per_s": 100.0, "kv_usage": -0.1},
+                                   {"local_prefill_tokens_per_s": 100.0, "kv_usage": None}])
+def test_a_load_without_a_valid_budget_takes_no_local_prefill(extra):
+    load = parse_load({"queued_prefill_tokens": 5, "prefill_tokens_per_s": 300.0, **extra})
+    assert load == InstanceLoad(5, 300.0) and load.local_tokens_per_s == 0.0
+
+
+def test_an_absurd_queue_is_not_believed():
+    assert parse_load({"queued_prefill_tokens": 1 << 41, "prefill_tokens_per_s": 1.0}) is None
