@@ -7,6 +7,7 @@ its compile without holding up the others. Requests with the same grammar share 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
@@ -20,6 +21,12 @@ from pdserve.constrained.utf8_guard import Utf8Guard
 
 _NATIVE_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " prefix
 MISSING_PACKAGE = "structured output needs the xgrammar package (pip install 'xgrammar==0.2.8')"
+MAX_COMPILE_THREADS = 8  # xgrammar's own default
+
+
+def compile_threads() -> int:
+    """Threads one compile spreads its token masks over: this process's CPUs, at most MAX_COMPILE_THREADS."""
+    return min(MAX_COMPILE_THREADS, len(os.sched_getaffinity(0)))
 
 
 class GrammarError(ValueError):
@@ -54,7 +61,12 @@ class _Vocabulary:
 class GrammarCompiler:
     """Compiles grammars for one tokenizer in a thread pool; each distinct spec is compiled once. The tokenizer's
     preparation (loading it, xgrammar's tables: seconds for a 128k vocabulary) is the pool's first task, so not
-    even the first grammar holds up the caller's thread."""
+    even the first grammar holds up the caller's thread.
+
+    A compile's time goes to xgrammar's token mask of each state its rules have not met before (states repeat
+    across grammars, so later grammars reuse them): a string of at most 32 characters takes 33 states, each
+    checking every token of the vocabulary, about 40 ms a state for a 128k vocabulary on one core. xgrammar
+    spreads a compile's states over `compile_threads()` threads."""
 
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: list[int],
                  any_whitespace: bool, max_workers: int = 1):
@@ -62,18 +74,17 @@ class GrammarCompiler:
         self.xgr = import_xgrammar()
         self.any_whitespace = any_whitespace
         self.pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self.vocabulary = self.pool.submit(self._prepare, load_tokenizer, vocab_size, stop_ids, max_workers)
+        self.vocabulary = self.pool.submit(self._prepare, load_tokenizer, vocab_size, stop_ids)
         self.cache: dict[GrammarSpec, Future] = {}
         self.lock = Lock()
         self.num_compiles = self.num_cache_hits = 0
         self.compile_seconds = 0.0  # summed over compiles, failed ones included
 
-    def _prepare(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: list[int],
-                 max_workers: int) -> _Vocabulary:
+    def _prepare(self, load_tokenizer: Callable[[], Any], vocab_size: int, stop_ids: list[int]) -> _Vocabulary:
         info = self.xgr.TokenizerInfo.from_huggingface(load_tokenizer(), vocab_size=vocab_size,
                                                        stop_token_ids=stop_ids)
         token_bytes = info.decoded_vocab
-        return _Vocabulary(self.xgr.GrammarCompiler(info, max_threads=max_workers), token_bytes,
+        return _Vocabulary(self.xgr.GrammarCompiler(info, max_threads=compile_threads()), token_bytes,
                            Utf8Guard(token_bytes))
 
     @property

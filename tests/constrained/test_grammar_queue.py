@@ -86,3 +86,27 @@ def test_the_first_grammar_prepares_the_tokenizer_off_the_callers_thread(tiny_mo
         time.sleep(0.05)
     assert len(outcomes) == 1 and outcomes[0].grammar is not None
     q.close()
+
+
+@pytest.mark.parametrize("cpus, threads", [(1, 1), (2, 2), (16, 8)])
+def test_a_compile_spreads_its_token_masks_over_the_processes_cpus(tiny_model, monkeypatch, cpus, threads):
+    """xgrammar computes each new state's token mask over the whole vocabulary (33 states for a 32-character string
+    bound): a first schema's compile time divides by its threads, up to xgrammar's default of 8."""
+    import xgrammar
+
+    from pdserve.constrained import compiler
+
+    built = []
+
+    class RecordingCompiler(xgrammar.GrammarCompiler):
+        def __init__(self, info, max_threads):
+            built.append(max_threads)
+            super().__init__(info, max_threads=max_threads)
+
+    monkeypatch.setattr(compiler.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(xgrammar, "GrammarCompiler", RecordingCompiler)
+    q = queue(tiny_model)
+    q.submit(Req.of("s", [1, 2], SamplingParams(json_schema='{"type": "string", "maxLength": 32}')))
+    q.pending[0].compiled.result(timeout=60)
+    assert built == [threads] and q.poll()[0].grammar is not None
+    q.close()
