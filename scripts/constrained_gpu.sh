@@ -4,7 +4,8 @@
 #   bash scripts/constrained_gpu.sh
 # One colocated server on the MODEL preset (llama-3.1-8b, bf16); `pdserve.bench.constrained` at BATCH_SIZES
 # (1 64), prompts of INPUT_LEN (512) tokens, OUTPUT_LEN (256) tokens out, REPEATS (3) interleaved runs of each mode,
-# then the first compile of a 20-property schema. About 3 minutes: model ~15 s, server start ~30-60 s, benchmark
+# then the first compile of a 20-property schema; before the server starts, the same compile on the host alone
+# (scripts/grammar_compile_cost.py: tokenizer preparation, first schema, fresh names). About 3 minutes: model ~15 s, server start ~30-60 s, benchmark
 # ~1-2 min.
 # Results (JSON, PNG, table, server log, grammar metrics) land in $OUT/results.tgz.
 set -u
@@ -26,6 +27,7 @@ trap 'tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . && rm -rf "$OUT"' EXIT
 
 model_dir="$M/$MODEL"
 [ -d "$model_dir" ] || step 240 "make_$MODEL" python3 -m pdserve.tools.make_model --preset "$MODEL" --out "$model_dir"
+TAILN=2 step 120 grammar_compile_cost python3 scripts/grammar_compile_cost.py --preset "$MODEL"
 python3 -m pdserve.launch_server --model-path "$model_dir" --port $PORT --grammar-backend xgrammar $SERVER_FLAGS \
   > "$OUT/server.log" 2>&1 &
 server=$!
