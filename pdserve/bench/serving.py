@@ -31,7 +31,7 @@ from pathlib import Path
 from random import Random
 
 from pdserve.bench.cli import bench_parser, run_with_plot, write_result
-from pdserve.bench.client import BACKENDS, ClientConfig, as_record
+from pdserve.bench.client import BACKENDS, ClientConfig, RequestResult, as_record
 from pdserve.bench.datasets import (FIT_POLICIES, BenchRequest, MixShape, PromptBuilder, fit_to_context, mix_dataset,
                                     parse_trace, random_dataset, sessions_dataset, trace_dataset)
 from pdserve.bench.loadgen import ARRIVALS, LoadRun, schedule
@@ -215,7 +215,8 @@ def warm_up(config: ClientConfig, warm: list[BenchRequest], slo: Slo) -> dict:
 
 
 async def run_at_rate(config: ClientConfig, requests: list[BenchRequest], rate: float, args: argparse.Namespace,
-                      slo: Slo) -> dict:
+                      slo: Slo) -> tuple[dict, list[RequestResult]]:
+    """The run's summary (with every request's record under --output-details) and the results themselves."""
     offsets = schedule(requests, rate, args.arrival, args.seed)
     label = "trace" if requests and requests[0].arrival_s is not None else f"{rate:g} req/s"
     load = LoadRun(config, requests, offsets, args.max_concurrency, progress=not args.disable_progress,
@@ -225,7 +226,7 @@ async def run_at_rate(config: ClientConfig, requests: list[BenchRequest], rate: 
     run = {"request_rate": None if math.isinf(rate) else rate, "arrival": args.arrival, **summary}
     if args.output_details:
         run["details"] = [as_record(r) for r in results]
-    return run
+    return run, results
 
 
 def slo_misses(run: dict, slo: Slo) -> str:
@@ -282,7 +283,7 @@ def benchmark(args: argparse.Namespace) -> dict:
 
     def measure(rate: float) -> float:
         run_requests, _ = workload.build(args.num_prompts, words_seed(args, len(runs)))
-        run = asyncio.run(run_at_rate(config, run_requests, rate, args, slo))
+        run, _ = asyncio.run(run_at_rate(config, run_requests, rate, args, slo))
         print_run(run, slo)
         runs.append(run)
         return run["slo_attainment"] or 0.0

@@ -1,0 +1,97 @@
+"""Deployment layouts on a machine's GPUs, by name, and the one `launch_cluster --layout auto` starts.
+
+Names: `colocated` (one plain server per GPU behind the regular router), `XpYd` (X prefill and Y decode servers
+behind the PD router, e.g. 1p1d, 1p3d, 2p2d, 3p1d), and `XpYd-balanced`: the same with the decode servers taking
+prefill work within a TPOT budget and the router choosing local or remote prefill per request from measured load.
+
+`auto` picks from MEASURED_BEST, which holds what `python -m pdserve.bench.sweep` measured best for a workload on a
+GPU count (the sweep prints the entry to add); where nothing was measured, half the GPUs prefill and the rest decode,
+balanced. Torch-free: the launcher parses layouts before anything starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+WORKLOADS = ("mix", "chat", "docs")  # pdserve.bench.serving's mix, its chat part alone, its documents alone
+BALANCED_SUFFIX = "-balanced"
+# What makes a PD layout balanced: the router's load-aware choice of local (decode-side) or remote prefill, and each
+# decode server's prefill work kept within a TPOT budget (its value: the launcher's --decode-tpot-budget-ms).
+BALANCED_ROUTER_FLAGS = ("--local-prefill-by-load",)
+DECODE_TPOT_BUDGET_FLAG = "--decode-tpot-budget-ms"
+_PD_NAME = re.compile(r"([1-9]\d*)p([1-9]\d*)d")
+
+
+class LayoutError(ValueError):
+    """A layout name that means nothing, or one that does not fit the GPUs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Server counts of a layout on a machine: `workers` colocated servers, or `prefill` + `decode` PD servers."""
+
+    name: str
+    workers: int = 0
+    prefill: int = 0
+    decode: int = 0
+    balanced: bool = False
+
+    @property
+    def colocated(self) -> bool:
+        return self.workers > 0
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"{self.workers} colocated server{'s' if self.workers > 1 else ''}"
+        extra = ", decode servers prefill within their TPOT budget, chosen by load" if self.balanced else ""
+        return f"{self.prefill} prefill + {self.decode} decode{extra}"
+
+
+def parse_layout(name: str, slots: int) -> Layout:
+    """The layout `name` on `slots` one-GPU server slots (`colocated` fills them all; `XpYd` needs X + Y of them)."""
+    if name == "colocated":
+        if slots < 1:
+            raise LayoutError("colocated needs at least one GPU")
+        return Layout(name, workers=slots)
+    base = name.removesuffix(BALANCED_SUFFIX)
+    match = _PD_NAME.fullmatch(base)
+    if match is None:
+        raise LayoutError(f"unknown layout {name!r}: colocated, XpYd (e.g. 1p1d, 2p2d) or XpYd{BALANCED_SUFFIX}")
+    prefill, decode = int(match[1]), int(match[2])
+    if prefill + decode > slots:
+        raise LayoutError(f"layout {name} needs {prefill + decode} GPUs, {slots} given")
+    return Layout(name, prefill=prefill, decode=decode, balanced=base != name)
+
+
+def check_layout_name(name: str) -> str:
+    """`name` if it is a layout's name on some machine (the GPU count is checked when it is known)."""
+    parse_layout(name, slots=1 << 16)
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    layout: str
+    why: str  # the measurement, in words: goodputs against colocated's, SLO, machine, date
+
+
+# (workload, GPUs) -> the layout with the highest goodput in a `pdserve.bench.sweep` run (its JSON's `auto_entry`).
+MEASURED_BEST: dict[tuple[str, int], Measured] = {}
+
+
+def default_layout(gpus: int) -> str:
+    """Half the GPUs prefill (the mix is ~75% prefill work), the others decode and help with prefill."""
+    prefill = max(1, gpus // 2)
+    return f"{prefill}p{gpus - prefill}d{BALANCED_SUFFIX}"
+
+
+def choose_layout(workload: str, gpus: int) -> tuple[str, str]:
+    """The layout `auto` starts for `workload` on `gpus` GPUs, and why, in words."""
+    if gpus < 2:
+        return "1p1d", "fewer than two GPUs: the launcher's default, both servers on one device"
+    measured = MEASURED_BEST.get((workload, gpus))
+    if measured is not None:
+        return measured.layout, f"measured best: {measured.why}"
+    return default_layout(gpus), ("not measured yet, the default: half the GPUs prefill, and the decode servers "
+                                  "take prefill work within their TPOT budget when the prefill queue is long")
