@@ -3,6 +3,11 @@
     python -m pdserve.launch_cluster                                   # 1 prefill + 1 decode, a tiny model
     python -m pdserve.launch_cluster --model-path DIR --prefill 2 --decode 2 -- --max-total-tokens 8192  # 2P2D
     python -m pdserve.launch_cluster --colocated --num-workers 2       # baseline: regular router, no PD
+    python -m pdserve.launch_cluster --model-path DIR --num-gpus 4 --layout auto --workload mix  # the measured best
+
+Without server counts (`--prefill`, `--decode`, `--colocated`, `--num-workers`), the `--layout` starts: `auto`
+(default) picks the layout measured best for `--workload` on the GPUs (`pdserve.layouts`; on the CPU or one GPU,
+1 prefill + 1 decode as always) and says which and why in one line; `colocated`, `XpYd` and `XpYd-balanced` name one.
 
 Each server takes as many GPUs as its TP size, prefills first: with `--prefill-tp-size 2 --decode-tp-size 1`,
 prefill 0 runs on GPUs 0-1, prefill 1 on GPUs 2-3, decode 0 on GPU 4 (each server's `--base-gpu-id`, and its own
@@ -35,6 +40,8 @@ from dataclasses import dataclass
 from pdserve.cluster_auth import SECRET_ENV, cluster_secret
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser, parse_server_cli
 from pdserve.hub import resolve_model_path
+from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, WORKLOADS, LayoutError, check_layout_name,
+                             choose_layout, parse_layout)
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
@@ -48,6 +55,7 @@ BACKENDS = ("auto", "mooncake", "nccl", "tcp")  # fake serves each role alone (d
 # Servers sharing one GPU: the part of --mem-fraction-static given up for each server after the first, for its own
 # CUDA context, activations and graphs (one server alone keeps the whole 1 - fraction for those).
 SHARED_GPU_RUNTIME_FRACTION = 0.05
+CPU_SLOTS = 2  # the servers a layout places on the CPU without --num-gpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +90,25 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model-path", default=None,
                         help="HF-format model folder; default: a tiny random-weight qwen3 model built once and cached.")
-    parser.add_argument("--num-prefill", "--prefill", type=int, default=1, help="Prefill servers (default: 1).")
-    parser.add_argument("--num-decode", "--decode", type=int, default=1, help="Decode servers (default: 1).")
+    parser.add_argument("--num-prefill", "--prefill", type=int, default=None,
+                        help="Prefill servers (default: 1, or as --layout says when no server count is given).")
+    parser.add_argument("--num-decode", "--decode", type=int, default=None, help="Decode servers (default: 1).")
     parser.add_argument("--colocated", action="store_true",
                         help="Baseline without PD: --num-workers colocated servers behind a regular-mode router.")
-    parser.add_argument("--num-workers", type=int, default=1, help="Colocated servers with --colocated (default: 1).")
+    parser.add_argument("--num-workers", type=int, default=None, help="Colocated servers with --colocated (default: 1).")
+    parser.add_argument("--layout", type=layout_name, default="auto",
+                        help="Without server counts: auto (default: the layout measured best for --workload on the "
+                             "GPUs, 1 prefill + 1 decode on the CPU or one GPU), colocated (one server per GPU), "
+                             "XpYd (e.g. 1p3d) or XpYd-balanced (decode servers also prefill, within "
+                             "--decode-tpot-budget-ms, when the router finds the prefill queue long).")
+    parser.add_argument("--num-gpus", type=int, default=None,
+                        help="GPUs a layout uses, the first ones visible (default: all; on the CPU, the servers a "
+                             f"layout places, default {CPU_SLOTS}).")
+    parser.add_argument("--workload", choices=WORKLOADS, default="mix",
+                        help="What --layout auto chooses for: mix (70%% chat, 30%% long documents), chat, docs.")
+    parser.add_argument("--decode-tpot-budget-ms", type=float, default=10.0,
+                        help="-balanced layouts: the time per output token a decode server keeps while it prefills "
+                             "(default: 10).")
     parser.add_argument("--prefill-tp-size", type=int, default=None,
                         help="Tensor-parallel ranks of each prefill server (default: --tp-size after `--`, else 1).")
     parser.add_argument("--decode-tp-size", type=int, default=None,
@@ -108,6 +130,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def layout_name(value: str) -> str:
+    if value == "auto":
+        return value
+    try:
+        return check_layout_name(value)
+    except LayoutError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's flags, and the engine flags after `--` (passed to every server as they are)."""
     engine_args: list[str] = []
@@ -117,10 +148,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = build_arg_parser()
     ns = parser.parse_args(argv)
     counts = {"--num-prefill": ns.num_prefill, "--num-decode": ns.num_decode, "--num-workers": ns.num_workers,
-              "--prefill-tp-size": ns.prefill_tp_size, "--decode-tp-size": ns.decode_tp_size}
+              "--prefill-tp-size": ns.prefill_tp_size, "--decode-tp-size": ns.decode_tp_size,
+              "--num-gpus": ns.num_gpus}
     for flag, value in counts.items():
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if ns.decode_tpot_budget_ms <= 0:
+        parser.error(f"--decode-tpot-budget-ms must be positive, got {ns.decode_tpot_budget_ms:g}")
+    ns.server_counts_given = ns.colocated or any(n is not None for n in (ns.num_prefill, ns.num_decode,
+                                                                         ns.num_workers))
+    if ns.server_counts_given and ns.layout != "auto":
+        parser.error(f"--layout {ns.layout} names the servers itself; leave out --prefill, --decode, --colocated "
+                     "and --num-workers")
+    ns.num_prefill, ns.num_decode, ns.num_workers = ns.num_prefill or 1, ns.num_decode or 1, ns.num_workers or 1
+    ns.balanced = False
     if not 0 <= ns.port < 65536:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     owned = ("--model-path", "--model", "--port", "--host", "--device", "--base-gpu-id", "--disaggregation-mode",
@@ -241,6 +282,33 @@ def server_tp_sizes(ns: argparse.Namespace) -> list[int]:
     return [ns.prefill_tp_size] * ns.num_prefill + [ns.decode_tp_size] * ns.num_decode
 
 
+def layout_gpus(ns: argparse.Namespace, visible: int) -> int:
+    """The GPUs the cluster may use: --num-gpus of the `visible` ones (all by default); 0 on the CPU."""
+    if visible and ns.num_gpus is not None and ns.num_gpus > visible:
+        raise ClusterError(f"--num-gpus {ns.num_gpus} but {visible} GPU(s) are visible")
+    return min(visible, ns.num_gpus or visible)
+
+
+def apply_layout(ns: argparse.Namespace, gpus: int) -> str | None:
+    """Set the server counts of `ns` from its --layout on `gpus` GPUs (0: the CPU), and return the line that says
+    which layout and why; None when the command line gave the server counts itself."""
+    if ns.server_counts_given:
+        return None
+    slots = gpus or ns.num_gpus or CPU_SLOTS
+    name, why = (ns.layout, "") if ns.layout != "auto" else choose_layout(ns.workload, gpus)
+    try:
+        layout = parse_layout(name, slots)
+    except LayoutError as exc:
+        raise ClusterError(str(exc)) from None
+    ns.colocated, ns.balanced = layout.colocated, layout.balanced
+    ns.num_workers = max(1, layout.workers // ns.worker_tp_size)
+    ns.num_prefill, ns.num_decode = layout.prefill or 1, layout.decode or 1
+    where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "the CPU"
+    if ns.layout != "auto":
+        return f"--layout {name} on {where}: {layout.describe()}"
+    return f"--layout auto on {where} for the {ns.workload} workload: {name} ({layout.describe()}); {why}"
+
+
 def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, engine_args: list[str],
                  ports: PortPicker) -> tuple[list[ChildSpec], ChildSpec]:
     """The servers to start, then the router that goes in front of them."""
@@ -263,10 +331,12 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
         bootstraps = [ports.pick() for _ in range(ns.num_prefill)]
         prefills = [spec(f"prefill {i}", ns.prefill_tp_size, *prefill_flags(ns.transfer_backend, b), bootstrap=b)
                     for i, b in enumerate(bootstraps)]
-        decodes = [spec(f"decode {j}", ns.decode_tp_size, *decode_flags(ns.transfer_backend))
+        budget = [DECODE_TPOT_BUDGET_FLAG, f"{ns.decode_tpot_budget_ms:g}"] if ns.balanced else []
+        decodes = [spec(f"decode {j}", ns.decode_tp_size, *decode_flags(ns.transfer_backend), *budget)
                    for j in range(ns.num_decode)]
         servers = prefills + decodes
         router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
+        router_flags += BALANCED_ROUTER_FLAGS if ns.balanced else ()
     router_port = ns.port or ports.pick()
     argv = router_argv(router_port, *router_flags, "--shutdown-drain-timeout-s", str(ns.shutdown_drain_timeout_s),
                        *ns.router_args.split(), host=host)
@@ -357,6 +427,41 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True, slots=True)
+class StartedCluster:
+    device: str
+    specs: list[ChildSpec]  # the servers as planned, then the router
+    procs: list[Proc]  # in the same order
+
+    @property
+    def router_url(self) -> str:
+        return self.specs[-1].url
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [spec.url for spec in self.specs[:-1]]
+
+
+def start_cluster(ns: argparse.Namespace, engine_args: list[str], cluster: Cluster) -> StartedCluster:
+    """Choose the layout (`apply_layout`), place and start the servers, then the router; ClusterError when one does
+    not become healthy (`cluster.stop` stops whatever started)."""
+    gpus = layout_gpus(ns, 0 if ns.device == "cpu" else visible_gpus())
+    layout_line = apply_layout(ns, gpus)
+    if layout_line:
+        print(f"{PROG}: {layout_line}", flush=True)
+    placement = place_servers(ns.device, gpus, server_tp_sizes(ns), ns.engine)
+    if placement.note:
+        print(f"{PROG}: {placement.note}", flush=True)
+    ns.model_path = ns.model_path or default_model_path()
+    server_specs, router_spec = plan_cluster(ns, ns.model_path, placement, engine_args, PortPicker(ns.host))
+    deadline = time.monotonic() + ns.startup_timeout
+    print(f"{PROG}: starting {len(server_specs)} server(s) on {placement.device}; logs in {cluster.log_dir}",
+          flush=True)
+    servers = cluster.start(server_specs, deadline, placement.one_by_one)
+    router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
+    return StartedCluster(placement.device, [*server_specs, router_spec], [*servers, *router])
+
+
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     log_dir = ns.log_dir or tempfile.mkdtemp(prefix="pdserve-cluster-")
     os.makedirs(log_dir, exist_ok=True)
@@ -370,18 +475,8 @@ def run(ns: argparse.Namespace, engine_args: list[str]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
-        gpus = 0 if ns.device == "cpu" else visible_gpus()
-        placement = place_servers(ns.device, gpus, server_tp_sizes(ns), ns.engine)
-        device = placement.device
-        if placement.note:
-            print(f"{PROG}: {placement.note}", flush=True)
-        model_path = ns.model_path or default_model_path()
-        server_specs, router_spec = plan_cluster(ns, model_path, placement, engine_args, PortPicker(ns.host))
-        deadline = time.monotonic() + ns.startup_timeout
-        print(f"{PROG}: starting {len(server_specs)} server(s) on {device}; logs in {log_dir}", flush=True)
-        servers = cluster.start(server_specs, deadline, placement.one_by_one)
-        router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
-        print(describe(ns, device, [*server_specs, router_spec], [*servers, *router]), flush=True)
+        started = start_cluster(ns, engine_args, cluster)
+        print(describe(ns, started.device, started.specs, started.procs), flush=True)
         cluster.watch()
         print(f"{PROG}: stopping", flush=True)
         return EXIT_OK
