@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from pdserve.cluster_auth import HEADER, AuthError, ClusterAuth
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import Exchange, RequestRejected, TokenizerManager
+from pdserve.server.validation_errors import validation_problems
 
 logger = logging.getLogger(__name__)
 
@@ -199,11 +200,7 @@ def _lone_surrogate(data: Any) -> str | None:
 
 
 def _validation_message(exc: ValidationError) -> str:
-    parts = []
-    for error in exc.errors()[:5]:
-        where = ".".join(str(p) for p in error["loc"]) or "body"
-        parts.append(f"{where}: {error['msg']}")
-    return "invalid request: " + "; ".join(parts)
+    return "invalid request: " + "; ".join(validation_problems(exc.errors()))
 
 
 async def open_sse(request: web.Request) -> web.StreamResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
@@ -34,6 +35,9 @@ from pdserve.server.tool_calls import ToolChoice, pick_tool_call_parser
 from pdserve.tokenizer import TokenBytes
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+MAX_IGNORED_NAMES_LOGGED = 256  # a client sending ever new names cannot grow the set or the log without bound
+logger = logging.getLogger(__name__)
+_ignored_names_logged: set[str] = set()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,6 +101,18 @@ def _check_common(args: Any, body: OpenAIRequestBase) -> None:
     feature = body.unsupported_feature()
     if feature is not None:
         raise ApiError(400, f"{feature} is not supported by this server")
+    _log_ignored_fields(body)
+
+
+def _log_ignored_fields(body: OpenAIRequestBase) -> None:
+    """The /v1 routes accept fields they do not know (the SDK's `extra_body` sends them), and say so once per name."""
+    names = [*(body.model_extra or {}), *(f"messages[].{name}" for message in getattr(body, "messages", ())
+                                          for name in message.model_extra or {})]
+    for name in names:
+        if name not in _ignored_names_logged and len(_ignored_names_logged) < MAX_IGNORED_NAMES_LOGGED:
+            _ignored_names_logged.add(name)
+            logger.warning("the request field %r is not implemented and was ignored (said once per field name)",
+                           name[:100])
 
 
 def _prompt_list(prompt: Any) -> list:
