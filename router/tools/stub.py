@@ -58,7 +58,7 @@ class StubServer:
     fail_status: int | None = None
     healthy: bool = True
     held: bool = False  # generate requests wait until release() while held
-    load: dict | None = None  # what GET /load answers (a prefill's queued tokens and rate); None: 404
+    load: dict | None = None  # what GET /load answers (queued tokens, rates, KV usage: docs/pd.md); None: 404
     requests: list[dict] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)
     abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
