@@ -26,6 +26,7 @@ Every child runs with one cluster secret (PDSERVE_DISAGGREGATION_SECRET in its e
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import secrets
@@ -409,8 +410,18 @@ def curl_line(router_url: str) -> str:
     return f"curl -X POST {router_url}/generate -H \"Content-Type: application/json\" -d '{body}'"
 
 
+def structured_output_state(engine: ServerArgs) -> str:
+    """Whether the servers will take grammar requests (response_format, tool_choice required or named)."""
+    if engine.grammar_backend == "none":
+        return "off (--grammar-backend none)"
+    if importlib.util.find_spec("xgrammar") is None:
+        return "off (xgrammar is not installed: pip install -e . in the pdserve checkout installs it)"
+    return "on (xgrammar)"
+
+
 def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs: list[Proc]) -> str:
-    """The children as planned (`specs`, the router last) and where each one logs."""
+    """The children as planned (`specs`, the router last) and where each one logs, the model and whether structured
+    output is on."""
     mode = (f"colocated: {ns.num_workers} worker(s)" if ns.colocated else
             f"PD: {ns.num_prefill} prefill, {ns.num_decode} decode, transfer backend {ns.transfer_backend}")
     lines = [f"pdserve cluster ready ({mode}, on {device})"]
@@ -422,6 +433,8 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
         extras = ", ".join(x for x in (boot, where) if x)
         lines.append(f"  {spec.name:<10} {spec.url}{f'  ({extras})' if extras else ''}  log: {proc.log_path}")
     router_url = specs[-1].url
+    lines += [f"Model: {ns.model_path}  (a client counting tokens loads its tokenizer from here)",
+              f"Structured output: {structured_output_state(ns.engine)}"]
     lines += ["", f"Router: {router_url}", "Try:", f"  {curl_line(router_url)}", "",
               "Ctrl-C stops everything."]
     return "\n".join(lines)

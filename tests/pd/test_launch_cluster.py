@@ -5,6 +5,7 @@ in its output or the servers' logs; a config error is one line on stderr before 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from cluster_util import mooncake_available
 from pdserve import SamplingParams
 from pdserve.cluster_auth import SECRET_ENV
 from pdserve.launch_cluster import (Cluster, LaunchConfigError, Placement, PortPicker, parse_args, place_servers,
-                                    plan_cluster, server_tp_sizes)
+                                    plan_cluster, server_tp_sizes, structured_output_state)
 from pdserve.server_processes import ClusterError
 
 pytestmark = pytest.mark.timeout(900)  # two servers start inside the test
@@ -74,6 +75,8 @@ def test_cluster_serves_and_stops_when_a_child_dies(tiny_model, tmp_path):
         output = launched.output
         for name in ("prefill 0", "decode 0", "router"):
             assert re.search(rf"^pdserve-cluster: {name} ready after \d+ s \(\d/\d\)$", output, re.M), output
+        assert re.search(rf"^Model: {re.escape(tiny_model)}  ", output, re.M), output
+        assert re.search(r"^Structured output: on \(xgrammar\)$", output, re.M), output
         router_url = re.search(r"^Router: (http://\S+)$", output, re.M).group(1)
         curl = shlex.split(next(line for line in lines if line.strip().startswith("curl ")))
         body = curl[curl.index("-d") + 1]
@@ -278,3 +281,10 @@ def test_the_cluster_secret_is_the_given_one_or_generated(monkeypatch, tmp_path)
     monkeypatch.setenv(SECRET_ENV, "from-env")
     ns = parse_args([])[0]
     assert Cluster(str(tmp_path), 1.0, ns.cluster_secret).env[SECRET_ENV] == "from-env"  # every child's environment
+
+
+def test_the_banner_says_why_structured_output_is_off(monkeypatch):
+    engine = parse_args(["--", "--grammar-backend", "none"])[0].engine
+    assert structured_output_state(engine) == "off (--grammar-backend none)"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert structured_output_state(parse_args([])[0].engine).startswith("off (xgrammar is not installed")
