@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pdserve.cluster_auth import SECRET_ENV, cluster_secret
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser, parse_server_cli
 from pdserve.hub import resolve_model_path
-from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, WORKLOADS, LayoutError, check_layout_name,
-                             choose_layout, parse_layout)
+from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, WORKLOADS, LayoutError, check_fits,
+                             check_layout_name, choose_layout, parse_layout)
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
@@ -299,6 +299,7 @@ def apply_layout(ns: argparse.Namespace, gpus: int) -> str | None:
     name, why = (ns.layout, "") if ns.layout != "auto" else choose_layout(ns.workload, gpus)
     try:
         layout = parse_layout(name, slots)
+        check_fits(layout, gpus)
     except LayoutError as exc:
         raise ClusterError(str(exc)) from None
     ns.colocated, ns.balanced = layout.colocated, layout.balanced
@@ -441,6 +442,24 @@ def describe(ns: argparse.Namespace, device: str, specs: list[ChildSpec], procs:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterPlan:
+    layout_line: str | None  # which layout and why, when --layout chose the servers
+    placement: Placement
+    servers: list[ChildSpec]
+    router: ChildSpec
+
+
+def plan_layout(ns: argparse.Namespace, engine_args: list[str], visible: int) -> ClusterPlan:
+    """The layout (`apply_layout`) on `visible` GPUs (0: none), its placement, and the children's command lines."""
+    gpus = layout_gpus(ns, 0 if ns.device == "cpu" else visible)
+    layout_line = apply_layout(ns, gpus)
+    placement = place_servers(ns.device, gpus, server_tp_sizes(ns), ns.engine)
+    ns.model_path = ns.model_path or default_model_path()
+    servers, router = plan_cluster(ns, ns.model_path, placement, engine_args, PortPicker(ns.host))
+    return ClusterPlan(layout_line, placement, servers, router)
+
+
+@dataclass(frozen=True, slots=True)
 class StartedCluster:
     device: str
     specs: list[ChildSpec]  # the servers as planned, then the router
@@ -456,23 +475,18 @@ class StartedCluster:
 
 
 def start_cluster(ns: argparse.Namespace, engine_args: list[str], cluster: Cluster) -> StartedCluster:
-    """Choose the layout (`apply_layout`), place and start the servers, then the router; ClusterError when one does
-    not become healthy (`cluster.stop` stops whatever started)."""
-    gpus = layout_gpus(ns, 0 if ns.device == "cpu" else visible_gpus())
-    layout_line = apply_layout(ns, gpus)
-    if layout_line:
-        print(f"{PROG}: {layout_line}", flush=True)
-    placement = place_servers(ns.device, gpus, server_tp_sizes(ns), ns.engine)
-    if placement.note:
-        print(f"{PROG}: {placement.note}", flush=True)
-    ns.model_path = ns.model_path or default_model_path()
-    server_specs, router_spec = plan_cluster(ns, ns.model_path, placement, engine_args, PortPicker(ns.host))
+    """Plan the cluster on the visible GPUs (`plan_layout`), start the servers, then the router; ClusterError when
+    one does not become healthy (`cluster.stop` stops whatever started)."""
+    plan = plan_layout(ns, engine_args, 0 if ns.device == "cpu" else visible_gpus())
+    for note in (plan.layout_line, plan.placement.note):
+        if note:
+            print(f"{PROG}: {note}", flush=True)
     deadline = time.monotonic() + ns.startup_timeout
-    print(f"{PROG}: starting {len(server_specs)} server(s) on {placement.device}; logs in {cluster.log_dir}",
+    print(f"{PROG}: starting {len(plan.servers)} server(s) on {plan.placement.device}; logs in {cluster.log_dir}",
           flush=True)
-    servers = cluster.start(server_specs, deadline, placement.one_by_one)
-    router = cluster.start([router_spec], deadline)  # after the servers, so its first health check passes
-    return StartedCluster(placement.device, [*server_specs, router_spec], [*servers, *router])
+    servers = cluster.start(plan.servers, deadline, plan.placement.one_by_one)
+    router = cluster.start([plan.router], deadline)  # after the servers, so its first health check passes
+    return StartedCluster(plan.placement.device, [*plan.servers, plan.router], [*servers, *router])
 
 
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:

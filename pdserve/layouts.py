@@ -41,6 +41,10 @@ class Layout:
     def colocated(self) -> bool:
         return self.workers > 0
 
+    @property
+    def servers(self) -> int:
+        return self.workers + self.prefill + self.decode
+
     def describe(self) -> str:
         if self.colocated:
             return f"{self.workers} colocated server{'s' if self.workers > 1 else ''}"
@@ -49,24 +53,26 @@ class Layout:
 
 
 def parse_layout(name: str, slots: int) -> Layout:
-    """The layout `name` on `slots` one-GPU server slots (`colocated` fills them all; `XpYd` needs X + Y of them)."""
+    """The layout `name` on `slots` server slots (GPUs): `colocated` fills them all, `XpYd` has X + Y servers
+    whatever the slots (`fits` says whether they fit)."""
     if name == "colocated":
-        if slots < 1:
-            raise LayoutError("colocated needs at least one GPU")
-        return Layout(name, workers=slots)
+        return Layout(name, workers=max(1, slots))
     base = name.removesuffix(BALANCED_SUFFIX)
     match = _PD_NAME.fullmatch(base)
     if match is None:
         raise LayoutError(f"unknown layout {name!r}: colocated, XpYd (e.g. 1p1d, 2p2d) or XpYd{BALANCED_SUFFIX}")
-    prefill, decode = int(match[1]), int(match[2])
-    if prefill + decode > slots:
-        raise LayoutError(f"layout {name} needs {prefill + decode} GPUs, {slots} given")
-    return Layout(name, prefill=prefill, decode=decode, balanced=base != name)
+    return Layout(name, prefill=int(match[1]), decode=int(match[2]), balanced=base != name)
+
+
+def check_fits(layout: Layout, gpus: int) -> None:
+    """LayoutError unless `layout`'s servers have a GPU each (one GPU is shared by every server)."""
+    if gpus > 1 and layout.servers > gpus:
+        raise LayoutError(f"layout {layout.name} needs {layout.servers} GPUs, {gpus} given")
 
 
 def check_layout_name(name: str) -> str:
-    """`name` if it is a layout's name on some machine (the GPU count is checked when it is known)."""
-    parse_layout(name, slots=1 << 16)
+    """`name` if it is a layout's name (whether it fits is checked when the GPUs are known)."""
+    parse_layout(name, slots=1)
     return name
 
 
