@@ -9,10 +9,10 @@ Two rules, one at a time:
 - Load-aware (`LoadAwareRule`, `--local-prefill-by-load`): per request, a predicted time to first token on each
   path. Remote: the best prefill instance's wait (its queued prompt tokens, plus those the router sent it that its
   last report cannot show yet, plus this prompt, at its measured rate) plus the handoff overhead the router learns
-  from its own remote requests (`HandoffEstimate`). Local, per decode instance: the same sum over its queue at the
-  rate it reports it can prefill while its running decodes stay within its TPOT budget. Local wins on the decode
-  instance with the lowest prediction when that instance reports a budget, its KV usage is below the gate, and its
-  prediction is below alpha times the remote one.
+  from its own remote requests (`LearnedOverhead`). Local, per decode instance: the same sum over its queue at the
+  rate it reports it can prefill while its running decodes stay within its TPOT budget, plus the local path's own
+  learned overhead. Local wins on the decode instance with the lowest prediction when that instance reports a
+  budget, its KV usage is below the gate, and its prediction is below alpha times the remote one.
 
 The uncached prompt is taken to be all of it: neither rule weighs what the instances' prefix caches hold. The
 instances report their load on `/load`, polled by `workers.LoadPoller`; the router books each prompt's tokens on
@@ -30,8 +30,8 @@ MAX_REPORTED_TOKENS = 1 << 40  # a larger queue in a /load answer is not believe
 # A request the router has sent is in an instance's /load answer only once the server has queued it; a report
 # asked for this long after the dispatch is taken to include it.
 INGEST_MARGIN_S = 0.05
-HANDOFF_WEIGHT = 0.1  # of each new observation in the handoff overhead's moving average
-MAX_HANDOFF_SAMPLE_S = 60.0  # an observation is clipped to +-this (a stalled request must not own the average)
+OVERHEAD_WEIGHT = 0.1  # of each new observation in a learned overhead's moving average
+MAX_OVERHEAD_SAMPLE_S = 60.0  # an observation is clipped to +-this (a stalled request must not own the average)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,15 +115,17 @@ class LoadAwareRule:
     kv_gate: float = 0.9  # a decode instance whose KV usage reaches this fraction takes no local prefill
 
     def decide(self, prompt_tokens: int, prefills: Sequence[Option], decodes: Sequence[Option],
-               handoff_s: float) -> LoadDecision:
+               remote_overhead_s: float, local_overhead_s: float = 0.0) -> LoadDecision:
+        """The overheads are what each path takes beyond its predicted wait (`LearnedOverhead.value`)."""
         waits = [option.prefill_wait_s(prompt_tokens) for option in prefills]
-        remote_s = None if not waits or None in waits else min(waits) + handoff_s
+        remote_s = None if not waits or None in waits else min(waits) + remote_overhead_s
         budgeted = [(wait, i) for i, option in enumerate(decodes)
                     if (wait := option.local_wait_s(prompt_tokens)) is not None]
         open_ = [(wait, i) for wait, i in budgeted if decodes[i].load.kv_usage < self.kv_gate]
-        local_s, best = min(open_) if open_ else (None, None)
-        if local_s is None:
+        if not open_:
             return LoadDecision(None, KV_GATE if budgeted else NO_BUDGET, None, remote_s)
+        local_wait_s, best = min(open_)
+        local_s = local_wait_s + local_overhead_s
         if remote_s is None:  # an instance without a measurement may be idle: the remote path is not known slow
             return LoadDecision(None, UNMEASURED, local_s, None)
         if local_s < self.alpha * remote_s:
@@ -132,17 +134,18 @@ class LoadAwareRule:
 
 
 @dataclass(slots=True)
-class HandoffEstimate:
-    """What the remote path takes beyond the prefill instance's predicted wait (the KV transfer, the decode's first
-    step, the hops; and any steady error of the prediction): a moving average of the router's own observations of
-    streamed remote requests, first byte minus predicted wait. Not below zero when used."""
+class LearnedOverhead:
+    """What one path takes beyond its predicted wait: remote, the KV transfer, the decode's first step and the hops
+    (the handoff); local, the decode steps between the prefill chunks and the hop; on both, any steady error of the
+    prediction. A moving average of the router's own observations of streamed requests on that path, first byte
+    minus predicted wait; not below zero when used."""
 
     seconds: float = 0.0
     samples: int = 0
 
     def observe(self, first_byte_s: float, predicted_wait_s: float) -> None:
-        sample = min(max(first_byte_s - predicted_wait_s, -MAX_HANDOFF_SAMPLE_S), MAX_HANDOFF_SAMPLE_S)
-        self.seconds = sample if not self.samples else self.seconds + HANDOFF_WEIGHT * (sample - self.seconds)
+        sample = min(max(first_byte_s - predicted_wait_s, -MAX_OVERHEAD_SAMPLE_S), MAX_OVERHEAD_SAMPLE_S)
+        self.seconds = sample if not self.samples else self.seconds + OVERHEAD_WEIGHT * (sample - self.seconds)
         self.samples += 1
 
     @property

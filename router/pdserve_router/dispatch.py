@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from .cluster_auth import RequestSigner
-from .conditional import Booking, HandoffEstimate, LoadAwareRule, LocalPrefillRule, estimate_prompt_tokens
+from .conditional import Booking, LearnedOverhead, LoadAwareRule, LocalPrefillRule, estimate_prompt_tokens
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
@@ -153,7 +153,11 @@ class PrefillPlan:
 
     worker: Worker  # the prefill instance, or the decode instance that prefills it itself
     booking: Booking
-    predicted_wait_s: float | None  # remote: the predicted wait on that prefill (for the handoff estimate)
+    predicted_wait_s: float | None  # the predicted wait there, without the path's learned overhead
+
+    @property
+    def path(self) -> str:
+        return "local" if self.worker.role == "decode" else "remote"
 
     def release(self) -> None:
         self.worker.booked.release(self.booking)
@@ -186,7 +190,7 @@ class Dispatcher:
         self.local_rule = LocalPrefillRule(config.local_prefill_max_tokens, config.local_prefill_cost_factor)
         self.load_rule = (LoadAwareRule(config.local_prefill_alpha, config.local_prefill_kv_gate)
                           if config.local_prefill_by_load else None)
-        self.handoff = HandoffEstimate()
+        self.overheads = {"local": LearnedOverhead(), "remote": LearnedOverhead()}
         self.conditional = config.mode == "pd" and (self.local_rule.enabled or self.load_rule is not None)
         self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -308,14 +312,15 @@ class Dispatcher:
         """The load-aware rule's pair: a decode instance alone (the one predicted to give the first token soonest)
         when that beats the remote path, else the policies' pair; the prompt is booked where it is prefilled."""
         decision = self.load_rule.decide(prompt, [w.option() for w in prefills], [w.option() for w in decodes],
-                                         self.handoff.value)
+                                         self.overheads["remote"].value, self.overheads["local"].value)
         self.metrics.local_prefill_decisions.labels(reason=decision.reason).inc()
         for path, seconds in (("local", decision.local_s), ("remote", decision.remote_s)):
             if seconds is not None:
                 self.metrics.predicted_ttft.labels(path=path).observe(seconds)
         if decision.decode is not None:
             main, side = decodes[decision.decode], None
-            plan = PrefillPlan(main, main.booked.book(prompt, time.monotonic()), None)
+            wait_s = main.option().local_wait_s(prompt)
+            plan = PrefillPlan(main, main.booked.book(prompt, time.monotonic()), wait_s)
         else:
             main, side = self.policies["decode"].select(decodes, key), self.policies["prefill"].select(prefills, key)
             wait_s = side.option().prefill_wait_s(prompt)
@@ -323,13 +328,13 @@ class Dispatcher:
         self.metrics.prefills.labels(path="remote" if side else "local").inc()
         return Attempt(ctx, number, main, side, rid, body_rid, plan)
 
-    def learn_handoff(self, attempt: Attempt, first_byte_s: float) -> None:
-        """A streamed remote request's first byte teaches the handoff overhead (a whole answer's first byte comes
-        after its last token, and a local one has no handoff)."""
-        plan = attempt.plan
-        if attempt.ctx.stream and attempt.side is not None and plan is not None and plan.predicted_wait_s is not None:
-            self.handoff.observe(first_byte_s, plan.predicted_wait_s)
-            self.metrics.handoff_overhead.set(self.handoff.value)
+    def learn_overhead(self, plan: PrefillPlan, stream: bool, first_byte_s: float) -> None:
+        """A streamed request's first byte teaches its path's overhead (a whole answer's first byte comes after
+        its last token)."""
+        if stream and plan.predicted_wait_s is not None:
+            overhead = self.overheads[plan.path]
+            overhead.observe(first_byte_s, plan.predicted_wait_s)
+            self.metrics.learned_overhead.labels(path=plan.path).set(overhead.value)
 
     async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
         ctx = attempt.ctx
@@ -358,7 +363,7 @@ class Dispatcher:
             clock.mark(FIRST_BYTE[main.role])
             if attempt.plan is not None:
                 attempt.plan.release()
-                self.learn_handoff(attempt, time.perf_counter() - dispatched)
+                self.learn_overhead(attempt.plan, ctx.stream, time.perf_counter() - dispatched)
             return await self.respond(attempt, exchange, dispatched - ctx.started)
         except BaseException as exc:
             self.abort_pair(attempt, exc)

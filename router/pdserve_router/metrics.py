@@ -55,9 +55,9 @@ class RouterMetrics:
         self.predicted_ttft = Histogram(PREFIX + "predicted_ttft_seconds", "--local-prefill-by-load: the predicted "
                                         "time to first token of each path at each choice (local: the best decode "
                                         "instance's).", ("path",), buckets=STAGE_BUCKETS, registry=registry)
-        self.handoff_overhead = Gauge(PREFIX + "handoff_overhead_seconds", "--local-prefill-by-load: the remote "
-                                      "path's learned time to first token beyond the prefill's predicted wait.",
-                                      registry=registry)
+        self.learned_overhead = Gauge(PREFIX + "learned_overhead_seconds", "--local-prefill-by-load: each path's "
+                                      "learned time to first token beyond its predicted wait (remote: the "
+                                      "handoff).", ("path",), registry=registry)
         self.cache_decisions = Counter(PREFIX + "cache_aware_decisions", "cache_aware picks, by role and by what "
                                        "decided: reported (an instance's /cache_report), local (the router's own "
                                        "prefix index) or load (no prefix matched enough, or the load was imbalanced).",

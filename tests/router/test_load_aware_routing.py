@@ -2,7 +2,7 @@
 keeps the remote prefill while the prefill queue is short, moves prompts to a decode instance when the queue is
 long and the decode reports a budget, never to one without a budget or above the KV gate, books the prompts it
 sends so that a burst between two polls stops going local once the decode's predicted wait passes the remote one,
-and learns the remote path's handoff overhead from its own streamed requests."""
+and learns each path's overhead (remote: the handoff) from its own streamed requests."""
 
 from __future__ import annotations
 
@@ -102,14 +102,17 @@ def test_bookings_stop_a_burst_between_two_polls_at_the_decodes_budget(stubs, st
 
 def test_the_remote_paths_handoff_is_learned_from_streamed_requests(stubs, start_router):
     """The decode answers its first byte 0.3 s after the (instant) prefill: once the router has seen that, the
-    remote path's 0.001 s + 0.3 s loses to the decode's 0.2 s."""
+    remote path's 0.001 s + 0.3 s loses to the decode's 0.2 s (its own overhead not learned yet)."""
     prefill = stubs.add("prefill", load={"queued_prefill_tokens": 0, "prefill_tokens_per_s": 1e6})
     decode = stubs.add("decode", delay_s=0.3, load={**BUDGETED_DECODE, "local_prefill_tokens_per_s": 5_000.0})
     router = start_router("--prefill", prefill.url, "--decode", decode.url, *by_load())
-    assert router.metric("pdserve_router_handoff_overhead_seconds") == 0
+    remote, local = ('pdserve_router_learned_overhead_seconds{path="remote"}',
+                     'pdserve_router_learned_overhead_seconds{path="local"}')
+    assert router.metric(remote) == 0
     assert not went_local(router, prefill, decode, {**PROMPT, "stream": True})
-    assert router.metric("pdserve_router_handoff_overhead_seconds") >= 0.29
+    assert router.metric(remote) >= 0.29 and router.metric(local) == 0
     assert went_local(router, prefill, decode, {**PROMPT, "stream": True})
+    assert router.metric(local) >= 0.09  # 0.3 s to the first byte, 0.2 s predicted
 
 
 def test_flags_that_cannot_work_are_refused():

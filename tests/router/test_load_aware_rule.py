@@ -1,13 +1,13 @@
 """The load-aware local-prefill rule (`--local-prefill-by-load`) as a function of the reported loads: predicted time
 to first token on the best prefill (queue, booked tokens and prompt at its measured rate, plus the learned handoff)
-against the best decode instance's (the same at its budgeted local rate), gated by budget and KV usage; the
-handoff overhead's moving average; bookings that a later report shows stop counting; `/load` parsed defensively."""
+against the best decode instance's (the same at its budgeted local rate, plus its learned overhead), gated by
+budget and KV usage; a learned overhead's moving average; bookings that a later report shows stop counting; `/load` parsed defensively."""
 
 from __future__ import annotations
 
 import pytest
 from pdserve_router.conditional import (FASTER, INGEST_MARGIN_S, KV_GATE, NO_BUDGET, SLOWER, UNMEASURED,
-                                        BookedTokens, HandoffEstimate, InstanceLoad, LoadAwareRule, Option, parse_load)
+                                        BookedTokens, LearnedOverhead, InstanceLoad, LoadAwareRule, Option, parse_load)
 
 PROMPT = 1000
 FAST_PREFILL = Option(InstanceLoad(0, 10_000.0))  # 0.1 s for the prompt
@@ -17,13 +17,13 @@ RULE = LoadAwareRule()
 
 
 def test_a_short_prefill_queue_keeps_the_remote_path():
-    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.0)
+    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], remote_overhead_s=0.0)
     assert decision.decode is None and decision.reason == SLOWER
     assert decision.remote_s == pytest.approx(0.1) and decision.local_s == pytest.approx(0.5)
 
 
 def test_a_long_prefill_queue_moves_the_prompt_to_a_budgeted_decode():
-    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [BUDGETED_DECODE], handoff_s=0.0)
+    decision = RULE.decide(PROMPT, [BUSY_PREFILL], [BUDGETED_DECODE], remote_overhead_s=0.0)
     assert decision.decode == 0 and decision.reason == FASTER
 
 
@@ -31,10 +31,12 @@ def test_the_best_prefill_instance_sets_the_remote_prediction():
     assert RULE.decide(PROMPT, [BUSY_PREFILL, FAST_PREFILL], [BUDGETED_DECODE], 0.0).decode is None
 
 
-def test_the_learned_handoff_counts_on_the_remote_side():
-    assert RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.39).decode is None  # 0.49 < 0.5
-    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], handoff_s=0.41)
+def test_the_learned_overheads_count_on_their_sides():
+    assert RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], remote_overhead_s=0.39).decode is None  # 0.49 < 0.5
+    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], remote_overhead_s=0.41)
     assert decision.decode == 0 and decision.remote_s == pytest.approx(0.51)
+    decision = RULE.decide(PROMPT, [FAST_PREFILL], [BUDGETED_DECODE], remote_overhead_s=0.41, local_overhead_s=0.02)
+    assert decision.decode is None and decision.local_s == pytest.approx(0.52)
 
 
 def test_alpha_scales_the_comparison():
@@ -82,9 +84,9 @@ def test_booked_tokens_count_on_both_sides():
     assert RULE.decide(PROMPT, [booked_prefill], [BUDGETED_DECODE], 0.0).decode == 0
 
 
-def test_handoff_estimate_is_a_clipped_moving_average_of_the_observed_excess():
-    estimate = HandoffEstimate()
-    assert estimate.value == 0.0  # nothing learned: the remote path pays no handoff yet
+def test_a_learned_overhead_is_a_clipped_moving_average_of_the_observed_excess():
+    estimate = LearnedOverhead()
+    assert estimate.value == 0.0  # nothing learned: the path pays no overhead yet
     estimate.observe(first_byte_s=0.5, predicted_wait_s=0.2)
     assert estimate.value == pytest.approx(0.3)  # the first observation sets it
     estimate.observe(first_byte_s=1.5, predicted_wait_s=0.2)
