@@ -2,12 +2,13 @@
 
     python -m pdserve.bench.timeline router.jsonl prefill.jsonl decode.jsonl [--json OUT]
 
-Prints, per role, each stage's p50/p90/p99 in ms since the request arrived at that process; then, for the requests
-every needed role logged, how the time from the router receiving the request to the first token's first byte
-coming back (first_byte_decode, or first_byte for a colocated worker) splits into consecutive segments. Each
-process's stages are placed on the router's clock by the difference of the lines' `arrival_unix` (the processes
-share a wall clock: one machine). A segment is missing for a request whose line lacks one of its two stages; a
-segment may come out negative when two processes' marks are out of order.
+Prints, per role, each stage's mean and p50/p90/p99 in ms since the request arrived at that process; then, for the
+requests whose lines have every boundary, how the time from the router receiving the request to the first token's
+first byte coming back (first_byte_decode, or first_byte for a colocated worker) splits into consecutive segments,
+with that time itself as the last row: the segments' means add up to the total's mean exactly (every segment is
+taken over the same requests). Each process's stages are placed on the router's clock by the difference of the
+lines' `arrival_unix` (the processes share a wall clock: one machine); a segment may come out negative when two
+processes' marks are out of order. Requests lacking a role's line, or a boundary stage, are counted and named.
 """
 
 from __future__ import annotations
@@ -49,18 +50,21 @@ def _at(role: str, *stages: str) -> Boundary:
     return Boundary(role, stages)
 
 
+# a forward's stages are stamped when the device ran it (`pdserve/scheduler/device_stamps.py`)
 PREFILL_COMPUTE_END = (CHUNK_END_LAST, tl.PREFILL_CHUNK_END)
+TOTAL = "total: router received -> first byte"
 PD_BREAKDOWN = Breakdown("pd", (
     _at(ROUTER_ROLE, tl.RECEIVED), _at(tl.PREFILL_ROLE, tl.RECEIVED), _at(tl.PREFILL_ROLE, tl.PREFILL_CHUNK_START),
-    _at(tl.PREFILL_ROLE, *PREFILL_COMPUTE_END), _at(tl.DECODE_ROLE, tl.KV_LANDED),
-    _at(tl.DECODE_ROLE, tl.FIRST_TOKEN_EMITTED), _at(tl.DECODE_ROLE, tl.SENT), _at(ROUTER_ROLE, "first_byte_decode"),
-), ("router->prefill dispatch", "prefill queue", "prefill compute", "KV transfer", "decode wait",
-    "decode first token emit", "relay back"))
+    _at(tl.PREFILL_ROLE, *PREFILL_COMPUTE_END), _at(tl.PREFILL_ROLE, tl.KV_WRITES_LANDED),
+    _at(tl.DECODE_ROLE, tl.KV_LANDED), _at(tl.DECODE_ROLE, tl.FIRST_TOKEN_EMITTED), _at(tl.DECODE_ROLE, tl.SENT),
+    _at(ROUTER_ROLE, "first_byte_decode"),
+), ("router->prefill dispatch", "prefill tokenize+queue", "prefill forward", "KV writes (after forward)",
+    "kv_done to decode", "decode commits first token", "decode detokenize+send", "relay back"))
 COLOCATED_BREAKDOWN = Breakdown("colocated", (
     _at(ROUTER_ROLE, tl.RECEIVED), _at(tl.COLOCATED_ROLE, tl.RECEIVED),
     _at(tl.COLOCATED_ROLE, tl.PREFILL_CHUNK_START), _at(tl.COLOCATED_ROLE, *PREFILL_COMPUTE_END),
     _at(tl.COLOCATED_ROLE, tl.SENT), _at(ROUTER_ROLE, "first_byte"),
-), ("router->server dispatch", "queue", "prefill compute", "first token emit", "relay back"))
+), ("router->server dispatch", "tokenize+queue", "prefill forward", "sample+detokenize+send", "relay back"))
 
 
 class TimelineLogError(ValueError):
@@ -107,10 +111,20 @@ def stage_percentiles(records: Iterable[dict]) -> dict[str, dict[str, dict]]:
 
 def segment_times(lines: dict[str, dict], breakdown: Breakdown) -> dict[str, float | None]:
     """One request's segments in seconds (None where a boundary is missing), on the router's clock."""
-    origin = lines[ROUTER_ROLE]["arrival_unix"]
-    points = [_on_router_clock(lines[b.role], b.stages, origin) for b in breakdown.boundaries]
+    points = _boundaries(lines, breakdown)
     return {name: None if start is None or end is None else end - start
             for name, start, end in zip(breakdown.segments, points, points[1:])}
+
+
+def total_time(lines: dict[str, dict], breakdown: Breakdown) -> float | None:
+    """One request's time from the first boundary of `breakdown` to its last (TOTAL), in seconds."""
+    points = _boundaries(lines, breakdown)
+    return None if points[0] is None or points[-1] is None else points[-1] - points[0]
+
+
+def _boundaries(lines: dict[str, dict], breakdown: Breakdown) -> list[float | None]:
+    origin = lines[ROUTER_ROLE]["arrival_unix"]
+    return [_on_router_clock(lines[b.role], b.stages, origin) for b in breakdown.boundaries]
 
 
 def _on_router_clock(record: dict, stages: Sequence[str], origin: float) -> float | None:
@@ -119,19 +133,22 @@ def _on_router_clock(record: dict, stages: Sequence[str], origin: float) -> floa
 
 
 def breakdown_of(merged: dict[str, dict[str, dict]], breakdown: Breakdown) -> dict:
-    """The segments' distributions over the requests every role of `breakdown` logged; the others are counted,
-    by the roles they lack."""
-    complete = [lines for lines in merged.values() if breakdown.roles <= lines.keys()]
-    times = [segment_times(lines, breakdown) for lines in complete]
-    segments = {}
-    for name in breakdown.segments:
-        values = [t[name] for t in times if t[name] is not None]
-        segments[name] = {"count": len(values), **distribution(values)}
+    """The segments' distributions, and the total's (TOTAL), over the requests whose lines have every boundary of
+    `breakdown`; the others are counted by the roles they lack, or as lacking a boundary stage."""
+    with_roles = [lines for lines in merged.values() if breakdown.roles <= lines.keys()]
+    points = [p for p in (_boundaries(lines, breakdown) for lines in with_roles) if None not in p]
+    segments = {name: _distribution([p[i + 1] - p[i] for p in points]) for i, name in enumerate(breakdown.segments)}
+    segments[TOTAL] = _distribution([p[-1] - p[0] for p in points])
     lacking: dict[str, int] = defaultdict(int)
     for lines in merged.values():
         if lines.keys() & breakdown.roles and not breakdown.roles <= lines.keys():
             lacking[",".join(sorted(breakdown.roles - lines.keys()))] += 1
-    return {"requests": len(complete), "segments": segments, "lacking": dict(lacking)}
+    return {"requests": len(points), "segments": segments, "lacking": dict(lacking),
+            "lacking_a_stage": len(with_roles) - len(points)}
+
+
+def _distribution(values: list[float]) -> dict:
+    return {"count": len(values), **distribution(values)}
 
 
 def analyze(records: list[dict]) -> dict:
@@ -157,7 +174,11 @@ def format_report(report: dict) -> str:
         lines.append(_header("segment"))
         lines += [_row(segment, dist) for segment, dist in result["segments"].items()]
         lines += [f"note: {count} request(s) lack a {roles} line; left out of this breakdown"
-                  for roles, count in result["lacking"].items()] + [""]
+                  for roles, count in result["lacking"].items()]
+        if result["lacking_a_stage"]:
+            lines.append(f"note: {result['lacking_a_stage']} request(s) lack a boundary stage (a failed or aborted "
+                         "request); left out of this breakdown")
+        lines.append("")
     if not report["breakdown"] or ROUTER_ROLE not in report["stages"]:
         lines.append("note: no breakdown without both the router's and the servers' lines "
                      "(give every process's --request-timeline-log)")
@@ -165,11 +186,12 @@ def format_report(report: dict) -> str:
 
 
 def _header(what: str) -> str:
-    return f"{what:32s} {'count':>7s}" + "".join(f" {f'p{p} ms':>10s}" for p in PERCENTILES)
+    return f"{what:38s} {'count':>7s} {'mean ms':>10s}" + "".join(f" {f'p{p} ms':>10s}" for p in PERCENTILES)
 
 
 def _row(name: str, dist: dict) -> str:
-    return f"{name:32s} {dist['count']:7d}" + "".join(f" {_ms(dist[f'p{p}']):>10s}" for p in PERCENTILES)
+    return f"{name:38s} {dist['count']:7d} {_ms(dist['mean']):>10s}" + "".join(
+        f" {_ms(dist[f'p{p}']):>10s}" for p in PERCENTILES)
 
 
 def main(argv: list[str] | None = None) -> int:

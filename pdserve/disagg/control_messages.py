@@ -116,12 +116,14 @@ class Failed(Message):
 
 @control("write_done", remote=False)
 class WriteDone(Message):
-    """The prefill's writer finished `count` queued writes of the room: `nbytes` in `seconds`."""
+    """The prefill's writer finished `count` queued writes of the room: `nbytes` in `seconds`, the last of them
+    landed at `landed_at` (time.monotonic() of the writer's host)."""
 
     room: int
     count: int
     nbytes: int = 0
     seconds: float = 0.0
+    landed_at: float = 0.0
 
 
 @control("write_failed", remote=False)

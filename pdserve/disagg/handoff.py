@@ -54,6 +54,7 @@ class Handoff:
     writes_in_flight: int = 0
     kv_checksum: bool = False  # the decode asked for a checksum of the pages with the first token
     write_seconds: float = 0.0  # prefill: time its KV writes took so far
+    writes_landed_at: float = 0.0  # prefill: time.monotonic() when its latest write landed
     pages_sent_at: float | None = None  # decode: when the page ids went to the prefill
     cached_pages: int = 0  # leading pages the decode side already held (its radix cache): never transferred
 

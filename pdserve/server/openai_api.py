@@ -7,6 +7,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -27,7 +28,8 @@ from pdserve.server.generation import (
 from pdserve.server.http_common import ARGS_KEY, EXCHANGE_KEY, TM_KEY, ApiError, json_response, parse_body
 from pdserve.server.http_common import stream_with_early_errors
 from pdserve.server.prefix_digest import chat_routing_key
-from pdserve.server.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequestBase, bootstrap_for
+from pdserve.server.schemas import (MAX_ID_CHARS, ChatCompletionRequest, CompletionRequest, OpenAIRequestBase,
+                                    bootstrap_for)
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 from pdserve.server.tool_call_parser import (CallStart, Content, Piece, ToolCallStream, parse_tool_calls,
                                             tool_call_stream)
@@ -35,6 +37,7 @@ from pdserve.server.tool_calls import ToolChoice, pick_tool_call_parser
 from pdserve.tokenizer import TokenBytes
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+REQUEST_ID_HEADER = "X-Request-Id"  # the router's id of a request, sent to both servers of a PD pair
 MAX_IGNORED_NAMES_LOGGED = 256  # a client sending ever new names cannot grow the set or the log without bound
 logger = logging.getLogger(__name__)
 _ignored_names_logged: set[str] = set()
@@ -49,8 +52,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_prompt_sizes(tm, texts)
     prompts = await tm.encode_prompts(texts)
     top_n = body.logprobs
-    requests = await _requests(args, tm, body, prompts, texts, body.max_tokens, top_n, "cmpl")
-    return await _respond(request, body, requests, CompletionFormat(args.model_name, requests))
+    ids = RequestIds.of(request, body, "cmpl")
+    requests = await _requests(args, tm, body, prompts, texts, body.max_tokens, top_n, ids.rid)
+    return await _respond(request, body, requests, CompletionFormat(args.model_name, requests, ids.response))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -64,9 +68,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     input_ids = await tm.encode_chat([m.to_template() for m in body.messages], body.template_kwargs())
     top_n = (body.top_logprobs or 0) if body.logprobs else None
     key = chat_routing_key(body.messages)
-    requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, "chatcmpl")
+    ids = RequestIds.of(request, body, "chatcmpl")
+    requests = await _requests(args, tm, body, [input_ids], [key], body.output_limit, top_n, ids.rid)
     parser = pick_tool_call_parser(args.tool_call_parser, getattr(tm.tokenizer, "chat_template", None))
-    return await _respond(request, body, requests, ChatFormat(args.model_name, requests, tool_choice, parser, tm.token_bytes))
+    return await _respond(request, body, requests,
+                          ChatFormat(args.model_name, requests, ids.response, tool_choice, parser, tm.token_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestIds:
+    """`rid`: the id every process of the cluster logs the request by (its timeline line, the router's too);
+    `response`: the answer's `id`."""
+
+    rid: str
+    response: str
+
+    @classmethod
+    def of(cls, request: web.Request, body: OpenAIRequestBase, prefix: str) -> RequestIds:
+        """The client's `rid` is both. Else the router's `X-Request-Id` (the same on the prefill and the decode
+        server) is the rid, and the answer's id carries OpenAI's `cmpl-` or `chatcmpl-` before it; else a new id."""
+        if body.rid:
+            return cls(body.rid, body.rid)
+        header = request.headers.get(REQUEST_ID_HEADER)
+        if not header:
+            rid = f"{prefix}-{new_rid()}"
+            return cls(rid, rid)
+        if len(header) > MAX_ID_CHARS:
+            raise ApiError(400, f"the {REQUEST_ID_HEADER} header has more than {MAX_ID_CHARS} characters")
+        return cls(header, f"{prefix}-{header}")
 
 
 def _tool_choice(body: ChatCompletionRequest) -> ToolChoice:
@@ -125,11 +154,11 @@ def _prompt_list(prompt: Any) -> list:
 
 async def _requests(
     args: Any, tm: TokenizerManager, body: OpenAIRequestBase, prompts: list[list[int]], keys: list,
-    max_tokens: int | None, top_n: int | None, prefix: str,
+    max_tokens: int | None, top_n: int | None, base: str,
 ) -> list[GenerateRequest]:
-    """n requests per prompt, in OpenAI's choice order (prompt-major); `keys`: each prompt's routing key."""
+    """n requests per prompt, in OpenAI's choice order (prompt-major), their rids `base` or `base-i`; `keys`: each
+    prompt's routing key."""
     total = len(prompts) * body.n
-    base = body.rid or f"{prefix}-{new_rid()}"
     requests = []
     for index in range(total):
         input_ids = prompts[index // body.n]
@@ -181,9 +210,9 @@ class ResponseFormat(ABC):
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, model: str, requests: list[GenerateRequest]):
+    def __init__(self, model: str, requests: list[GenerateRequest], response_id: str):
         self.model = model
-        self.id = requests[0].rid
+        self.id = response_id
         self.created = int(time.time())
         self.logprobs = requests[0].sampling_params.wants_logprobs
 
@@ -244,9 +273,9 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, model: str, requests: list[GenerateRequest], tool_choice: ToolChoice, tool_call_parser: str,
-                 token_bytes: TokenBytes):
-        super().__init__(model, requests)
+    def __init__(self, model: str, requests: list[GenerateRequest], response_id: str, tool_choice: ToolChoice,
+                 tool_call_parser: str, token_bytes: TokenBytes):
+        super().__init__(model, requests, response_id)
         self.tool_choice = tool_choice
         self.tool_call_parser = tool_call_parser
         self.token_bytes = token_bytes

@@ -44,8 +44,9 @@ def write_logs(tmp_path, records: list[dict]) -> list[str]:
 def test_segments_are_placed_on_the_router_clock_and_add_up_to_first_byte():
     merged = bt.merge_by_rid(pd_request("a"))
     times = bt.segment_times(merged["a"], bt.PD_BREAKDOWN)
-    expected_ms = {"router->prefill dispatch": 2, "prefill queue": 8, "prefill compute": 30, "KV transfer": 10,
-                   "decode wait": 10, "decode first token emit": 1, "relay back": 2}
+    expected_ms = {"router->prefill dispatch": 2, "prefill tokenize+queue": 8, "prefill forward": 30,
+                   "KV writes (after forward)": 4, "kv_done to decode": 6, "decode commits first token": 10,
+                   "decode detokenize+send": 1, "relay back": 2}
     # abs: a unix time near 1.7e9 s carries about 0.2 us
     assert times == pytest.approx({name: ms / 1000 for name, ms in expected_ms.items()}, abs=1e-6)
     assert sum(times.values()) == pytest.approx(0.063, abs=1e-6)
@@ -55,8 +56,8 @@ def test_a_single_chunk_prefill_ends_at_its_only_chunk_end():
     records = pd_request("a")
     del records[1]["stages"]["prefill_chunk_end#last"]
     times = bt.segment_times(bt.merge_by_rid(records)["a"], bt.PD_BREAKDOWN)
-    assert times["prefill compute"] == pytest.approx(0.012, abs=1e-6)
-    assert times["KV transfer"] == pytest.approx(0.028, abs=1e-6)
+    assert times["prefill forward"] == pytest.approx(0.012, abs=1e-6)
+    assert times["KV writes (after forward)"] == pytest.approx(0.022, abs=1e-6)
 
 
 def test_percentiles_per_role_and_segment(tmp_path):
@@ -67,8 +68,24 @@ def test_percentiles_per_role_and_segment(tmp_path):
     assert first_byte["p90"] == pytest.approx(63 * 90.1 / 50) and first_byte["p99"] == pytest.approx(63 * 99.01 / 50)
     pd = report["breakdown"]["pd"]
     assert pd["requests"] == 100 and pd["lacking"] == {}
-    assert pd["segments"]["KV transfer"]["p50"] == pytest.approx(10 * 50.5 / 50, abs=1e-3)
+    assert pd["segments"]["kv_done to decode"]["p50"] == pytest.approx(6 * 50.5 / 50, abs=1e-3)
     assert set(report["breakdown"]) == {"pd"}
+
+
+def test_the_segments_means_add_up_to_the_totals_and_a_request_lacking_a_stage_is_left_out(tmp_path, capsys):
+    """Every segment is taken over the same requests, so the printed means add up to the printed total's."""
+    records = [r for i in range(1, 21) for r in pd_request(f"r{i}", scale=i / 7)]
+    broken = pd_request("no-kv-landed")
+    del broken[2]["stages"]["kv_landed"]
+    assert bt.main(write_logs(tmp_path, records + broken)) == 0
+    out = capsys.readouterr().out
+    assert "note: 1 request(s) lack a boundary stage" in out
+    report = bt.analyze(records + broken)["breakdown"]["pd"]
+    segments = dict(report["segments"])
+    total = segments.pop(bt.TOTAL)
+    assert report["requests"] == total["count"] == 20 and all(s["count"] == 20 for s in segments.values())
+    assert sum(s["mean"] for s in segments.values()) == pytest.approx(total["mean"], rel=1e-9)
+    assert total["mean"] == pytest.approx(63 * (21 / 2) / 7, rel=1e-6)
 
 
 def test_requests_lacking_a_role_are_counted_and_named(tmp_path, capsys):
@@ -92,8 +109,8 @@ def test_colocated_breakdown_uses_the_workers_first_byte(tmp_path):
     report = bt.analyze([router, server])
     segments = report["breakdown"]["colocated"]["segments"]
     assert {name: s["p50"] for name, s in segments.items()} == pytest.approx(
-        {"router->server dispatch": 2.0, "queue": 3.0, "prefill compute": 17.0, "first token emit": 5.0,
-         "relay back": 3.0}, abs=1e-3)
+        {"router->server dispatch": 2.0, "tokenize+queue": 3.0, "prefill forward": 17.0,
+         "sample+detokenize+send": 5.0, "relay back": 3.0, bt.TOTAL: 30.0}, abs=1e-3)
 
 
 def test_server_lines_alone_give_stages_and_say_why_there_is_no_breakdown(tmp_path, capsys):
