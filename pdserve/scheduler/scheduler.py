@@ -27,6 +27,7 @@ from pdserve.messages import TokenOut
 from pdserve.scheduler.extend_batch import ExtendBatch, ExtendItem
 from pdserve.scheduler.grammar_queue import GrammarQueue
 from pdserve.scheduler.decode_input_batch import DecodeInputBatch
+from pdserve.scheduler.device_stamps import DeviceStamps
 from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
@@ -71,6 +72,7 @@ class Scheduler:
         self.host_copier = HostCopier(args.max_running_requests)
         self.token_bitmask = TokenBitmask(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
+        self.device_stamps = DeviceStamps(self.device)  # a forward's stages as the device ran it
         self.role = role or Role()
         self.role.bind(self)
 
@@ -223,6 +225,7 @@ class Scheduler:
 
     def close(self) -> None:
         self.grammar_queue.close()
+        self.device_stamps.close()
         self.role.close()
 
     # ---- for the roles ----------------------------------------------------------------------------------------
@@ -372,9 +375,11 @@ class Scheduler:
     def _run_extend(self, items: list[ExtendItem]) -> None:
         batch = ExtendBatch.of(items, self._wants_input_logprobs, self.page_size, self.device)
         self.radix.wait_for_loads()  # host pages of matched prefixes are on the device before the forward
-        _mark_all(items, PREFILL_CHUNK_START)
+        self.device_stamps.settle()  # earlier chunks' stamps, those not sampled in their own step
+        marks = [item.req.stage_marks for item in items]
+        self.device_stamps.mark_when_reached(marks, PREFILL_CHUNK_START)
         logits = self.runner.forward(batch.forward_batch, self.role.layer_hook(items))
-        _mark_all(items, PREFILL_CHUNK_END)
+        self.device_stamps.mark_when_reached(marks, PREFILL_CHUNK_END)
         for item, (first, count) in zip(items, batch.logit_rows):
             req = item.req
             req.num_cached_tokens = item.end
@@ -384,6 +389,7 @@ class Scheduler:
         done, last_rows = batch.completed()
         if done:
             self._sample_and_append([i.req for i in done], logits[torch.tensor(last_rows, device=logits.device)])
+            self.device_stamps.settle()  # sampling read the tokens back: this forward's stamps are in
             _mark_all(done, FIRST_TOKEN_SAMPLED)
             for item in done:
                 if not item.req.finished:
