@@ -119,17 +119,18 @@ class TransferWorker:
 
     def _write(self, job: WriteJob) -> WriteDone | WriteFailed:
         if job.room in self.cancelled:
-            return WriteDone(job.room, job.count)
+            return WriteDone(job.room, job.count, landed_at=time.monotonic())
         started = time.perf_counter()
         try:
             if job.spans[2]:
                 self.engine.write(job.peer_session, *job.spans)
+            landed, seconds = time.monotonic(), time.perf_counter() - started  # before kv_done leaves
             if job.notify is not None:
                 endpoint, msg = job.notify
                 self.peers.get(endpoint).send(to_wire(msg))
         except Exception as exc:  # any engine failure fails this room only
             return WriteFailed(job.room, job.count, f"{type(exc).__name__}: {exc}")
-        return WriteDone(job.room, job.count, sum(job.spans[2]), time.perf_counter() - started)
+        return WriteDone(job.room, job.count, sum(job.spans[2]), seconds, landed)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -454,8 +455,9 @@ class PrefillRole(Role):
         h.writes_in_flight -= msg.count
         self.link.transfer_stats.moved(msg.nbytes)
         h.write_seconds += msg.seconds
+        h.writes_landed_at = max(h.writes_landed_at, msg.landed_at)
         if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed
-            h.req.stage_marks.mark(KV_WRITES_LANDED)
+            h.req.stage_marks.mark(KV_WRITES_LANDED, self._landing_time(h))
             kv_done = self.kv_done_after_writes.pop(h.room, None)
             if kv_done is not None:  # else the room's only writer has sent it
                 self.link.send_control(h.peer_control, kv_done)
@@ -463,6 +465,12 @@ class PrefillRole(Role):
             self.link.transfer_stats.completed(h.write_seconds)
             self.scheduler.finish(h.req, FinishReason("length", message="KV handed to the decode server"))
         self._release_if_drained(h)
+
+    def _landing_time(self, h: Handoff) -> float:
+        """When the room's last write landed: as its writer saw it (its `kv_done` left then, when it is the room's
+        only writer), not when this step read the result. With tensor parallelism a follower's clock may be
+        another host's: the leader's clock as of this step then."""
+        return h.writes_landed_at if self.link.tp.size == 1 else self.link.clock()
 
     def _on_write_failed(self, msg: WriteFailed) -> None:
         h = self.link.handoffs.get(msg.room)
