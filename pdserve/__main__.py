@@ -7,6 +7,7 @@ import sys
 
 from pdserve.config import build_arg_parser, exit_on_config_error, parse_server_cli
 from pdserve.hub import with_local_model
+from pdserve.preflight import check_before_loading
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_arg_parser(prog="python -m pdserve")
     parser.add_argument("--shell", action="store_true", help="Chat with the model in this terminal.")
     ns, cli = exit_on_config_error(parser.prog, lambda: parse_server_cli(parser, argv))
+    exit_on_config_error(parser.prog, lambda: check_before_loading(cli))  # before a download or a load
     args = exit_on_config_error(parser.prog, lambda: with_local_model(cli))
     if not ns.shell:
         from pdserve.server.serve import serve

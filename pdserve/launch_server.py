@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pdserve.config import ServerArgs, exit_on_config_error
 
+PROG = "python -m pdserve.launch_server"
+
 
 def main(argv: list[str] | None = None) -> int:
     from pdserve.hub import with_local_model
+    from pdserve.preflight import check_before_loading
 
     cli = ServerArgs.from_cli(argv)
-    args = exit_on_config_error("python -m pdserve.launch_server", lambda: with_local_model(cli))
+    exit_on_config_error(PROG, lambda: check_before_loading(cli))  # before a download or a load
+    args = exit_on_config_error(PROG, lambda: with_local_model(cli))
     from pdserve.server.serve import serve
 
     return serve(args)

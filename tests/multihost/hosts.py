@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from cluster_util import CHILD_ENV, Proc, decode_server, prefill_server
 from netns import Network
 
+from pdserve.cluster_auth import SECRET_ENV
+
 ROLES = ["prefill", "decode", "router"]
 HTTP_PORT, BOOTSTRAP_PORT, ROUTER_PORT = 30000, 8998, 8000
+CLUSTER_SECRET = "multihost-cluster-secret"
 # a partitioned host is noticed within seconds: the router's unreachable-peer probe and health checks
 ROUTER_ARGS = ["--health-check-interval-s", "0.5", "--health-check-timeout-s", "1", "--unreachable-timeout-s", "3",
                "--max-retries", "1"]
@@ -54,6 +57,7 @@ def host_cluster(net: Network, model: str, backend: str, wildcard: bool, offset:
                   f"http://{hosts['router'].address}:{ROUTER_PORT + offset}", env=CHILD_ENV)
     for role, proc in zip(ROLES, (prefill, decode, router)):
         proc.argv = hosts[role].command(proc.argv)
+        proc.env = {**CHILD_ENV, SECRET_ENV: CLUSTER_SECRET}  # a PD server other hosts reach refuses to run without
         port = ROUTER_PORT + offset if role == "router" else http
         proc.url = f"http://{hosts[role].address}:{port}"  # the test reaches it on its host's address
         proc.name = f"{proc.name}-{'wildcard' if wildcard else 'own'}"

@@ -1,7 +1,7 @@
 """PD across three hosts (network namespaces on a bridge): greedy output equals the colocated engine for tcp and
-mooncake, with every role on its own address and with --host 0.0.0.0 everywhere; a partitioned decode host
-fails its request within the timeouts and the cluster serves again once the link is back; added latency
-(tc netem) changes nothing."""
+mooncake, with every role on its own address and with --host 0.0.0.0 everywhere (all with one cluster secret,
+which a PD server other hosts reach needs); a partitioned decode host fails its request within the timeouts and the
+cluster serves again once the link is back; added latency (tc netem) changes nothing."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from urllib.parse import urlsplit
 
 import pytest
 from cluster_util import CONTEXT_LENGTH, Proc, http, wait_kv_free
-from hosts import HostCluster
+from hosts import CLUSTER_SECRET, HostCluster
 
 from pdserve import SamplingParams
+from pdserve.cluster_auth import HEADER, ClusterAuth
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,7 +60,8 @@ def test_bootstrap_route_names_the_prefill_host(cluster: HostCluster):
     """A route lookup from another host is answered with the prefill's address on the way to it, never a
     wildcard or loopback one (the prefill itself registered 0.0.0.0 in the wildcard cluster)."""
     prefill_host = urlsplit(cluster.prefill.url).hostname
-    route = http("GET", f"http://{prefill_host}:{cluster.bootstrap_port}/route").json()
+    signed = {HEADER: ClusterAuth(CLUSTER_SECRET).token("GET", "/route")}
+    route = http("GET", f"http://{prefill_host}:{cluster.bootstrap_port}/route", headers=signed).json()
     assert route["ranks"]["0"]["control_endpoint"].startswith(f"{prefill_host}:")
     assert route["ranks"]["0"]["transfer_session"].startswith(f"{prefill_host}:")
 
