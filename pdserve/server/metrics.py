@@ -1,11 +1,13 @@
 """The server's Prometheus metrics (prometheus-client, one registry per server process).
 
 Request counters and latency histograms are updated as requests move; the scheduler's gauges are read from its
-stats at each scrape.
+stats at each scrape. SGLang's production names (`sglang:*`, labelled `model_name`) are exported beside pdserve's own
+for the dashboards that query them: the same families, renamed at each scrape, nothing counted twice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -14,6 +16,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pdserve.mem_cache.stats import METRIC_HELP
 
 PREFIX = "pdserve_"
+SGLANG_PREFIX = "sglang:"
+SGLANG_NAMES = {  # pdserve's family -> SGLang's (scheduler and tokenizer-manager metrics of SGLang's /metrics)
+    "prompt_tokens": "prompt_tokens",
+    "generation_tokens": "generation_tokens",
+    "num_running_reqs": "num_running_reqs",
+    "num_queue_reqs": "num_queue_reqs",
+    "kv_cache_usage_ratio": "token_usage",
+    "prefix_cache_hit_rate": "cache_hit_rate",
+    "time_to_first_token_seconds": "time_to_first_token_seconds",
+    "inter_token_latency_seconds": "inter_token_latency_seconds",
+    "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+}
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -107,6 +121,29 @@ def _kv_transfer_metrics(transfer: dict | None) -> list[Metric]:
     return [moved, done, duration, failures, queues]
 
 
+class _SglangView:
+    """The families of SGLANG_NAMES under SGLang's names, each sample labelled `model_name`; read from the same
+    collectors at each scrape."""
+
+    def __init__(self, model_name: str, sources: list[Any]):
+        self.model_name = model_name
+        self.sources = sources  # collectors whose families include every one SGLANG_NAMES renames
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for family in source.collect():
+                name = SGLANG_NAMES.get(family.name.removeprefix(PREFIX))
+                if name is not None:
+                    yield self._renamed(family, SGLANG_PREFIX + name)
+
+    def _renamed(self, family: Metric, name: str) -> Metric:
+        renamed = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            renamed.add_sample(name + sample.name.removeprefix(family.name),
+                               {"model_name": self.model_name, **sample.labels}, sample.value)
+        return renamed
+
+
 def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
@@ -116,7 +153,8 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        """`model_name`: the served model name, SGLang's `model_name` label."""
         self.registry = CollectorRegistry(auto_describe=False)
         self._scrape = _ScrapeState()
 
@@ -138,6 +176,8 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              buckets=E2E_BUCKETS, registry=self.registry)
         self.registry.register(self._scrape)
+        self.registry.register(_SglangView(model_name, [self.prompt_tokens, self.generation_tokens, self.ttft,
+                                                        self.inter_token, self.e2e, self._scrape]))
 
     def request_started(self) -> None:
         self.requests_received.inc()

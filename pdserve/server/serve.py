@@ -121,7 +121,7 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         tokenizer = await _unless_stopped(_in_daemon_thread(load_tokenizer, args), stop)
         if stop.is_set():
             return exit_code
-        tm = TokenizerManager(args, ServerMetrics(), tokenizer)
+        tm = TokenizerManager(args, ServerMetrics(args.model_name), tokenizer)
         await _unless_stopped(tm.wait_ready(READY_ROLES, STARTUP_TIMEOUT_SECONDS), stop)
         if stop.is_set():
             return exit_code

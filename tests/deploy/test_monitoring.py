@@ -5,6 +5,7 @@ router or a server exports."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from cluster_util import free_port, http
 from deploy_util import DEPLOY
 
@@ -140,3 +142,73 @@ def test_prometheus_scrapes_the_request_counter(systemd_cluster, prometheus):
 def test_every_dashboard_query_runs_in_prometheus(prometheus):
     for title, expr in dashboard_targets():
         query(prometheus, expr.replace("$__rate_interval", "1m"))  # Grafana's interval variable, as it fills it
+
+
+# SGLang's dashboard (sgl-project/sglang examples/monitoring/grafana/dashboards/json/sglang-dashboard.json) and the
+# templates built on it query SGLang's own names; these are its queries, written out here, with its variables
+# $__rate_interval and $model_name as Grafana fills them.
+SGLANG_HISTOGRAMS = ("e2e_request_latency_seconds", "time_to_first_token_seconds", "inter_token_latency_seconds")
+SGLANG_QUERIES = (
+    *(f"histogram_quantile({q}, sum by (le) (rate(sglang:{h}_bucket[$__rate_interval])))"
+      for h in SGLANG_HISTOGRAMS for q in (0.99, 0.9, 0.5)),
+    *(f"avg(rate(sglang:{h}_sum[$__rate_interval]) / rate(sglang:{h}_count[$__rate_interval]))"
+      for h in SGLANG_HISTOGRAMS[:2]),  # a PD prefill server measures no inter-token latency: its 0 / 0 is NaN
+    *(f'sum by (le) (increase(sglang:{h}_bucket{{model_name=~"$model_name"}}[$__rate_interval]))'
+      for h in SGLANG_HISTOGRAMS),
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+    "rate(sglang:prompt_tokens_total[$__rate_interval])", "rate(sglang:generation_tokens_total[$__rate_interval])",
+)
+SERVER_JOBS = ("pdserve-prefill", "pdserve-decode")
+
+
+SGLANG_RENAMED = {"token_usage": "kv_cache_usage_ratio", "cache_hit_rate": "prefix_cache_hit_rate"}  # else same
+
+
+def samples_by_name(metrics_text: str) -> dict[tuple[str, tuple], float]:
+    """Each sample of a /metrics page by (name, sorted labels)."""
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(metrics_text) for sample in family.samples}
+
+
+def test_sglang_names_carry_the_same_values_as_pdserves(systemd_cluster):
+    router = systemd_cluster.router
+    assert router.post("/generate", {"text": "same values", "max_new_tokens": 3}, timeout=120).status == 200
+    model = systemd_cluster.prefill.get("/get_model_info").json()["served_model_name"]
+    expected = {"prompt_tokens_total", "generation_tokens_total", "num_running_reqs", "num_queue_reqs", "token_usage",
+                "cache_hit_rate", *(h + part for h in SGLANG_HISTOGRAMS for part in ("_bucket", "_sum", "_count"))}
+    for proc in (systemd_cluster.prefill, systemd_cluster.decode):
+        samples = samples_by_name(proc.get("/metrics").body.decode())
+        sglang = [(name.removeprefix("sglang:"), dict(labels)) for name, labels in samples if name.startswith("sglang:")]
+        assert {name for name, _ in sglang} == expected
+        for name, labels in sglang:
+            assert labels.pop("model_name") == model, name
+            own = ("pdserve_" + SGLANG_RENAMED.get(name, name), tuple(sorted(labels.items())))
+            assert samples[("sglang:" + name, tuple(sorted({**labels, "model_name": model}.items())))] == \
+                samples[own], name
+    decode = samples_by_name(systemd_cluster.decode.get("/metrics").body.decode())
+    assert decode[("sglang:generation_tokens_total", (("model_name", model),))] >= 3
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="needs Debian's prometheus package")
+def test_sglang_dashboard_queries_answer_from_a_scraped_server(systemd_cluster, prometheus):
+    wait_until(lambda: set(values_by_job(query(prometheus, "sglang:num_running_reqs"))) == set(SERVER_JOBS),
+               f"Prometheus never scraped SGLang's names: {query(prometheus, 'sglang:num_running_reqs')}")
+    router = systemd_cluster.router
+    for i in range(3):  # after the first scrape, so that rates and increases over the window see them
+        assert router.post("/generate", {"text": f"dashboard {i}", "max_new_tokens": 4}, timeout=120).status == 200
+    model = systemd_cluster.decode.get("/get_model_info").json()["served_model_name"]
+    assert model in query_label_values(prometheus, "model_name")
+    done = "sum(sglang:e2e_request_latency_seconds_count)"
+    wait_until(lambda: float(query(prometheus, done)["result"][0]["value"][1]) >= 3, f"{query(prometheus, done)}")
+    time.sleep(2)  # two more scrapes: the rates' windows hold the requests' increases
+    for expr in SGLANG_QUERIES:
+        filled = expr.replace("$__rate_interval", "1m").replace("$model_name", model)
+        values = [float(sample["value"][1]) for sample in query(prometheus, filled)["result"]]
+        assert values and not any(math.isnan(value) for value in values), f"{filled}: {values}"
+
+
+def query_label_values(prometheus_url: str, label: str) -> list[str]:
+    """Grafana's label_values(label): the values of `label` across every series."""
+    reply = http("GET", f"{prometheus_url}/api/v1/label/{label}/values", timeout=10)
+    assert reply.status == 200, reply.body[:500]
+    return reply.json()["data"]

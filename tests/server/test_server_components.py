@@ -150,7 +150,7 @@ def test_chat_logprobs_carry_bytes_not_the_replacement_character(tokenizer):
 
 
 def test_metrics_render_valid_prometheus_text():
-    metrics = ServerMetrics()
+    metrics = ServerMetrics("m")
     metrics.request_started()
     metrics.observe_ttft(0.02)
     metrics.observe_inter_token(0.01, 3)
@@ -173,7 +173,7 @@ def test_kv_transfer_metrics_render_from_the_roles_stats():
     stats.completed(0.003)
     stats.completed(2.0)
     stats.failed("peer_dead")
-    text = ServerMetrics().render({"kv_transfer": stats.snapshot({"bootstrap": 2, "transfer": 1})}, in_flight=0)
+    text = ServerMetrics("m").render({"kv_transfer": stats.snapshot({"bootstrap": 2, "transfer": 1})}, in_flight=0)
     families = {family.name: family for family in text_string_to_metric_families(text)}
     values = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     assert values[("pdserve_kv_transfer_bytes_total", (("role", "decode"),))] == 4096
@@ -189,7 +189,7 @@ def test_kv_transfer_metrics_render_from_the_roles_stats():
 
 
 def test_metrics_parse_with_the_prometheus_parser():
-    metrics = ServerMetrics()
+    metrics = ServerMetrics("m")
     metrics.http_error(400)
     metrics.observe_inter_token(0.003, 2)
     text = metrics.render({"kv_used_tokens": 1, "kv_total_tokens": 4}, in_flight=3)
