@@ -1,6 +1,8 @@
-"""The package layout holds: imports run one way (no circles, `scheduler/` never imports `disagg/` but to pick the
-role), the PD handoff protocol loads without torch, the PD roles are parts of the scheduler (no subclass of it), only
-`pdserve/scheduler` touches the scheduler's private methods, and the offline engine never loads the HTTP server."""
+"""The package layout holds: no import circles, the router imports nothing of `pdserve`, the HTTP server only the
+entry points of the scheduler and detokenizer processes, `scheduler/` never imports `disagg/` but to pick the role,
+the PD handoff protocol loads without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
+subclass of it, no member outside it), only `pdserve/scheduler` touches the scheduler's private methods, and the
+offline engine never loads the HTTP server."""
 
 from __future__ import annotations
 
@@ -120,12 +122,68 @@ def parsed(package: Path) -> dict[str, ast.Module]:
     return {module_name(f, package): ast.parse(f.read_text()) for f in package.rglob("*.py")}
 
 
-def test_no_pd_role_subclasses_the_scheduler():
-    """A PD role is a part the scheduler holds (`scheduler/role.py`), never a subclass of it."""
-    subclasses = sorted(f"{module}.{node.name}" for module, tree in parsed(ROOT / "pdserve" / "disagg").items()
-                        for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-                        and any(ast.unparse(base).split(".")[-1].endswith("Scheduler") for base in node.bases))
-    assert subclasses == []
+SCHEDULER_MODULE = "pdserve.scheduler.scheduler"
+SCHEDULER_BUILDER = "pdserve.disagg.factory"  # builds the Scheduler with its role; holds no role of its own
+
+
+def scheduler_api() -> set[str]:
+    """The members of `SchedulerAPI` (`scheduler/role.py`): what a role may use of its scheduler."""
+    tree = ast.parse((ROOT / "pdserve" / "scheduler" / "role.py").read_text())
+    api = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SchedulerAPI")
+    return ({n.target.id for n in api.body if isinstance(n, ast.AnnAssign)}
+            | {n.name for n in api.body if isinstance(n, ast.FunctionDef)})
+
+
+def names_the_scheduler(node: ast.AST) -> bool:
+    return ast.unparse(node).split(".")[-1] in ("scheduler", "sched")
+
+
+def uses_beyond_the_api(tree: ast.Module, api: set[str]) -> list[str]:
+    """A role's uses of its scheduler that `SchedulerAPI` does not cover: a member outside it, and the scheduler
+    bound to another name or handed to a call (where this check could not follow it)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and names_the_scheduler(node.value) and node.attr not in api:
+            found.append(ast.unparse(node))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None \
+                and names_the_scheduler(node.value):
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Call) and any(names_the_scheduler(a) for a in [*node.args, *node.keywords]):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_a_pd_role_touches_the_scheduler_only_through_scheduler_api():
+    api, graph = scheduler_api(), import_graph()
+    roles = {m: tree for m, tree in parsed(ROOT / "pdserve").items() if m.startswith("pdserve.disagg")}
+    beyond = {module: uses for module, tree in roles.items() if (uses := uses_beyond_the_api(tree, api))}
+    assert beyond == {}
+    importers = sorted(m for m in roles if SCHEDULER_MODULE in graph[m])
+    assert importers == [SCHEDULER_BUILDER]  # the concrete Scheduler is out of a role's reach
+    builder_classes = [n for n in ast.walk(roles[SCHEDULER_BUILDER]) if isinstance(n, ast.ClassDef)]
+    assert builder_classes == []
+    assert {"enqueue", "radix", "finish"} <= api  # the walk reads the protocol it checks against
+
+
+def test_uses_beyond_the_api_are_found():
+    code = ("self.scheduler.enqueue(r)\nself.scheduler.radix.match_prefix(ids)\nself.scheduler.waiting.append(r)\n"
+            "self.scheduler._finish(r)\ns = self.scheduler\nhelper(self.scheduler)\ngetattr(sched, 'x')")
+    found = uses_beyond_the_api(ast.parse(code), {"enqueue", "radix"})
+    assert sorted(found) == ["getattr(sched, 'x')", "helper(self.scheduler)", "s = self.scheduler",
+                             "self.scheduler._finish", "self.scheduler.waiting"]
+
+
+def test_the_http_server_imports_only_the_entry_points_of_the_processes_it_starts():
+    graph = import_graph()
+    reached = {dst for src, targets in graph.items() if src.startswith("pdserve.server") for dst in targets
+               if dst.startswith(("pdserve.scheduler", "pdserve.detokenizer"))}
+    assert reached == {"pdserve.scheduler.process", "pdserve.detokenizer.process"}
+
+
+def test_the_router_imports_nothing_of_pdserve():
+    graph = import_graph()
+    assert sorted((src, dst) for src, targets in graph.items() if src.startswith("pdserve_router")
+                  for dst in targets if dst.split(".")[0] == "pdserve") == []
 
 
 def private_scheduler_calls(tree: ast.Module) -> list[str]:

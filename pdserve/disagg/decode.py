@@ -258,8 +258,7 @@ class DecodeRole(Role):
         """The prompt's pages: the prefix this server's radix cache holds (referenced, never written by the
         prefill) plus fresh pages for the rest, if they fit next to every running request's reserve."""
         req = h.req
-        if self.scheduler.radix is not None:
-            req.pages = self.scheduler.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
+        req.pages = self.scheduler.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
         cached = len(req.pages)
         missing = math.ceil(len(req.input_ids) / self.page_size) - cached
         reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
@@ -268,8 +267,7 @@ class DecodeRole(Role):
             return False
         h.cached_pages, h.dst_pages = cached, req.pages
         req.num_prefix_hit = h.cached_pages * self.page_size
-        if self.scheduler.radix is not None:
-            self.scheduler.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
+        self.scheduler.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
         return True
 
     def _check_route(self, route: RouteResolved) -> PrefillRankInfo:

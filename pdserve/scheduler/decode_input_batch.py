@@ -1,4 +1,5 @@
-"""The persistent decode batch (vLLM's `DecodeInputBatch`): what the running requests need on the device, kept across steps.
+"""The persistent decode batch (`DecodeInputBatch`, after vLLM's persistent `InputBatch`): what the running requests
+need on the device, kept across steps.
 
 Built when the decode batch's composition changes (a request joins, ends or is retracted); otherwise a step
 uploads only what changes (input ids, positions, KV slots, lengths, and the pages appended since the previous

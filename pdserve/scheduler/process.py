@@ -1,8 +1,8 @@
 """The scheduler process: owns the engine (`Scheduler`) and runs its event loop over ZeroMQ.
 
 One loop iteration = receive what the tokenizer manager sent, dispatch it, run one scheduler step,
-send the step's outputs to the detokenizer. Each part is its own method so the PD roles can extend
-the loop (e.g. `handle_generate` to enqueue into a bootstrap queue, `run_step` to poll KV transfers).
+send the step's outputs to the detokenizer. A PD server runs this same loop: its role is a part the
+`Scheduler` holds (`scheduler/role.py`), which acts at the points the role lists.
 
 With tensor parallelism there is one such process per rank. Rank 0 (the leader) owns the sockets and
 broadcasts every message it receives to the other ranks before dispatching it; every rank then runs the
@@ -176,7 +176,7 @@ class SchedulerProcess:
 
 
 def run_scheduler_process(args: ServerArgs) -> None:
-    """Entry point of a scheduler child, one per tensor-parallel rank (spawned by `launch.py`, and for the
+    """Entry point of a scheduler child, one per tensor-parallel rank (spawned by `server/serve.py`, and for the
     ranks after 0 by the offline `LLM`)."""
     child_setup(scheduler_process_name(args.tp_rank), args.log_level)
     from pdserve.disagg.factory import create_scheduler
