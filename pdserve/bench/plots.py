@@ -10,6 +10,9 @@ from typing import Any
 
 PANELS = (("ttft_ms", "p90", "TTFT p90 (ms)"), ("tpot_ms", "p99", "TPOT p99 (ms)"),
           ("itl_ms", "p99", "ITL p99 (ms)"), ("e2e_ms", "p90", "E2E p90 (ms)"))
+GRID = (2, 3)  # rows, columns: the four latency panels, failed requests, SLO attainment
+PANEL_INCHES = (4.6, 3.6)  # each panel's width and height; at DPI its 10-point text is legible at 100% zoom
+DPI = 110
 MATPLOTLIB_MISSING = "--plot needs matplotlib, which the bench extra installs: pip install 'pdserve[bench]'"
 
 
@@ -39,7 +42,10 @@ def draw_chart(results: list[dict]) -> Any:
     """The matplotlib figure of `load_result`'s results."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS) + 2, figsize=(4.2 * (len(PANELS) + 2), 4.0))
+    rows, columns = GRID
+    fig, grid = plt.subplots(rows, columns, figsize=(PANEL_INCHES[0] * columns, PANEL_INCHES[1] * rows + 0.3 *
+                                                     len(results)))  # the title's lines
+    axes = list(grid.flat)
     for (metric, pct, title), ax in zip(PANELS, axes):
         for result in results:
             _line(ax, result["label"], [(r["request_rate"], r[metric][pct]) for r in result["runs"]
@@ -56,7 +62,7 @@ def draw_chart(results: list[dict]) -> Any:
     _style(axes[-1], "SLO attainment (%)")
     for ax in axes[-2:]:
         ax.set_ylim(0, 105)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=9)
     fig.suptitle(chart_title(results), fontsize=10)
     fig.tight_layout()
     return fig
@@ -75,7 +81,7 @@ def save_figure(fig: Any, out: Path) -> Path:
 
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=DPI)
     plt.close(fig)
     return out
 

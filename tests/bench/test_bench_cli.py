@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
 
 import pytest
@@ -60,6 +61,27 @@ def test_the_chart_names_model_date_and_backend_starts_its_axes_at_zero_and_show
     assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
     failed = next(ax for ax in fig.axes if ax.get_title() == "failed requests (%)")
     assert [list(line.get_ydata()) for line in failed.get_lines()] == [[0.0, 30.0]]
+
+
+def test_the_chart_is_a_grid_of_panels_legible_at_full_size(tmp_path):
+    """Two rows of three panels in a PNG that fits a laptop screen at 100% zoom, each panel at least 420 x 300 px
+    and its smallest text at least 12 px high (one line of six panels was 2,772 x 440 px)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    result = {"label": "pd", "model": "m", "backend": "openai", "date": "d", "runs": [run(2, 0, 1.0), run(4, 3, 0.7)]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    height, width = matplotlib.image.imread(plots.plot_results([path], tmp_path / "r.png")).shape[:2]
+    assert width <= 1600 and height <= 1000, (width, height)
+    fig = plots.draw_chart([plots.load_result(path)])
+    grid = {ax.get_subplotspec().get_geometry()[:2] for ax in fig.axes}
+    assert grid == {(2, 3)} and len(fig.axes) == 6
+    for ax in fig.axes:
+        box = ax.get_position()
+        assert box.width * width >= 420 and box.height * height >= 300, (ax.get_title(), box)
+        texts = [ax.title, ax.xaxis.label, *ax.get_xticklabels(), *ax.get_yticklabels()]
+        assert min(text.get_fontsize() for text in texts) * plots.DPI / 72 >= 12, ax.get_title()
 
 
 def test_the_sweep_explains_a_goodput_it_could_not_find():
