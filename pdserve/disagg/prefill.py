@@ -39,8 +39,9 @@ from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
                                      checked_cached_pages, checked_pages, peer_status, validate_pd_request)
-from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs, kv_write_requests,
+from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs,
                                      layout_from_description)
+from pdserve.disagg.transfer.packing import KVMover, KVPiece, staging_bytes
 from pdserve.disagg.control_transport import PeerClients
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.extend_batch import ExtendItem
@@ -58,7 +59,7 @@ PAGES_AHEAD_SHARE = 0.5  # of the pool: pages that requests queued before their 
 class WriteJob:
     room: int
     peer_session: str
-    spans: tuple[list[int], list[int], list[int]]
+    pieces: list[KVPiece]
     final: bool
     computed: torch.cuda.Event | None  # recorded after the kernels that filled the pages (None on CPU)
     notify: tuple[str, KVDone] | None = None  # (peer control endpoint, message) to send once the write landed
@@ -68,8 +69,7 @@ class WriteJob:
         return self.computed is None or self.computed.query()
 
     def absorb(self, later: WriteJob) -> None:
-        for mine, theirs in zip(self.spans, later.spans):
-            mine.extend(theirs)
+        self.pieces.extend(later.pieces)
         self.final, self.computed, self.notify = later.final, later.computed, later.notify
         self.count += later.count
 
@@ -81,9 +81,9 @@ class TransferWorker:
     Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
     pushes become fewer, larger writes whenever the link is slower than the forward."""
 
-    def __init__(self, engine, post: Callable[[Message], None], cancelled: set[int], peer_session: str,
+    def __init__(self, mover: KVMover, post: Callable[[Message], None], cancelled: set[int], peer_session: str,
                  peers: PeerClients):
-        self.engine = engine
+        self.mover = mover
         self.post = post
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self.cancelled = cancelled  # rooms whose writes are skipped; shared by the writers of all peers
@@ -122,15 +122,14 @@ class TransferWorker:
             return WriteDone(job.room, job.count, landed_at=time.monotonic())
         started = time.perf_counter()
         try:
-            if job.spans[2]:
-                self.engine.write(job.peer_session, *job.spans)
+            nbytes = self.mover.write(job.peer_session, job.pieces) if job.pieces else 0
             landed, seconds = time.monotonic(), time.perf_counter() - started  # before kv_done leaves
             if job.notify is not None:
                 endpoint, msg = job.notify
                 self.peers.get(endpoint).send(to_wire(msg))
         except Exception as exc:  # any engine failure fails this room only
             return WriteFailed(job.room, job.count, f"{type(exc).__name__}: {exc}")
-        return WriteDone(job.room, job.count, sum(job.spans[2]), seconds, landed)
+        return WriteDone(job.room, job.count, nbytes, seconds, landed)
 
     def close(self) -> None:
         self.jobs.put(None)
@@ -142,8 +141,8 @@ class KVWriters:
     """One `TransferWorker` per decode peer, started on its first write: a peer that stops answering stalls only
     its own writes (each ends at the engine's timeout), never the transfers to healthy peers."""
 
-    def __init__(self, engine, post: Callable[[Message], None], new_peer_clients: Callable[[], PeerClients]):
-        self.engine = engine
+    def __init__(self, mover: KVMover, post: Callable[[Message], None], new_peer_clients: Callable[[], PeerClients]):
+        self.mover = mover
         self.post = post
         self.new_peer_clients = new_peer_clients  # each writer thread signs with clients of its own
         self.cancelled: set[int] = set()
@@ -152,7 +151,7 @@ class KVWriters:
     def submit(self, job: WriteJob) -> None:
         worker = self.workers.get(job.peer_session)
         if worker is None:
-            worker = TransferWorker(self.engine, self.post, self.cancelled, job.peer_session, self.new_peer_clients())
+            worker = TransferWorker(self.mover, self.post, self.cancelled, job.peer_session, self.new_peer_clients())
             self.workers[job.peer_session] = worker
         worker.submit(job)
 
@@ -173,7 +172,9 @@ class PrefillRole(Role):
         self.page_size = args.page_size
         self.device = runner.device
         self.link = PeerLink(args, runner)
-        self.writers = KVWriters(self.link.engine, self.link.channel.post, self.link.channel.new_peer_clients)
+        mover = KVMover(self.link.engine, self.device, staging_bytes(runner.pool.nbytes),
+                        args.disaggregation_waiting_timeout)
+        self.writers = KVWriters(mover, self.link.channel.post, self.link.channel.new_peer_clients)
         self.bootstrap = None
         sessions = self._rank_sessions()
         if args.serves_role_alone:
@@ -292,7 +293,7 @@ class PrefillRole(Role):
             computed = self._record_event()
             for h, runs in plans:
                 for target in h.peer_targets:
-                    self._submit(h, target, self._spans(target, runs, range(layer, layer + 1)), False, computed)
+                    self._submit(h, target, self._pieces(target, runs, range(layer, layer + 1)), False, computed)
 
         return push_layer
 
@@ -339,13 +340,15 @@ class PrefillRole(Role):
         computed = self._record_event()
         for target in h.peer_targets:
             notify = (h.peer_control, kv_done) if kv_done is not None and sole_writer else None
-            self._submit(h, target, self._spans(target, runs), final, computed, notify)
+            self._submit(h, target, self._pieces(target, runs), final, computed, notify)
 
-    def _spans(self, target: KVTarget, runs: list, layers: range | None = None):
-        """This rank's heads for `target` in the page `runs` (no spans when it takes none of them from us)."""
+    def _pieces(self, target: KVTarget, runs: list, layers: range | None = None) -> list[KVPiece]:
+        """This rank's heads for `target` in the page `runs`, all layers by default (none when it takes none of
+        them from us)."""
         if not runs or not target.heads:
-            return [], [], []
-        return kv_write_requests(self.link.region, target.region, runs, layers, target.heads)
+            return []
+        layers = range(self.link.region.layout.num_layers) if layers is None else layers
+        return [KVPiece(self.link.region, target.region, runs, layers, target.heads)]
 
     def _first_token(self, h: Handoff) -> FirstToken:
         sent = h.req.pages[h.cached_pages : len(h.dst_pages)]
@@ -357,14 +360,14 @@ class PrefillRole(Role):
         start, h.pages_sent = h.pages_sent, max(h.pages_sent, upto_page)
         return coalesce_page_runs(h.req.pages[start:upto_page], h.dst_pages[start:upto_page])
 
-    def _submit(self, h: Handoff, target: KVTarget, spans, final: bool, computed: torch.cuda.Event | None,
-                notify=None) -> None:
+    def _submit(self, h: Handoff, target: KVTarget, pieces: list[KVPiece], final: bool,
+                computed: torch.cuda.Event | None, notify=None) -> None:
         """Every rank submits the same jobs (same code on the same state; a rank with no heads for a target writes
         nothing), so the room's writes in flight count one job per rank, and the results of all ranks' writers,
         which every rank receives (`step_events`), count them down together."""
         h.writes_in_flight += self.link.tp.size
         h.req.stage_marks.mark(KV_WRITES_ISSUED)
-        self.writers.submit(WriteJob(h.room, target.session, spans, final, computed, notify))
+        self.writers.submit(WriteJob(h.room, target.session, pieces, final, computed, notify))
 
     def _record_event(self) -> torch.cuda.Event | None:
         if self.device.type != "cuda":

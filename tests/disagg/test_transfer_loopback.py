@@ -14,10 +14,11 @@ from pdserve.disagg.transfer import (
     kv_write_requests,
     make_transfer_engine,
 )
+from pdserve.disagg.transfer.mooncake import MAX_SPANS_PER_BATCH
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
-SRC_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=16, dtype=torch.float16)
-DST_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=24, dtype=torch.float16)
+SRC_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=96, dtype=torch.float16)
+DST_LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=100, dtype=torch.float16)
 SRC_PAGES = [3, 4, 5, 9, 2, 10, 11, 15]
 DST_PAGES = [7, 8, 9, 1, 20, 21, 22, 23]
 
@@ -149,15 +150,26 @@ def test_tcp_receiver_refuses_malformed_messages():
 
 def test_a_head_slice_lands_token_by_token_in_one_write_of_thousands_of_spans(pair):
     """Source head 1 into destination head 0 (what one prefill rank of TP 2 writes into a TP 1 decode, were the
-    pools' head counts those): one span per token, leaving the other head untouched; the batch, repeated to more
-    spans than one mooncake call takes, still lands as one write."""
+    pools' head counts those): one span per token, leaving the other head untouched; more spans than one mooncake
+    call takes still land as one write."""
     sender, src, hello, conn = pair
-    pages = list(range(1, 16))
+    pages = list(range(1, SRC_LAYOUT.num_pages))
     spans = kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT),
                               coalesce_page_runs(pages, pages), heads=[HeadSlice(1, 0, 1)])
-    assert len(spans[2]) == 2 * SRC_LAYOUT.num_layers * len(pages) * SRC_LAYOUT.page_size
-    sender.write(hello["session"], *(side * 6 for side in spans))
+    assert len(spans[2]) == 2 * SRC_LAYOUT.num_layers * len(pages) * SRC_LAYOUT.page_size > MAX_SPANS_PER_BATCH
+    sender.write(hello["session"], *spans)
     want = KVPool(DST_LAYOUT, "cpu").buffer
-    slots = slice(SRC_LAYOUT.page_size, 16 * SRC_LAYOUT.page_size)
+    slots = slice(SRC_LAYOUT.page_size, SRC_LAYOUT.num_slots)
     want[:, :, slots, 0] = src.buffer[:, :, slots, 1]
     assert torch.equal(_remote_pool(conn).view(torch.uint8), want.view(torch.uint8))
+
+
+def test_destination_spans_that_overlap_are_refused_before_any_byte_moves(pair):
+    """Two source pages into one destination page: a backend copying a batch's spans at once (mooncake) would leave
+    either page's bytes there, so no backend takes such a batch."""
+    sender, src, hello, conn = pair
+    runs = coalesce_page_runs([3, 9], [7, 7])
+    batch = kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT), runs)
+    with pytest.raises(TransferError, match="destination spans overlap"):
+        sender.write(hello["session"], *batch)
+    assert not _remote_pool(conn).view(torch.uint8).any()

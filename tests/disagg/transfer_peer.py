@@ -1,4 +1,5 @@
-"""A transfer peer in its own process: owns a KV pool, registers it, and answers "dump" / "stop"."""
+"""A transfer peer in its own process: owns a KV pool, registers it, and answers "dump", "zero" (then dump) and
+"stop"."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def serve_kv(backend: str, device: str, layout_desc: dict, conn) -> None:
             cmd = conn.recv()
             if cmd == "stop":
                 break
+            if cmd == "zero":
+                pool.buffer.zero_()
             conn.send(kv_bytes(pool))
     finally:
         engine.close()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from pdserve.mem_cache.kv_pool import KVLayout
@@ -72,10 +73,26 @@ class RegionTable:
 
 
 def check_batch(src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
+    """Matching lists, and destination spans that do not overlap: a backend may copy a batch's spans in any
+    order or all at once (mooncake's batched copies do), so two spans writing the same byte leave it undefined."""
     if not len(src_ptrs) == len(dst_ptrs) == len(lengths):
         raise TransferError(
             f"batch lists differ in length: {len(src_ptrs)} src, {len(dst_ptrs)} dst, {len(lengths)} lengths"
         )
+    if len(dst_ptrs) > 1:
+        _check_disjoint(dst_ptrs, lengths)
+
+
+def _check_disjoint(dst_ptrs: list[int], lengths: list[int]) -> None:
+    starts = np.asarray(dst_ptrs, dtype=np.int64)
+    order = np.argsort(starts, kind="stable")
+    starts = starts[order]
+    ends = starts + np.asarray(lengths, dtype=np.int64)[order]
+    clash = np.flatnonzero(starts[1:] < ends[:-1])
+    if clash.size:
+        i = int(clash[0])
+        raise TransferError(f"destination spans overlap: [{starts[i]:#x}, {ends[i]:#x}) and "
+                            f"[{starts[i + 1]:#x}, {ends[i + 1]:#x}) in one write")
 
 
 class TransferEngine(ABC):
@@ -191,9 +208,9 @@ def kv_write_requests(
     The pool stores a token's heads side by side (`[slots, heads, head_dim]`), so a slice that is a whole token
     on both sides moves as one span per page run, and any other slice as one span per token: the transfer
     engine reads and writes the heads in place, no gather copy is made."""
-    heads = _checked_heads(src.layout, dst.layout, heads)
+    heads = checked_heads(src.layout, dst.layout, heads)
     for run in runs:
-        _check_run(run, src.layout.num_pages, dst.layout.num_pages)
+        check_run(run, src.layout.num_pages, dst.layout.num_pages)
     spans: tuple[list[int], list[int], list[int]] = ([], [], [])
     for kv in (0, 1):
         for layer in layers if layers is not None else range(src.layout.num_layers):
@@ -203,7 +220,7 @@ def kv_write_requests(
     return spans
 
 
-def _checked_heads(src: KVLayout, dst: KVLayout, heads: Sequence[HeadSlice] | None) -> Sequence[HeadSlice]:
+def checked_heads(src: KVLayout, dst: KVLayout, heads: Sequence[HeadSlice] | None) -> Sequence[HeadSlice]:
     geometry = (src.num_layers, src.page_size, src.head_dim, src.itemsize)
     if geometry != (dst.num_layers, dst.page_size, dst.head_dim, dst.itemsize):
         raise TransferError(
@@ -245,7 +262,7 @@ def _add_spans(spans, src_layer: int, dst_layer: int, src: KVLayout, dst: KVLayo
         lengths.extend([h.count * head_bytes] * tokens)
 
 
-def _check_run(run: PageRun, src_pages: int, dst_pages: int) -> None:
+def check_run(run: PageRun, src_pages: int, dst_pages: int) -> None:
     if len(run) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) for x in run):
         raise TransferError(f"malformed page run {run!r}")
     s, d, n = run

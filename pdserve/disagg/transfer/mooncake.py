@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -79,6 +80,23 @@ def select_transport(
     return MooncakeTransport("tcp", "", {"MC_FORCE_TCP": "1"}, "no RDMA device and no intra-node NVLink for this KV")
 
 
+@contextmanager
+def _environment(switches: dict[str, str]):
+    """Mooncake reads its switches once, in `initialize`: they are set for that call only, so that one engine's
+    choice (MC_FORCE_TCP for a host-memory engine) never becomes a "user switch" for the next engine in the process
+    or for the processes it spawns."""
+    saved = {name: os.environ.get(name) for name in switches}
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def import_mooncake():
     # Mooncake's glog lines obey its own switch, read when the library loads: only errors unless pdserve logs DEBUG
     os.environ.setdefault("MC_LOG_LEVEL", "INFO" if logger.isEnabledFor(logging.DEBUG) else "ERROR")
@@ -110,11 +128,12 @@ class MooncakeTransferEngine(TransferEngine):
         choice = select_transport(
             kv_device, ib_device, bool(getattr(mc, "SUPPORT_INTRA_NVLINK", False)), present_ib_devices(), os.environ
         )
-        os.environ.update(choice.env)
         self._engine = mc.TransferEngine()
         listeners_before = listening_fds()
         protocol = "rdma" if choice.transport == "rdma" else "tcp"  # only picks Mooncake's buffer allocator
-        if self._engine.initialize(host, "P2PHANDSHAKE", protocol, choice.device_name) != 0:
+        with _environment(choice.env):
+            rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, choice.device_name)
+        if rc != 0:
             raise TransferError(f"mooncake initialize({host!r}, P2PHANDSHAKE, {protocol}, {choice.device_name!r}) failed")
         self._transport = choice.transport
         bind_host = host if bind_host is None else bind_host
