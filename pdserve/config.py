@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
@@ -106,6 +107,7 @@ class ServerArgs:
     disaggregation_secret: str | None = None
     disaggregation_enable_kv_checksum: bool = False
     decode_local_prefill_chunk_size: int = 512
+    decode_tpot_budget_ms: float = 0.0
     disaggregation_decode_enable_radix_cache: bool = False
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
@@ -163,6 +165,7 @@ class ServerArgs:
         if self.disaggregation_advertise_host is not None and self.disaggregation_advertise_host in ("", "0.0.0.0", "::"):
             raise ConfigError("--disaggregation-advertise-host must name an address peers can reach, "
                               f"not {self.disaggregation_advertise_host!r}")
+        self._validate_tpot_budget()
         if self.disaggregation_layerwise_min_tokens < 0:
             raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
@@ -175,6 +178,13 @@ class ServerArgs:
             raise ConfigError(f"--tool-call-parser must be qwen25 or llama3, got {self.tool_call_parser!r}")
         if not self.grammar_compile_timeout_s > 0:
             raise ConfigError("--grammar-compile-timeout-s must be > 0")
+
+    def _validate_tpot_budget(self) -> None:
+        if not 0 <= self.decode_tpot_budget_ms < math.inf:
+            raise ConfigError(f"--decode-tpot-budget-ms must be >= 0 (0: off), got {self.decode_tpot_budget_ms}")
+        if self.decode_tpot_budget_ms and self.tp_size > 1:
+            raise ConfigError("--decode-tpot-budget-ms needs --tp-size 1: each rank would time its own steps and "
+                              "the ranks' batches would part")
 
     def _validate_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -390,6 +400,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (else env PDSERVE_DISAGGREGATION_SECRET, else --api-key): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a CRC32 of each request's KV pages and fail the request (502) on a mismatch."),
     "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
+    "decode_tpot_budget_ms": ("disaggregation", "Mean inter-token time (ms) the running requests keep while prompts are prefilled beside them: prefill chunks are sized online from the measured step times so that they fit (Sarathi-style time slicing; a decode server's local prefills, and a colocated server's too). Replaces the alternation of --decode-local-prefill-chunk-size. 0: off."),
     "disaggregation_decode_enable_radix_cache": ("disaggregation", "Decode: keep finished requests' prompt and output pages in a radix cache of its own; a request whose prefix this server already holds receives only the missing pages from the prefill."),
 }
 

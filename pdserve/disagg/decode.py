@@ -10,8 +10,10 @@ this server fails before its handoff begins (its grammar does not compile) still
 room, as soon as the prefill's route is known (`refuse`).
 
 A request without bootstrap fields (the router's conditional disaggregation chose the local path) is prefilled
-here, in chunks of `--decode-local-prefill-chunk-size` tokens; while requests are decoding, each such chunk is
-followed by a decode step, so a running request waits at most one chunk's forward between two tokens.
+here. With `--decode-tpot-budget-ms`, the scheduler's TPOT budget (`pdserve/scheduler/tpot_budget.py`) sizes its
+chunks so that the running requests' mean inter-token time stays within the budget; without one, it is prefilled in
+chunks of `--decode-local-prefill-chunk-size` tokens, each followed by a decode step while requests are decoding, so
+a running request waits at most one chunk's forward between two tokens.
 
 With tensor parallelism every rank pre-allocates the same pages in its own pool (its own heads); the leader
 looks the route up, sends one `transfer_request` listing every rank's transfer session and KV buffer, and
@@ -55,8 +57,10 @@ logger = logging.getLogger(__name__)
 
 def decode_scheduler_args(args: ServerArgs) -> ServerArgs:
     """The decode server's scheduler flags: its own prefix cache only with `keeps_prefix_cache`, never tiered, and
-    local prefills in chunks of `--decode-local-prefill-chunk-size`."""
-    chunk = min(args.chunked_prefill_size, args.decode_local_prefill_chunk_size)
+    local prefills in chunks of `--decode-local-prefill-chunk-size` unless a TPOT budget sizes them."""
+    chunk = args.chunked_prefill_size
+    if not args.decode_tpot_budget_ms:
+        chunk = min(chunk, args.decode_local_prefill_chunk_size)
     return args.replace(disable_radix_cache=not args.keeps_prefix_cache, enable_hierarchical_cache=False,
                         hicache_storage_backend=None, chunked_prefill_size=chunk)
 
@@ -179,8 +183,9 @@ class DecodeRole(Role):
         return not self.scheduler.has_new_outputs()  # first tokens just committed: report them before decoding
 
     def plan_extend(self) -> list[ExtendItem]:
-        """Local prefill chunks (and recomputes of retracted requests) alternate with decode steps."""
-        if self._extended_last_step and self.scheduler.running:
+        """Local prefill chunks (and recomputes of retracted requests): within the scheduler's TPOT budget when one
+        is set, else alternating with decode steps."""
+        if not self.args.decode_tpot_budget_ms and self._extended_last_step and self.scheduler.running:
             self._extended_last_step = False
             return []
         items = self.scheduler.schedule_extend()
@@ -404,6 +409,10 @@ class DecodeRole(Role):
 
     def stats(self) -> dict:
         return {"kv_transfer": self.link.transfer_snapshot(), "num_local_prefills": self.num_local_prefills}
+
+    def offered_prefill_rate(self, rate: float) -> float:
+        """Local prompts only within a TPOT budget: without one they would flood the running requests' TPOT."""
+        return rate if self.args.decode_tpot_budget_ms else 0.0
 
     def reset_stats(self) -> None:
         self.num_local_prefills = 0

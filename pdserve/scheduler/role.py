@@ -11,7 +11,7 @@ In the order a request meets them:
   check_stop, caches_finished, keeps_pages  a token is appended; the request ends; its pages are released
   abort                                     a client aborts it
 and, for the scheduler process: can_step, has_work, idle_poll_ms, wakeup_fds, holds_pages, stats, reset_stats,
-queued_prefill_tokens, server_info, warmup_bootstrap, close.
+queued_prefill_tokens, offered_prefill_rate, server_info, warmup_bootstrap, close.
 """
 
 from __future__ import annotations
@@ -145,6 +145,11 @@ class Role:
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens the role holds that the scheduler has not queued yet (prefill: its bootstrap queue)."""
         return 0
+
+    def offered_prefill_rate(self, rate: float) -> float:
+        """The prefill rate (tokens/s) `/load` offers new prompts, given the rate the scheduler can give them now
+        (the decode role offers none without a TPOT budget)."""
+        return rate
 
     def server_info(self) -> dict:
         """The role's own entries of the model info the server announces."""

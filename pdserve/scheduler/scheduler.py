@@ -32,7 +32,9 @@ from pdserve.scheduler.load import PrefillRateMeter
 from pdserve.scheduler.overlap import HostCopier, InflightDecode, decode_inputs
 from pdserve.scheduler.request import FinishReason, Req, ReqStatus
 from pdserve.scheduler.role import Role
+from pdserve.scheduler.step_timer import DECODE, EXTEND, StepTimer
 from pdserve.scheduler.stop import StopChecker
+from pdserve.scheduler.tpot_budget import TpotBudget
 from pdserve.tokenizer import load_tokenizer
 from pdserve.timeline import (ADMITTED, FIRST_TOKEN_EMITTED, FIRST_TOKEN_SAMPLED, OUTPUT_TOKEN, PREFILL_CHUNK_END,
                               PREFILL_CHUNK_START, QUEUED)
@@ -73,6 +75,9 @@ class Scheduler:
         self.token_bitmask = TokenBitmask(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
         self.device_stamps = DeviceStamps(self.device)  # a forward's stages as the device ran it
+        self.tpot_budget = TpotBudget(args.decode_tpot_budget_ms, self.page_size,
+                                      min(args.max_prefill_tokens, args.chunked_prefill_size))
+        self.step_timer = StepTimer(self.device)  # the tests give theirs a clock their forwards advance
         self.role = role or Role()
         self.role.bind(self)
 
@@ -145,17 +150,39 @@ class Scheduler:
         self._accept_compiled_grammars()
         if not self.role.prepare_step():
             return self._collect_outputs()
+        self._settle_step_timings()
         items = self.role.plan_extend()
         if items:
             self._finish_inflight()
-            started = time.perf_counter()
-            self._run_extend(items)
-            self.prefill_meter.record(sum(i.end - i.start for i in items), time.perf_counter() - started)
+            self._timed_extend(items)
         elif self.running:
-            self._run_decode()
+            self._timed_decode()
         else:
             self._finish_inflight()
+            self.step_timer.idle()
         return self._collect_outputs()
+
+    def _timed_extend(self, items: list[ExtendItem]) -> None:
+        tokens = sum(i.end - i.start for i in items)
+        booked = self.tpot_budget.extend_started(tokens, decoding=bool(self.running))
+        self.step_timer.begin()
+        self._run_extend(items)
+        self.step_timer.end(EXTEND, tokens, booked)
+
+    def _timed_decode(self) -> None:
+        size, booked = len(self.running), self.tpot_budget.decode_started()
+        self.step_timer.begin()
+        self._run_decode()
+        self.step_timer.end(DECODE, size, booked)
+
+    def _settle_step_timings(self) -> None:
+        """Steps whose device work has finished tell their measured time to the TPOT budget and the rate meter."""
+        for timing in self.step_timer.completed():
+            if timing.kind == DECODE:
+                self.tpot_budget.decode_measured(timing.seconds, timing.booked_s)
+                continue
+            self.tpot_budget.extend_measured(timing.size, timing.seconds, timing.booked_s)
+            self.prefill_meter.record(timing.size, timing.seconds)
 
     def has_work(self) -> bool:
         """Any request not finished yet (the PD roles add those waiting for a message from their peer, the grammar
@@ -199,8 +226,8 @@ class Scheduler:
             "prefix_hit_tokens": self.radix.hit_tokens,
             "num_retracted": self.num_retracted,
             **self.radix.tier_stats(),
-            "queued_prefill_tokens": self.queued_prefill_tokens(),
-            "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
+            **self.load_report(),
+            "tpot_budget": self.tpot_budget.stats(),
             **self.grammar_queue.stats(),
             "grammar_masked_rows": self.num_masked_rows,
             "grammar_masked_steps": self.num_masked_steps,
@@ -213,8 +240,31 @@ class Scheduler:
         self.num_masked_rows = self.num_masked_steps = 0
         self.grammar_queue.reset_stats()
         self.prefill_meter = PrefillRateMeter()
+        self.tpot_budget.reset()
         self.radix.reset_hit_counts()
         self.role.reset_stats()
+
+    def load_report(self) -> dict:
+        """What the router weighs to place a prompt (`/load`): the prefill queued here, the full-speed prefill rate
+        measured, the rate a new prompt gets now (within the TPOT budget while requests decode), the decode pace."""
+        used = self.allocator.capacity - self.allocator.num_free
+        return {
+            "queued_prefill_tokens": self.queued_prefill_tokens(),
+            "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
+            "local_prefill_tokens_per_s": round(self._new_prompt_rate(), 1),
+            "decode_step_ms": round(self.tpot_budget.costs.decode_s * 1e3, 3),
+            "num_running_reqs": len(self.running),
+            "kv_usage": round(used / self.allocator.capacity, 4),
+            "tpot_budget_ms": self.args.decode_tpot_budget_ms,
+        }
+
+    def _new_prompt_rate(self) -> float:
+        """Prompt tokens per second a new prompt would be prefilled at now; 0.0 when the KV pool has no room for a
+        minimum chunk next to the running requests' growth (or the role takes no such prompts)."""
+        reserved = sum(self.decode_reserve(r) for r in self.running)
+        if self.available_pages() - reserved < math.ceil(self.tpot_budget.min_chunk / self.page_size):
+            return 0.0
+        return self.role.offered_prefill_rate(self.tpot_budget.prefill_rate(decoding=bool(self.running)))
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting that no forward pass has computed yet."""
@@ -284,8 +334,10 @@ class Scheduler:
 
     def schedule_extend(self) -> list[ExtendItem]:
         """This step's prefill chunks: the chunked prompt first, then admitted waiting requests within the token
-        budget (at most one of them chunked, and last)."""
-        budget = min(self.args.max_prefill_tokens, self.args.chunked_prefill_size)
+        budget, which the TPOT budget sets while requests decode (at most one of them chunked, and last)."""
+        budget = self.tpot_budget.extend_tokens(decoding=bool(self.running))
+        if budget == 0:
+            return []
         items: list[ExtendItem] = []
         if self.chunked is not None:
             req, self.chunked = self.chunked, None

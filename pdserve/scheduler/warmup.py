@@ -145,11 +145,13 @@ def warm_up(sched: Scheduler, plan: WarmupPlan | None = None) -> WarmupReport:
     started = time.perf_counter()
     plan = plan or warmup_plan(sched)
     log = ForwardLog()
+    prompts = WarmupPrompts(sched)
     sched.runner.forward_observers.append(log.observe)
     try:
-        _run_plan(sched, plan, WarmupPrompts(sched))
+        _run_plan(sched, plan, prompts)
     finally:
         sched.runner.forward_observers.remove(log.observe)
+    _measure_step_costs(sched, plan, prompts)
     masked_rows = sched.num_masked_rows
     sched.sampler.reseed(sched.args.random_seed)
     sched.reset_stats()
@@ -167,10 +169,7 @@ def warm_up(sched: Scheduler, plan: WarmupPlan | None = None) -> WarmupReport:
 def _run_plan(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> None:
     """Each phase starts on an empty prefix cache, so every prompt computes all of its tokens but the prefix-hit
     extends' cached prefix."""
-    for length in plan.alone:
-        _run(sched, [prompts.fresh(length)])
-    for lengths in plan.batches:
-        _run(sched, [prompts.fresh(n) for n in lengths])
+    _run_fresh(sched, plan, prompts)
     if plan.prefix:
         base = prompts.fresh(plan.prefix)
         _run(sched, [base], flush=False)
@@ -181,6 +180,24 @@ def _run_plan(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> Non
         sched.grammar_queue.compile_untimed(GrammarSpec("regex", GRAMMAR))
     for size in plan.constrained:
         _run(sched, [prompts.constrained(CONSTRAINED_PROMPT) for _ in range(size)])
+
+
+def _run_fresh(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> None:
+    for length in plan.alone:
+        _run(sched, [prompts.fresh(length)])
+    for lengths in plan.batches:
+        _run(sched, [prompts.fresh(n) for n in lengths])
+
+
+def _measure_step_costs(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> None:
+    """The step costs the TPOT budget and `/load` start from, measured over the plan's fresh prompts again now that
+    their kernels are compiled (a compile is no step's cost)."""
+    costs = sched.tpot_budget.costs
+    costs.forget()
+    _run_fresh(sched, plan, prompts)
+    fixed, per_token = costs.extend_line()
+    logger.info("step costs: decode step %.2f ms, extend %.2f ms + %.2f us per token (TPOT budget %g ms)",
+                costs.decode_s * 1e3, fixed * 1e3, per_token * 1e6, sched.args.decode_tpot_budget_ms)
 
 
 class WarmupPrompts:

@@ -24,7 +24,8 @@ from pdserve.server.schemas import AbortRequestInput, GenerateReqInput, bootstra
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
-LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "num_waiting", "num_running")
+LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "local_prefill_tokens_per_s", "decode_step_ms",
+             "num_running_reqs", "kv_usage", "tpot_budget_ms", "num_waiting", "num_running")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -162,7 +163,8 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 
 async def load(request: web.Request) -> web.Response:
-    """What the router's conditional disaggregation weighs: prompt tokens queued and the measured prefill rate."""
+    """What the router's conditional disaggregation weighs (`Scheduler.load_report`): the prompt tokens queued, the
+    measured prefill rate at full speed and the rate a new prompt gets now, the decode pace and KV use."""
     stats = await _scheduler_stats(request.app[TM_KEY])
     return json_response({key: stats[key] for key in LOAD_KEYS})
 

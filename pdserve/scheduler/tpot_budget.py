@@ -1,0 +1,227 @@
+"""Prefill within a TPOT budget (`--decode-tpot-budget-ms`): how many prompt tokens the next extend may take so that
+the running requests' mean inter-token time stays within the budget.
+
+A step runs either an extend or a decode forward (`Scheduler.step`), so this is Sarathi-Serve's stall-free batching
+by time slicing: while requests decode, every decode step earns the budget minus its own time as credit, and every
+extend spends its time. Over n decode steps and the extends between them, each running request receives n tokens
+in (sum of decode times + sum of extend times) <= n x budget as long as the credit does not stay negative. An extend
+runs while the credit is positive, as large as the credit pays for (page-aligned) but at least `MIN_CHUNK_TOKENS`,
+so that prefill stays efficient: such a chunk may take the credit negative once, and the next decode steps repay
+it. With no request decoding, prefill runs at full speed (`max_chunk`) and the credit starts over at zero.
+
+The step costs are learned online from the server's own timings (`StepCosts`): the decode step's time as a decaying
+average, and an extend's time as a line (fixed cost + cost per token) fitted over recent extends. The warm-up seeds
+both (`warmup.py`), so they are known before the first request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MIN_CHUNK_TOKENS = 256  # a smaller prefill chunk wastes the GPU (its fixed cost dominates)
+CREDIT_CAP_BUDGETS = 4.0  # credit held at most, in budgets: a quiet spell buys one larger chunk, not a flood
+MIN_EARN_SHARE = 0.1  # a decode step earns at least this share of the budget: prefill never starves
+DECODE_EWMA = 0.1  # weight of a new decode step's time
+EXTEND_DECAY = 0.9  # weight of the history at each new extend
+OUTLIER_FACTOR = 4.0  # a step counts as at most this many times its predicted time (a host pause is not its cost)
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Forward times learned from measured steps: a decode step's, and an extend's as a function of its tokens."""
+
+    decode_s: float = 0.0  # 0.0: no decode step measured yet
+    # decaying sums of the extends' (tokens, seconds) for a least-squares line
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+
+    def record_decode(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if self.decode_s == 0.0:
+            self.decode_s = seconds
+            return
+        self.decode_s += DECODE_EWMA * (min(seconds, OUTLIER_FACTOR * self.decode_s) - self.decode_s)
+
+    def record_extend(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if self.knows_extend:
+            seconds = min(seconds, OUTLIER_FACTOR * self.extend_s(tokens))
+        d = EXTEND_DECAY
+        self.weight = self.weight * d + 1.0
+        self.sum_x = self.sum_x * d + tokens
+        self.sum_y = self.sum_y * d + seconds
+        self.sum_xx = self.sum_xx * d + tokens * tokens
+        self.sum_xy = self.sum_xy * d + tokens * seconds
+
+    @property
+    def knows_extend(self) -> bool:
+        return self.weight > 0
+
+    def extend_line(self) -> tuple[float, float]:
+        """(fixed seconds, seconds per token) of an extend; a line through the origin when the recent extends'
+        sizes do not determine a fixed cost (all alike, or a fit below zero). (0, 0) before any extend."""
+        if not self.knows_extend:
+            return 0.0, 0.0
+        spread = self.weight * self.sum_xx - self.sum_x * self.sum_x
+        if spread > 1e-9 * self.weight * self.sum_xx:
+            per_token = (self.weight * self.sum_xy - self.sum_x * self.sum_y) / spread
+            fixed = (self.sum_y - per_token * self.sum_x) / self.weight
+            if per_token > 0 and fixed >= 0:
+                return fixed, per_token
+        return 0.0, self.sum_y / self.sum_x
+
+    def extend_s(self, tokens: int) -> float:
+        fixed, per_token = self.extend_line()
+        return fixed + per_token * tokens
+
+    def prefill_rate(self, chunk: int) -> float:
+        """Prompt tokens per second in extends of `chunk` tokens; 0.0 before any extend."""
+        seconds = self.extend_s(chunk)
+        return chunk / seconds if seconds > 0 else 0.0
+
+    def forget(self) -> None:
+        """Back to nothing measured (the warm-up's compiles are not a step's cost)."""
+        self.decode_s = self.weight = self.sum_x = self.sum_y = self.sum_xx = self.sum_xy = 0.0
+
+
+class TpotBudget:
+    """The credit controller the scheduler asks before each extend (`extend_tokens`) and tells about each forward.
+    A budget of 0 is off: every extend may take `max_chunk` tokens (the costs are learned all the same, for
+    `/load`)."""
+
+    __slots__ = ("budget_s", "max_chunk", "min_chunk", "page_size", "costs", "credit_s", "counters")
+
+    def __init__(self, budget_ms: float, page_size: int, max_chunk: int, costs: StepCosts | None = None):
+        self.budget_s = budget_ms / 1e3
+        self.page_size = page_size
+        self.max_chunk = max_chunk
+        self.min_chunk = min(max_chunk, _round_up(MIN_CHUNK_TOKENS, page_size))
+        self.costs = costs or StepCosts()
+        self.credit_s = 0.0
+        self.counters = BudgetCounters()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_s > 0
+
+    def extend_tokens(self, decoding: bool) -> int:
+        """The most prompt tokens the next extend may take; 0: run a decode step first. `decoding`: requests are
+        running (their next token waits behind any extend)."""
+        if not self.enabled or not decoding:
+            return self.max_chunk
+        if self.credit_s <= 0:
+            return 0
+        return max(self.min_chunk, self._tokens_within(self.credit_s))
+
+    def _tokens_within(self, seconds: float) -> int:
+        """The largest page-aligned chunk (up to max_chunk) whose predicted time fits `seconds`."""
+        fixed, per_token = self.costs.extend_line()
+        if per_token <= 0:
+            return self.min_chunk  # nothing measured: the smallest efficient chunk
+        pages = math.floor((seconds - fixed) / per_token / self.page_size)
+        return min(self.max_chunk, max(0, pages) * self.page_size)
+
+    def extend_started(self, tokens: int, decoding: bool) -> float | None:
+        """An extend of `tokens` is launched: its predicted time is charged now (its measured time settles the
+        charge, `extend_measured`). Returns the charge, None when no request was decoding (nothing charged: the
+        credit starts over)."""
+        if not self.enabled or not decoding:
+            self.credit_s = 0.0
+            return None
+        charge = self.costs.extend_s(tokens)
+        self.credit_s -= charge
+        return charge
+
+    def extend_measured(self, tokens: int, seconds: float, charged: float | None) -> None:
+        """An extend's measured time, for the cost model and, when it was charged, the credit. One outlier (a host
+        pause) leaves at most one minimum chunk's debt, or the cap's."""
+        if charged is not None:
+            self.counters.extend(tokens, seconds)
+            self.credit_s = max(self.credit_s + charged - seconds, -self._debt_limit_s())
+        self.costs.record_extend(tokens, seconds)
+
+    def decode_started(self) -> float | None:
+        """A decode step is launched: it earns what its learned time leaves of the budget now (its measured time
+        settles that, `decode_measured`). Returns the credit added, None without a budget."""
+        if not self.enabled:
+            return None
+        before = self.credit_s
+        self._add_credit(self._earned(self.costs.decode_s or self.budget_s))  # unmeasured: the least it may earn
+        return self.credit_s - before
+
+    def decode_measured(self, seconds: float, credited: float | None) -> None:
+        """A decode step's measured time (step to step), for the cost model and the credit it earned."""
+        if credited is not None:
+            self.counters.decode(seconds)
+            self._add_credit(self._earned(seconds) - credited)
+        self.costs.record_decode(seconds)
+
+    def _earned(self, decode_s: float) -> float:
+        return max(self.budget_s - decode_s, MIN_EARN_SHARE * self.budget_s)
+
+    def _add_credit(self, seconds: float) -> None:
+        self.credit_s = min(self.credit_s + seconds, CREDIT_CAP_BUDGETS * self.budget_s)
+
+    def _debt_limit_s(self) -> float:
+        return max(CREDIT_CAP_BUDGETS * self.budget_s, self.costs.extend_s(self.min_chunk))
+
+    def prefill_share(self) -> float:
+        """The share of the GPU's time prefill takes while requests decode within the budget."""
+        if not self.enabled:
+            return 1.0
+        decode = self.costs.decode_s
+        earned = self._earned(decode)
+        return earned / (earned + decode)
+
+    def prefill_rate(self, decoding: bool) -> float:
+        """Prompt tokens per second this server prefills now: at full speed in the largest chunks when nothing
+        decodes (or without a budget), else in minimum chunks for the budget's share of the time. 0.0 unmeasured."""
+        if not self.enabled or not decoding:
+            return self.costs.prefill_rate(self.max_chunk)
+        return self.costs.prefill_rate(self.min_chunk) * self.prefill_share()
+
+    def reset(self) -> None:
+        """The credit and counters start over; the learned costs stay (they describe the hardware)."""
+        self.credit_s = 0.0
+        self.counters = BudgetCounters()
+
+    def stats(self) -> dict:
+        fixed, per_token = self.costs.extend_line()
+        return {"credit_ms": round(self.credit_s * 1e3, 3), "extend_fixed_ms": round(fixed * 1e3, 3),
+                "extend_us_per_token": round(per_token * 1e6, 4), **self.counters.stats()}
+
+
+@dataclass(slots=True)
+class BudgetCounters:
+    """What the budget let through while requests decoded: the achieved mean inter-token time is
+    (decode_s + extend_s) / decode_steps."""
+
+    decode_steps: int = 0
+    decode_s: float = 0.0
+    extends: int = 0
+    extend_tokens: int = 0
+    extend_s: float = 0.0
+
+    def decode(self, seconds: float) -> None:
+        self.decode_steps += 1
+        self.decode_s += seconds
+
+    def extend(self, tokens: int, seconds: float) -> None:
+        self.extends += 1
+        self.extend_tokens += tokens
+        self.extend_s += seconds
+
+    def stats(self) -> dict:
+        itl = (self.decode_s + self.extend_s) / self.decode_steps if self.decode_steps else 0.0
+        return {"decode_steps": self.decode_steps, "extends": self.extends, "extend_tokens": self.extend_tokens,
+                "mean_itl_ms": round(itl * 1e3, 3)}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
