@@ -14,7 +14,8 @@
 #   decode_alone   a decode server with the fake transfer backend, served directly: the decode load
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
 #                  timelines on all three: the mix fresh, 30 s of the decode load to fill both pools, the mix again;
-#                  then `pdserve.bench.timeline` over the logs
+#                  then `pdserve.bench.timeline` over the logs (PREFILL_GPU=0 DECODE_GPU=1 on a two-GPU machine
+#                  puts each server on its own GPU)
 #   cluster        `python -m pdserve.launch_cluster` on the one GPU and the README's curl
 # Set PYSPY=1 for py-spy profiles of the servers under the mix. Results land in $OUT/pd_one_gpu.tgz (the device tool
 # brings back 8 files at most).
@@ -137,9 +138,9 @@ phase_decode_alone() {
 phase_pd() {
   local common=(--disaggregation-transfer-backend mooncake --max-total-tokens 120000)
   local p d r
-  p=$(serve prefill "${common[@]}" --port 7000 --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
+  p=$(CUDA_VISIBLE_DEVICES=${PREFILL_GPU:-0} serve prefill "${common[@]}" --port 7000 --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
     --request-timeline-log "$OUT/timeline_prefill.jsonl")
-  d=$(serve decode "${common[@]}" --port 7001 --disaggregation-mode decode \
+  d=$(CUDA_VISIBLE_DEVICES=${DECODE_GPU:-0} serve decode "${common[@]}" --port 7001 --disaggregation-mode decode \
     --request-timeline-log "$OUT/timeline_decode.jsonl")
   python3 -m pdserve_router --prefill http://127.0.0.1:7000 --prefill-bootstrap-ports 8998 \
     --decode http://127.0.0.1:7001 --port 8000 --request-timeline-log "$OUT/timeline_router.jsonl" \
