@@ -464,6 +464,7 @@ class StartedCluster:
     device: str
     specs: list[ChildSpec]  # the servers as planned, then the router
     procs: list[Proc]  # in the same order
+    layout_line: str | None = None
 
     @property
     def router_url(self) -> str:
@@ -486,7 +487,7 @@ def start_cluster(ns: argparse.Namespace, engine_args: list[str], cluster: Clust
           flush=True)
     servers = cluster.start(plan.servers, deadline, plan.placement.one_by_one)
     router = cluster.start([plan.router], deadline)  # after the servers, so its first health check passes
-    return StartedCluster(plan.placement.device, [*plan.servers, plan.router], [*servers, *router])
+    return StartedCluster(plan.placement.device, [*plan.servers, plan.router], [*servers, *router], plan.layout_line)
 
 
 def run(ns: argparse.Namespace, engine_args: list[str]) -> int:

@@ -6,12 +6,14 @@ by side in a JSON and a PNG grid.
         --rates 4,6,8,10,12 --workload mix --duration 40 --repeats 2 --slo-ttft-ms 1000 --slo-tpot-ms 10 \\
         --out DIR -- --context-length 16384
     python -m pdserve.bench.sweep plot DIR/sweep.json -o DIR/sweep.png
+    python -m pdserve.bench.sweep merge CALL1/sweep.json CALL2/sweep.json --out DIR   # repeats from several calls
 
 Layouts (`pdserve.layouts`): `colocated` (one server per GPU behind the regular router), `XpYd` (PD behind the PD
 router), `XpYd-balanced` (PD, the decode servers prefilling within --decode-tpot-budget-ms, by default the TPOT
 SLO). The repeats interleave the layouts (A, B, C, A, B, C), each start a fresh cluster. In a layout's run the rates
 go up from the lowest; after a rate whose attainment falls below --stop-below the higher ones are skipped (counted
-as failing). Every rate sends `rate x --duration` requests of the workload (streamed, greedy, ignore_eos; the same
+as failing); with --time-limit, a layout run or a rate starts only while the longest one so far still fits, so
+the sweep ends with every cluster stopped (a goodput cut short is a lower bound). Every rate sends `rate x --duration` requests of the workload (streamed, greedy, ignore_eos; the same
 shapes and arrival times for every layout and repeat), then checks that every server's KV pool is fully free. Flags
 after `--` go to every server. Exit status 1 when a request failed, a pool stayed in use or a cluster did not start.
 """
@@ -20,20 +22,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pdserve import launch_cluster
 from pdserve.bench import serving, sweep_report
-from pdserve.bench.cli import bench_parser, run_with_plot, write_result
+from pdserve.bench.cli import bench_parser, write_result
 from pdserve.bench.client import ClientConfig, RequestResult
 from pdserve.bench.datasets import PromptBuilder
 from pdserve.bench.plots import require_matplotlib
@@ -45,6 +48,7 @@ from pdserve.server_processes import ClusterError
 WORKLOAD_FLAGS = {"mix": [], "chat": ["--mix-doc-fraction", "0"], "docs": ["--mix-doc-fraction", "1"]}
 KV_FREE_TIMEOUT_S = 30.0
 SHUTDOWN_DRAIN_S = 5.0
+STOP_MARGIN_S = 30.0  # a cluster's stop, and the summary, after the last run the time limit lets start
 EXIT_OK, EXIT_FAILED = 0, 1
 
 
@@ -64,7 +68,7 @@ def number_list(value: str) -> list[float]:
 def layout_list(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
     try:
-        return [check_layout_name(name) for name in dict.fromkeys(names)]
+        return [name if name == "auto" else check_layout_name(name) for name in dict.fromkeys(names)]
     except LayoutError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -72,7 +76,8 @@ def layout_list(value: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = bench_parser(__doc__)
     parser.add_argument("--model-path", required=True, help="HF-format model folder (its tokenizer builds prompts)")
-    parser.add_argument("--layouts", type=layout_list, required=True, help="comma-separated: colocated, 1p1d, ...")
+    parser.add_argument("--layouts", type=layout_list, required=True,
+                        help="comma-separated: colocated, 1p1d, 2p2d-balanced, ..., auto (what launch_cluster picks)")
     parser.add_argument("--rates", type=number_list, required=True, help="request rates (req/s), comma-separated")
     parser.add_argument("--workload", "--dataset", choices=WORKLOADS, default="mix",
                         help="mix: 70%% chat 512-2048 in / 128-384 out, 30%% documents 6-8k in / 64-128 out; chat "
@@ -98,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup-requests", type=int, default=8, help="requests sent at once to each fresh cluster")
     parser.add_argument("--min-requests", type=int, default=8, help="the fewest requests a rate sends")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a cluster to start")
+    parser.add_argument("--time-limit", type=float,
+                        help="seconds the whole sweep may take: a layout run or a rate starts only if the longest "
+                             "so far still fits, so every cluster is stopped in time (default: none)")
     parser.add_argument("--out", type=Path, required=True, help="folder for sweep.json, sweep.png and logs/")
     return parser
 
@@ -202,35 +210,71 @@ def measured_rate(bench: LayoutBench, rate: float, run_index: int, server_urls: 
             "requests_measured": [request_record(r) for r in results]}
 
 
-def run_layout(args: argparse.Namespace, engine_args: list[str], layout: str, repeat: int, order: int,
-               builders: dict[str, PromptBuilder], bar: tqdm) -> dict:
-    """Start `layout`, warm it, measure every rate (skipping those above a rate under --stop-below), stop it."""
-    record = {"layout": layout, "repeat": repeat, "error": None, "rates": []}
-    log_dir = args.out / "logs" / f"r{repeat}-{order}-{layout}"
-    ns, cluster_engine_args = launch_cluster.parse_args(cluster_argv(args, layout, log_dir, engine_args))
-    log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = launch_cluster.Cluster(str(log_dir), SHUTDOWN_DRAIN_S, ns.cluster_secret)
-    try:
-        started = launch_cluster.start_cluster(ns, cluster_engine_args, cluster)
-        record["servers"] = started.server_urls
-        bench = LayoutBench.connect(args, started.router_url, builders)
-        record["warmup"] = bench.warm()
+@dataclass(slots=True)
+class Clock:
+    """The sweep's time limit: a layout run or a rate starts only if the longest one so far still fits."""
+
+    limit_s: float | None
+    started: float = field(default_factory=time.monotonic)
+    longest: dict[str, float] = field(default_factory=lambda: {"layout": 0.0, "rate": 0.0})
+
+    def fits(self, kind: str) -> bool:
+        if self.limit_s is None:
+            return True
+        return time.monotonic() - self.started + self.longest[kind] + STOP_MARGIN_S <= self.limit_s
+
+    def took(self, kind: str, since: float) -> None:
+        self.longest[kind] = max(self.longest[kind], time.monotonic() - since)
+
+
+@dataclass(slots=True)
+class Sweeper:
+    args: argparse.Namespace
+    engine_args: list[str]
+    bar: tqdm
+    clock: Clock
+    builders: dict[str, PromptBuilder] = field(default_factory=dict)  # one prompt builder for every layout
+
+    def run_layout(self, layout: str, repeat: int, order: int) -> dict:
+        """Start `layout`, warm it, measure its rates (`measure_rates`), stop it."""
+        record = {"layout": layout, "repeat": repeat, "error": None, "rates": []}
+        log_dir = self.args.out / "logs" / f"r{repeat}-{order}-{layout}"
+        ns, engine_args = launch_cluster.parse_args(cluster_argv(self.args, layout, log_dir, self.engine_args))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        cluster = launch_cluster.Cluster(str(log_dir), SHUTDOWN_DRAIN_S, ns.cluster_secret)
+        since = time.monotonic()
+        try:
+            started = launch_cluster.start_cluster(ns, engine_args, cluster)
+            record["servers"], record["layout_line"] = started.server_urls, started.layout_line
+            bench = LayoutBench.connect(self.args, started.router_url, self.builders)
+            record["warmup"] = bench.warm()
+            self.measure_rates(bench, started.server_urls, record)
+        except (ClusterError, SystemExit) as exc:
+            record["error"] = str(exc)
+            print(f"sweep: {layout} (repeat {repeat + 1}) stopped: {exc}", file=sys.stderr, flush=True)
+        finally:
+            cluster.stop()
+        self.clock.took("layout", since)
+        return record
+
+    def measure_rates(self, bench: LayoutBench, server_urls: list[str], record: dict) -> None:
+        """The rates upwards; those above a rate under --stop-below are skipped (they count as failing), those
+        the time limit leaves no room for are left out (the goodput is then a lower bound)."""
         stop = False
-        for index, rate in enumerate(args.rates):
-            bar.set_description(f"repeat {repeat + 1} {layout} {rate:g} req/s")
+        for index, rate in enumerate(self.args.rates):
+            self.bar.set_description(f"repeat {record['repeat'] + 1} {record['layout']} {rate:g} req/s")
+            if not stop and not self.clock.fits("rate"):
+                record["cut_by_time_limit"] = True
+                return
             if stop:
                 record["rates"].append({"request_rate": rate, "skipped": True})
             else:
-                run = measured_rate(bench, rate, repeat * len(args.rates) + index, started.server_urls)
+                since = time.monotonic()
+                run = measured_rate(bench, rate, record["repeat"] * len(self.args.rates) + index, server_urls)
+                self.clock.took("rate", since)
                 record["rates"].append(run)
-                stop = (run["slo_attainment"] or 0.0) < args.stop_below
-            bar.update(1)
-    except (ClusterError, SystemExit) as exc:
-        record["error"] = str(exc)
-        print(f"sweep: {layout} (repeat {repeat + 1}) stopped: {exc}", file=sys.stderr, flush=True)
-    finally:
-        cluster.stop()
-    return record
+                stop = (run["slo_attainment"] or 0.0) < self.args.stop_below
+            self.bar.update(1)
 
 
 # ---- the sweep ------------------------------------------------------------------------------------------------
@@ -259,21 +303,44 @@ def sweep(args: argparse.Namespace, engine_args: list[str]) -> dict:
               "repeats": args.repeats, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
               "target_attainment": args.target_attainment, "decode_tpot_budget_ms": args.decode_tpot_budget_ms,
               "transfer_backend": args.transfer_backend, "engine_args": engine_args, "bench_args": args.bench_args,
-              "command": " ".join(shlex.quote(a) for a in sys.argv), "runs": []}
-    builders: dict[str, PromptBuilder] = {}
+              "command": " ".join(shlex.quote(a) for a in sys.argv), "time_limit_reached": False, "runs": []}
     print(f"sweep: {len(args.layouts)} layouts x {args.repeats} repeats = {len(args.layouts) * args.repeats} cluster "
           f"starts, up to {len(args.rates)} rates of {args.duration:g} s of arrivals each", flush=True)
     with tqdm(total=args.repeats * len(args.layouts) * len(args.rates), unit="rate") as bar:
-        for repeat in range(args.repeats):
-            for order, layout in enumerate(args.layouts):
-                result["runs"].append(run_layout(args, engine_args, layout, repeat, order, builders, bar))
-                write_result(args.out / "sweep.json", result)  # what ran so far survives an interrupted sweep
-    result["summary"] = sweep_report.summarize(result)
-    result["best_layout"] = sweep_report.best_layout(result["summary"])
-    result["auto_entry"] = sweep_report.auto_entry(result, result["summary"])
-    result["passed"] = all(s["failed_requests"] == 0 and s["kv_pools_free"] and not s["start_errors"]
-                           for s in result["summary"].values())
-    return result
+        sweeper = Sweeper(args, engine_args, bar, Clock(args.time_limit))
+        for repeat, (order, layout) in itertools.product(range(args.repeats), enumerate(args.layouts)):
+            if not sweeper.clock.fits("layout"):
+                result["time_limit_reached"] = True
+                print(f"sweep: the time limit leaves no room for another layout run; stopping before {layout} "
+                      f"(repeat {repeat + 1})", file=sys.stderr, flush=True)
+                break
+            result["runs"].append(sweeper.run_layout(layout, repeat, order))
+            write_result(args.out / "sweep.json", result)  # what ran so far survives an interrupted sweep
+    return summarized(result)
+
+
+def summarized(result: dict) -> dict:
+    """`result` with each layout's summary, the best layout, its `auto` entry and whether every run was clean."""
+    summary = sweep_report.summarize(result)
+    passed = all(s["failed_requests"] == 0 and s["kv_pools_free"] and not s["start_errors"] for s in summary.values())
+    return {**result, "summary": summary, "best_layout": sweep_report.best_layout(summary),
+            "auto_entry": sweep_report.auto_entry(result, summary), "passed": passed}
+
+
+MERGE_KEYS = ("layouts", "rates", "slo", "workload", "num_gpus", "target_attainment", "duration_s")
+
+
+def merged(results: list[dict]) -> dict:
+    """Sweeps of one plan (e.g. one repeat per device call) as one, their repeats numbered on."""
+    first, runs, repeats = results[0], [], 0
+    for index, result in enumerate(results):
+        differ = [key for key in MERGE_KEYS if result[key] != first[key]]
+        if differ:
+            raise SystemExit(f"sweep {index + 1} differs from the first in {', '.join(differ)}: only sweeps of the "
+                             "same layouts, rates, SLO, workload, GPUs and duration merge")
+        runs += [{**run, "repeat": run["repeat"] + repeats} for run in result["runs"]]
+        repeats += result["repeats"]
+    return summarized({**first, "runs": runs, "repeats": repeats, "merged_dates": [r["date"] for r in results]})
 
 
 def report(result: dict) -> None:
@@ -284,27 +351,49 @@ def report(result: dict) -> None:
           "FAIL: a request failed, a KV pool stayed in use, or a cluster did not start (see sweep.json)")
 
 
+def save(result: dict, out: Path) -> None:
+    write_result(out / "sweep.json", result)
+    sweep_report.plot(result, out / "sweep.png")
+    report(result)
+    print(f"results: {out / 'sweep.json'}, {out / 'sweep.png'}")
+
+
 def run(argv: list[str]) -> dict:
     args, engine_args = parse_args(argv)
     result = sweep(args, engine_args)
-    write_result(args.out / "sweep.json", result)
-    sweep_report.plot(result, args.out / "sweep.png")
-    report(result)
-    print(f"results: {args.out / 'sweep.json'}, {args.out / 'sweep.png'}")
+    save(result, args.out)
     return result
 
 
-def plot_main(argv: list[str]) -> None:
-    parser = bench_parser("the PNG grid of a saved sweep", prog="python -m pdserve.bench.sweep plot")
+def plot_main(argv: list[str]) -> dict:
+    parser = bench_parser("the PNG grid of a saved sweep (one cut short too)", prog="python -m pdserve.bench.sweep plot")
     parser.add_argument("result", type=Path, help="a sweep.json")
     parser.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
     args = parser.parse_args(argv)
-    print(sweep_report.plot(json.loads(args.result.read_text()), args.output))
+    result = summarized(json.loads(args.result.read_text()))  # a sweep cut short has no summary yet
+    print(sweep_report.plot(result, args.output))
+    return result
+
+
+def merge_main(argv: list[str]) -> dict:
+    parser = bench_parser("one sweep of several sweep.json files of the same plan (their repeats in order)",
+                          prog="python -m pdserve.bench.sweep merge")
+    parser.add_argument("results", type=Path, nargs="+", help="sweep.json files")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the merged sweep.json and sweep.png")
+    args = parser.parse_args(argv)
+    result = merged([json.loads(path.read_text()) for path in args.results])
+    save(result, args.out)
+    return result
+
+
+SUBCOMMANDS = {"plot": plot_main, "merge": merge_main}
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = run_with_plot(argv, plot_main, run)
-    return EXIT_OK if result is None or result["passed"] else EXIT_FAILED
+    argv = sys.argv[1:] if argv is None else argv
+    command = SUBCOMMANDS.get(argv[0]) if argv else None
+    result = command(argv[1:]) if command else run(argv)
+    return EXIT_OK if result["passed"] else EXIT_FAILED
 
 
 if __name__ == "__main__":

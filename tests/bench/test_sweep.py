@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -47,6 +48,7 @@ def synthetic_result() -> dict:
              "rates": [rate_run(4, 1.0, 210), rate_run(8, 0.7, 800), {"request_rate": 12, "skipped": True}]},
             {"layout": "1p1d", "repeat": 1, "error": "prefill 0 exited with code 1", "rates": []}]
     return {"layouts": ["colocated", "1p1d"], "rates": [4, 8, 12], "target_attainment": 0.9, "runs": runs,
+            "duration_s": 8.0,
             "slo": {"ttft_ms": 1000.0, "tpot_ms": 10.0}, "workload": "mix", "num_gpus": 2, "repeats": 2,
             "device_name": "NVIDIA H200", "model": "/m", "date": "2026-11-28 10:00:00 UTC"}
 
@@ -67,6 +69,27 @@ def test_summary_counts_failures_start_errors_and_the_best_layout_among_clean_on
     result["summary"] = summary
     png = sweep_report.plot(result, tmp_path / "grid.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweeps_of_one_plan_merge_with_their_repeats_numbered_on_and_others_are_refused():
+    first, second = synthetic_result(), synthetic_result()
+    second["runs"] = second["runs"][:2]  # one repeat
+    second["repeats"] = 1
+    result = sweep.merged([first, second])
+    assert [(r["layout"], r["repeat"]) for r in result["runs"]][-2:] == [("colocated", 2), ("1p1d", 2)]
+    assert result["repeats"] == 3 and result["summary"]["colocated"]["goodput_req_s"] == [4, 4, 4]
+    assert not result["passed"]  # a failed request and a failed start
+    second["rates"] = [4, 8]
+    with pytest.raises(SystemExit, match="sweep 2 differs from the first in rates"):
+        sweep.merged([first, second])
+
+
+def test_the_time_limit_lets_a_run_start_only_while_the_longest_so_far_still_fits():
+    clock = sweep.Clock(limit_s=100.0)
+    assert clock.fits("layout") and clock.fits("rate")  # nothing measured yet
+    clock.took("rate", time.monotonic() - 80.0)
+    assert not clock.fits("rate") and clock.fits("layout")
+    assert sweep.Clock(limit_s=None, longest={"layout": 1e9, "rate": 1e9}).fits("layout")
 
 
 @pytest.mark.parametrize("flags, message", [

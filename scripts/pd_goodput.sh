@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Issue 35's goodput comparison, one device call (carry .whl .deb; see scripts/prepare_gpu_carry.sh):
+#   bash scripts/pd_goodput.sh 2    # nvidia-h200-x2: colocated x2, 1p1d, 1p1d-balanced (about 9 minutes)
+#   bash scripts/pd_goodput.sh 4    # nvidia-h200-x4: colocated x4, 1p3d, 2p2d, 3p1d, auto at twice the rates
+#                                   # (one repeat, about 8.5 minutes; run it twice and merge, see below)
+# `python -m pdserve.bench.sweep` on the mix (70% chat 512-2,048 in / 128-384 out, 30% documents 6-8k in / 64-128
+# out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
+# Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
+# Knobs (environment): RATES (comma-separated), DURATION (s of arrivals per rate), REPEATS, LAYOUTS, LABEL,
+# CALL_SECONDS (570: when the sweep must be done, counted from the script's start; the runs it leaves no room for
+# are not started, and the JSON says time_limit_reached).
+# Results in $OUT: sweep.json, sweep.png, logs.tgz (every server's and router's log), the steps' logs.
+# Repeats from two calls merge into one comparison (spread included) on this machine:
+#   python -m pdserve.bench.sweep merge call1/sweep.json call2/sweep.json --out benchmarks/results/DATE/x4
+set -u
+GPUS=${1:-2}
+case $GPUS in
+  2) : "${LAYOUTS:=colocated,1p1d,1p1d-balanced}" "${RATES:=4,7,10,13}" "${REPEATS:=2}" "${DURATION:=8}" ;;
+  4) : "${LAYOUTS:=colocated,1p3d,2p2d,3p1d,auto}" "${RATES:=8,14,20,26}" "${REPEATS:=1}" "${DURATION:=8}" ;;
+  *) echo "usage: $0 2|4" >&2; exit 2 ;;
+esac
+source scripts/gpu_env.sh || exit 1
+nvidia-smi -L
+MODEL_DIR=$M/llama-3.1-8b
+[ -d "$MODEL_DIR" ] || step 240 make_llama-3.1-8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b \
+  --out "$MODEL_DIR"
+RUN=$OUT/run${LABEL:-}
+finish() {  # a sweep cut short by its time limit still leaves its JSON (written after every layout run): draw it
+  [ -f "$RUN/sweep.json" ] && [ ! -f "$RUN/sweep.png" ] &&
+    python3 -m pdserve.bench.sweep plot "$RUN/sweep.json" -o "$RUN/sweep.png" > /dev/null
+  tar czf "$OUT/logs${LABEL:-}.tgz" -C "$RUN" logs 2>/dev/null
+  cp "$RUN"/sweep.json "$RUN"/sweep.png "$OUT/" 2>/dev/null
+  rm -rf "$RUN"
+}
+trap finish EXIT
+# the sweep's own limit stops its clusters in time; the step's limit (SIGABRT) is the backstop
+LIMIT=$((${CALL_SECONDS:-570} - SECONDS))
+echo "model ready at ${SECONDS} s; the sweep gets $LIMIT s"
+TAILN=12 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep --model-path "$MODEL_DIR" \
+  --gpus "$(seq -s, 0 $((GPUS - 1)))" --layouts "$LAYOUTS" --rates "$RATES" --duration "$DURATION" \
+  --repeats "$REPEATS" --workload mix --slo-ttft-ms 1000 --slo-tpot-ms 10 --transfer-backend mooncake \
+  --time-limit "$LIMIT" --out "$RUN" -- --context-length 16384
+grep -h "ready after\|layout" "$OUT/sweep${LABEL:-}.log" | head -40
