@@ -1,4 +1,6 @@
-"""GPU0 -> GPU1 transfers between two processes, exact bytes for scattered page runs. Needs 2 GPUs."""
+"""GPU0 -> GPU1 transfers between two processes: the exact bytes over every path a PD server can take (mooncake over
+nvlink_intra and over its TCP transport, nccl, tcp), each packed and in place, whole pages and a head slice.
+Needs 2 GPUs."""
 
 from __future__ import annotations
 
@@ -6,56 +8,98 @@ import pytest
 import torch
 
 from transfer_peer import start_peer, stop_peer
-from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, kv_write_requests
-from pdserve.disagg.transfer import make_transfer_engine
+from pdserve.disagg.transfer import HeadSlice, KVRegion, TransferError, coalesce_page_runs, make_transfer_engine
+from pdserve.disagg.transfer.packing import KVMover, KVPiece
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.multi_gpu  # implies gpu; skipped below two GPUs (tests/conftest.py)
 
 SRC_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, num_pages=64, dtype=torch.bfloat16)
 DST_LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, num_pages=80, dtype=torch.bfloat16)
+PATHS = {  # path -> (backend, environment of both processes, the transport it must report)
+    "nccl": ("nccl", {}, "nccl"),
+    "tcp": ("tcp", {}, "tcp"),
+    "mooncake": ("mooncake", {}, "nvlink_intra"),
+    "mooncake-tcp": ("mooncake", {"MC_FORCE_TCP": "1"}, "tcp"),  # a build without intra-node NVLink, or the user's
+}
 
 
-def _gpu_backends():
-    out = ["nccl", "tcp"]
+def _paths():
     try:
         import mooncake.engine as mc
 
-        if mc.SUPPORT_CUDA:
-            out.append("mooncake")
+        cuda_mooncake = bool(mc.SUPPORT_CUDA)
     except (ImportError, OSError):
-        pass
-    return out
+        cuda_mooncake = False
+    return [p for p in PATHS if cuda_mooncake or PATHS[p][0] != "mooncake"]
 
 
-@pytest.mark.parametrize("backend", _gpu_backends())
-def test_gpu_scattered_pages(backend):
+def distinct_scattered_pages(n: int) -> tuple[list[int], list[int]]:
+    """`n` distinct pages on each side, scattered at random, with one long run on both sides."""
+    gen = torch.Generator().manual_seed(0)
+    src = [p for p in (torch.randperm(SRC_LAYOUT.num_pages - 1, generator=gen) + 1).tolist() if not 30 <= p < 40]
+    dst = [p for p in (torch.randperm(DST_LAYOUT.num_pages - 1, generator=gen) + 1).tolist() if not 50 <= p < 60]
+    return src[:10] + list(range(30, 40)) + src[10 : n - 10], dst[:10] + list(range(50, 60)) + dst[10 : n - 10]
+
+
+def received(conn, command: str = "dump") -> torch.Tensor:
+    conn.send(command)
+    return torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8).view(
+        2, DST_LAYOUT.num_layers, DST_LAYOUT.num_slots, DST_LAYOUT.num_kv_heads, -1)
+
+
+def expected(src_host: torch.Tensor, src_pages, dst_pages, src_heads=slice(None), dst_heads=slice(None)):
+    want = torch.zeros(2, DST_LAYOUT.num_layers, DST_LAYOUT.num_slots, DST_LAYOUT.num_kv_heads,
+                       DST_LAYOUT.head_dim * DST_LAYOUT.itemsize, dtype=torch.uint8)
+    ps = SRC_LAYOUT.page_size
+    for s, d in zip(src_pages, dst_pages):
+        want[:, :, d * ps : (d + 1) * ps, dst_heads] = src_host[:, :, s * ps : (s + 1) * ps, src_heads]
+    return want
+
+
+def mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Which destination pages differ, and whether they hold zeros (never written) or other bytes."""
+    per_page = (got != want).view(2, DST_LAYOUT.num_layers, DST_LAYOUT.num_pages, -1).any(-1).any(0).any(0)
+    pages = per_page.nonzero().flatten().tolist()
+    zeros = [p for p in pages if not got.view(2, DST_LAYOUT.num_layers, DST_LAYOUT.num_pages, -1)[:, :, p].any()]
+    return f"{len(pages)} destination pages differ: {pages[:16]}; all-zero among them: {zeros[:16]}"
+
+
+@pytest.mark.parametrize("path", _paths())
+def test_gpu_scattered_pages(path, monkeypatch):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    backend, environment, transport = PATHS[path]
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)  # the spawned peer inherits it
     torch.cuda.set_device(0)
     proc, conn, hello = start_peer(backend, "cuda:1", DST_LAYOUT)
     sender = make_transfer_engine(backend, "cuda:0", timeout_s=30)
     try:
+        assert (sender.transport(), hello["transport"]) == (transport, transport)
         src = KVPool(SRC_LAYOUT, "cuda:0")
         src.buffer.view(torch.uint8).random_(0, 256)
+        torch.cuda.synchronize()
         sender.register(src.data_ptr, src.nbytes, "cuda:0")
-        gen = torch.Generator().manual_seed(0)
-        src_pages = (torch.randperm(SRC_LAYOUT.num_pages - 1, generator=gen)[:40] + 1).tolist()
-        dst_pages = (torch.randperm(DST_LAYOUT.num_pages - 1, generator=gen)[:40] + 1).tolist()
-        src_pages[10:20] = range(30, 40)  # one long run on both sides
-        dst_pages[10:20] = range(50, 60)
+        mover = KVMover(sender, "cuda:0", 1 << 20, timeout_s=30)  # small: packed writes split in several
+        src_host = src.buffer.view(torch.uint8).cpu().view(2, SRC_LAYOUT.num_layers, SRC_LAYOUT.num_slots,
+                                                          SRC_LAYOUT.num_kv_heads, -1)
+        src_pages, dst_pages = distinct_scattered_pages(40)
         runs = coalesce_page_runs(src_pages, dst_pages)
-        sender.write(hello["session"], *kv_write_requests(KVRegion(src.data_ptr, SRC_LAYOUT),
-                                                          KVRegion(hello["base"], DST_LAYOUT), runs))
-        conn.send("dump")
-        got = torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8).view(
-            2, DST_LAYOUT.num_layers, DST_LAYOUT.num_slots, -1)
-        want = torch.zeros_like(got)
-        src_host = src.buffer.view(torch.uint8).cpu().view(2, SRC_LAYOUT.num_layers, SRC_LAYOUT.num_slots, -1)
-        ps = SRC_LAYOUT.page_size
-        for s, d in zip(src_pages, dst_pages):
-            want[:, :, d * ps : (d + 1) * ps] = src_host[:, :, s * ps : (s + 1) * ps]
-        assert torch.equal(got, want)
+        src_region, dst_region = KVRegion(src.data_ptr, SRC_LAYOUT), KVRegion(hello["base"], DST_LAYOUT)
+        whole = KVPiece(src_region, dst_region, runs, range(SRC_LAYOUT.num_layers))
+        head = KVPiece(src_region, dst_region, runs, range(SRC_LAYOUT.num_layers), [HeadSlice(1, 0, 1)])
+        cases = [(whole, False, expected(src_host, src_pages, dst_pages)),
+                 (whole, True, expected(src_host, src_pages, dst_pages)),
+                 (head, False, expected(src_host, src_pages, dst_pages, slice(1, 2), slice(0, 1))),
+                 (head, True, expected(src_host, src_pages, dst_pages, slice(1, 2), slice(0, 1)))]
+        for piece, pack, want in cases:
+            received(conn, "zero")
+            mover.write(hello["session"], [piece], pack=pack)
+            got = received(conn)
+            what = f"{path} over {sender.transport()}, {'packed' if pack else 'in place'}, heads {piece.heads}"
+            assert torch.equal(got, want), f"{what}: {mismatch(got, want)}"
+        assert mover.arena.bytes_in_use == 0
         with pytest.raises(TransferError):
             sender.write(hello["session"], [src.data_ptr], [hello["base"] + DST_LAYOUT.num_slots * 10**6], [64])
     finally:
