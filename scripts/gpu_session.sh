@@ -4,7 +4,12 @@
 # Logs and JSON land in $OUT; each step has its own time limit so one slow step cannot eat the others.
 #
 # Suites, named for what they measure (`all` runs them in this order):
-#   tests        the GPU tests (`-m gpu`), then the CUDA graph tests again with CUDA_LAUNCH_BLOCKING=1
+#   tests        the GPU tests on one GPU (`-m gpu -rf`, the slowest 30 with their durations; under 8 minutes on an
+#                H200: the tuner sweeps are `tuner_sweeps`, the two-GPU tests `tests_multi_gpu`), then the CUDA
+#                graph tests again with CUDA_LAUNCH_BLOCKING=1
+#   tests_multi_gpu the tests that need two GPUs (`-m multi_gpu`: TP 2, GPU0 -> GPU1 KV transfers; nvidia-h200-x2)
+#   tuner_sweeps every candidate config of the FP8 rows kernel compiled and checked, then its tuner (`-m tuner_sweep`;
+#                about 9 minutes on a cold Triton cache: a call of its own)
 #   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step;
 #                where a decode step's and an 8k prefill's time goes (step_profile)
 #   offline      the offline throughput workload, overlapped and synchronous (qwen3-0.6b)
@@ -48,7 +53,7 @@
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
-SUITES=(tests engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
+SUITES=(tests tests_multi_gpu tuner_sweeps engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
         fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold tp)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
@@ -61,12 +66,26 @@ model() {
   echo "$M/$1"
 }
 
+# gpu_pytest NAME LIMIT MARKS: the tests of MARKS with the failures' summary and the slowest 30 durations. Modules
+# importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh) are reported as
+# collection errors; the rest still run.
+gpu_pytest() {
+  TAILN=60 step "$2" "$1" python3 -m pytest -q -rf -p no:cacheprovider --continue-on-collection-errors --durations=30 \
+    tests -m "$3"
+}
+
 suite_tests() {
-  # modules importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh) are
-  # reported as collection errors; the rest still run
-  TAILN=40 step 300 gpu_tests python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors tests -m gpu
+  gpu_pytest gpu_tests 480 gpu
   CUDA_LAUNCH_BLOCKING=1 TAILN=40 step 60 graph_tests python3 -m pytest -q -p no:cacheprovider \
     --continue-on-collection-errors tests -m gpu -k cuda_graph
+}
+
+suite_tests_multi_gpu() {
+  gpu_pytest multi_gpu_tests 300 multi_gpu
+}
+
+suite_tuner_sweeps() {
+  gpu_pytest tuner_sweep_tests 560 tuner_sweep
 }
 
 suite_engine() {

@@ -6,19 +6,26 @@ import torch
 from pdserve.tools.make_model import make_model
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m gpu` selects: the fp8_gpu tests carry the gpu mark by then
+@pytest.hookimpl(tryfirst=True)  # before `-m gpu` selects: the fp8_gpu and multi_gpu tests carry the gpu mark by then
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` (see pyproject.toml) are skipped where torch sees no CUDA device, those marked `fp8_gpu`
-    also where the GPU has no FP8 tensor cores (before sm89)."""
+    also where the GPU has no FP8 tensor cores (before sm89), those marked `multi_gpu` where it sees fewer than two;
+    those marked `tuner_sweep` unless the `-m` expression names them."""
     from pdserve.quantization.fp8 import has_fp8_gemm
 
     cuda = torch.cuda.is_available()
     fp8 = cuda and has_fp8_gemm(torch.device("cuda"))
+    gpus = torch.cuda.device_count() if cuda else 0
+    sweeps = "tuner_sweep" in (config.getoption("markexpr") or "")
     for item in items:
-        if "fp8_gpu" in item.keywords:
+        if "tuner_sweep" in item.keywords and not sweeps:
+            item.add_marker(pytest.mark.skip(reason="an exhaustive sweep: select it with -m tuner_sweep"))
+        if "fp8_gpu" in item.keywords or "multi_gpu" in item.keywords:
             item.add_marker(pytest.mark.gpu)
-            if not fp8:
-                item.add_marker(pytest.mark.skip(reason="needs FP8 tensor cores (sm89+)"))
+        if "fp8_gpu" in item.keywords and not fp8:
+            item.add_marker(pytest.mark.skip(reason="needs FP8 tensor cores (sm89+)"))
+        elif "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs two GPUs (nvidia-h200-x2)"))
         elif "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = pytest.mark.multi_gpu  # implies gpu; skipped below two GPUs (tests/conftest.py)
 
 NUM_PROMPTS = 48
 MAX_NEW = 24

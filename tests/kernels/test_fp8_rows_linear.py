@@ -264,20 +264,33 @@ def assert_rotary_and_store_as_applied(rows, w_q, w_scale, bias, cfg):
             assert ((cache.float() - expected_cache.float()).abs() <= step * expected_cache.float().abs() + 1e-6).all()
 
 
-@pytest.mark.fp8_gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
+GPU_SHAPES = ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096))
+ROW_SHAPE_CANDIDATES = fp8.FP8_CANDIDATES[: 2 * len(fp8._ROW_SHAPES)]  # the fused epilogues' block shapes
+
+
+def one_candidate_of_each_kind(rows: int) -> tuple[fp8.Fp8RowsConfig, ...]:
+    """The first candidate for `rows` of each kind: quantizing in the kernel or not, split-K or not, a row block
+    shape (SiLU-and-mul and rotary epilogues) or a batch one."""
+    kinds = {}
+    for cfg in fp8.fp8_candidates(rows):
+        kind = (cfg.quantize_in_kernel, cfg.split_k > 1, cfg in ROW_SHAPE_CANDIDATES)
+        kinds.setdefault(kind, cfg)
+    return tuple(kinds.values())
+
+
+def assert_rows_kernel_on_gpu(dtype: torch.dtype, candidates) -> None:
     """On the GPU the MMA's partial sums are promoted to float32 every PROMOTE_K products: float32-level error,
-    then the 16-bit output's rounding; split-K launches leave the counters zero."""
-    for m, n, k in ((1, 4096, 4096), (3, 6144, 4096), (16, 4096, 14336), (64, 6144, 4096)):
+    then the 16-bit output's rounding; split-K launches leave the counters zero. `candidates(rows)`: the configs
+    checked at that many rows."""
+    for m, n, k in GPU_SHAPES:
         x, w_q, w_scale, bias = operands(m, n, k, "cuda", dtype)
-        for cfg in fp8.fp8_candidates(m):
+        for cfg in candidates(m):
             assert_close_to_quantized_linear(x, w_q, w_scale, bias, cfg, tolerance=4e-3)
             if cfg.quantize_in_kernel:
                 assert_pending_norm_matches_the_norm_kernel_first(fp8.pending_norm(x), w_q, w_scale, bias, cfg, 4e-3)
                 assert torch.equal(fp8.fp8_rows_linear(fp8.rows_with_amax(x), w_q, w_scale, None, bias, cfg),
                                    fp8.fp8_rows_linear(x, w_q, w_scale, None, bias, cfg))
-            if m <= fp8.FUSED_SILU_ROWS and cfg in fp8.FP8_CANDIDATES[: 2 * len(fp8._ROW_SHAPES)]:
+            if m <= fp8.FUSED_SILU_ROWS and cfg in ROW_SHAPE_CANDIDATES:
                 rows = fp8.pending_norm(x) if cfg.quantize_in_kernel else x
                 quantized = rows.evaluate() if cfg.quantize_in_kernel else fp8.Fp8Rows(*fp8.quantize_tokens(x), dtype)
                 exact = silu_and_mul_exact((quantized.values.double() * quantized.scale.double())
@@ -290,6 +303,28 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
                 if n == 6144:  # llama-3.1-8b's qkv: 32 q heads, 8 kv heads of 128
                     assert_rotary_and_store_as_applied(rows, w_q, w_scale, bias, cfg)
     assert not fp8.split_counters(x.device).any()
+
+
+@pytest.mark.fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_rows_on_gpu(dtype):
+    """One candidate of each kind at each shape; Fp8Rows as a RMSNorm hands them over take the routed linear."""
+    assert_rows_kernel_on_gpu(dtype, one_candidate_of_each_kind)
+    x, w_q, w_scale, bias = operands(*GPU_SHAPES[-1], "cuda", dtype)
+    x_q, x_scale = fp8.quantize_tokens(x)
+    got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)
+    exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
+    assert got.dtype == dtype and ((got.double() - exact).norm(dim=1) <= 4e-3 * exact.norm(dim=1)).all()
+
+
+@pytest.mark.tuner_sweep
+@pytest.mark.fp8_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_fp8_rows_candidate_on_gpu_and_tuner_choice(dtype):
+    """Every candidate at each shape (each compiles: minutes), then the tuner over llama-3.1-8b's qkv and down
+    shapes with every epilogue it times."""
+    assert_rows_kernel_on_gpu(dtype, fp8.fp8_candidates)
+    _, w_q, w_scale, _ = operands(*GPU_SHAPES[-1], "cuda", dtype)
     down = fp8.quantize_rows(torch.randn(4096, 3072, device="cuda"))  # after a [6144, 4096] gated weight
     report = fp8.tune_fp8_rows([1, 4, 64, 65], [(w_q, w_scale), down], dtype, gated=[w_q],
                                rotary=[(w_q, 32, 8, 128)], kv_dtype=torch.float8_e4m3fn, amax_parts=[(down[0], 32)])
@@ -300,10 +335,6 @@ def test_fp8_rows_on_gpu_and_tuner_choice(dtype):
                            | {(1, n, k, "rmsnorm") for n, k in ((6144, 4096), (4096, 3072))}
                            | {(1, 6144, 4096, epilogue) for epilogue in ("silu_and_mul", "rope_store")}
                            | {(1, 4096, 3072, "amax_parts")})
-    x_q, x_scale = fp8.quantize_tokens(x)
-    got = fp8.fp8_linear(fp8.Fp8Rows(x_q, x_scale, dtype), w_q, w_scale, None, bias)  # as a RMSNorm hands them over
-    exact = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t() + bias.double()
-    assert got.dtype == dtype and ((got.double() - exact).norm(dim=1) <= 4e-3 * exact.norm(dim=1)).all()
     assert all(reference > 0 and best > 0 for reference, best in report.values())
 
 
