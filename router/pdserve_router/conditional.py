@@ -14,13 +14,16 @@ Two rules, one at a time:
   learned overhead. Local wins on the decode instance with the lowest prediction when that instance reports a
   budget, its KV usage is below the gate, and its prediction is below alpha times the remote one.
 
-The uncached prompt is taken to be all of it: neither rule weighs what the instances' prefix caches hold. The
-instances report their load on `/load`, polled by `workers.LoadPoller`; the router books each prompt's tokens on
-the instance it sends it to (`BookedTokens`), so that requests between two polls see each other.
+The load-aware rule sizes a text prompt at the bytes per token the servers' answers show (`PromptSizer`), the
+static ones at CHARS_PER_TOKEN. The uncached prompt is taken to be all of it: neither rule weighs what the
+instances' prefix caches hold. The instances report their load on `/load`, polled by `workers.LoadPoller`; the
+router books each prompt's tokens on the instance it sends it to (`BookedTokens`), so that requests between two
+polls see each other.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,8 +33,10 @@ MAX_REPORTED_TOKENS = 1 << 40  # a larger queue in a /load answer is not believe
 # A request the router has sent is in an instance's /load answer only once the server has queued it; a report
 # asked for this long after the dispatch is taken to include it.
 INGEST_MARGIN_S = 0.05
-OVERHEAD_WEIGHT = 0.1  # of each new observation in a learned overhead's moving average
+EWMA_WEIGHT = 0.1  # of each new observation in a learned overhead's or text size's moving average
 MAX_OVERHEAD_SAMPLE_S = 60.0  # an observation is clipped to +-this (a stalled request must not own the average)
+BYTES_PER_TOKEN_RANGE = (1.0, 32.0)  # an observed text size is clipped to this (a tokenizer's plausible span)
+MAX_PROMPT_TOKENS = 1 << 30  # a larger reported prompt is not believed
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,23 +139,32 @@ class LoadAwareRule:
 
 
 @dataclass(slots=True)
+class MovingAverage:
+    """An exponentially weighted moving average whose first sample sets it; `value` until then."""
+
+    value: float
+    samples: int = 0
+
+    def add(self, sample: float) -> None:
+        self.value = sample if not self.samples else self.value + EWMA_WEIGHT * (sample - self.value)
+        self.samples += 1
+
+
+@dataclass(slots=True)
 class LearnedOverhead:
     """What one path takes beyond its predicted wait: remote, the KV transfer, the decode's first step and the hops
     (the handoff); local, the decode steps between the prefill chunks and the hop; on both, any steady error of the
     prediction. A moving average of the router's own observations of streamed requests on that path, first byte
     minus predicted wait; not below zero when used."""
 
-    seconds: float = 0.0
-    samples: int = 0
+    seconds: MovingAverage = field(default_factory=lambda: MovingAverage(0.0))
 
     def observe(self, first_byte_s: float, predicted_wait_s: float) -> None:
-        sample = min(max(first_byte_s - predicted_wait_s, -MAX_OVERHEAD_SAMPLE_S), MAX_OVERHEAD_SAMPLE_S)
-        self.seconds = sample if not self.samples else self.seconds + OVERHEAD_WEIGHT * (sample - self.seconds)
-        self.samples += 1
+        self.seconds.add(min(max(first_byte_s - predicted_wait_s, -MAX_OVERHEAD_SAMPLE_S), MAX_OVERHEAD_SAMPLE_S))
 
     @property
     def value(self) -> float:
-        return max(self.seconds, 0.0)
+        return max(self.seconds.value, 0.0)
 
 
 @dataclass(eq=False, slots=True)
@@ -161,8 +175,9 @@ class Booking:
 
 @dataclass(slots=True)
 class BookedTokens:
-    """Prompt tokens the router sent to one instance and has not yet seen prefilled (its first byte, its failure,
-    or, for the remote path, the prefill's answer ends a booking)."""
+    """Prompt tokens the router sent to one instance that its load report cannot show yet. A booking ends at its
+    request's first byte or failure, at the prefill's answer (remote path), or once a report asked for
+    INGEST_MARGIN_S after it counts it, whichever comes first."""
 
     live: set[Booking] = field(default_factory=set)
 
@@ -175,18 +190,61 @@ class BookedTokens:
         self.live.discard(booking)
 
     def unseen(self, report_asked_at: float) -> int:
-        """Booked tokens that a report asked for at `report_asked_at` cannot include yet."""
-        return sum(b.tokens for b in self.live if b.booked_at > report_asked_at - INGEST_MARGIN_S)
+        """The booked tokens that the instance's latest report, asked for at `report_asked_at`, cannot include;
+        the bookings it includes end (reports are asked for later and later)."""
+        seen_before = report_asked_at - INGEST_MARGIN_S
+        self.live = {b for b in self.live if b.booked_at > seen_before}
+        return sum(b.tokens for b in self.live)
 
 
-def estimate_prompt_tokens(key: str | Sequence | None) -> int | None:
-    """The prompt of `payload.routing_key`: token ids count themselves, text is estimated from its length.
+def estimate_prompt_tokens(key: str | Sequence | None, bytes_per_token: float = CHARS_PER_TOKEN) -> int | None:
+    """The prompt of `payload.routing_key`: token ids count themselves, text is estimated from its UTF-8 length.
     None when the request has no prompt."""
     if key is None:
         return None
     if isinstance(key, str):
-        return -(-len(key.encode("utf-8", "surrogatepass")) // CHARS_PER_TOKEN)
+        return math.ceil(text_bytes(key) / bytes_per_token)
     return len(key)
+
+
+def text_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@dataclass(slots=True)
+class PromptSizer:
+    """The load-aware rule's prompt size: text at the UTF-8 bytes per token of the prompts the servers counted
+    (`meta_info.prompt_tokens` of /generate answers; a moving average), CHARS_PER_TOKEN until one is seen. The
+    instances report their queues in their tokenizer's tokens, so the prompt must be counted in the same."""
+
+    bytes_per_token: MovingAverage = field(default_factory=lambda: MovingAverage(float(CHARS_PER_TOKEN)))
+
+    def tokens(self, key: str | Sequence | None) -> int | None:
+        return estimate_prompt_tokens(key, self.bytes_per_token.value)
+
+    def observe(self, prompt_bytes: int, answer: bytes, stream: bool) -> None:
+        """Learns from the first event (stream) or the body of a /generate answer to a text prompt."""
+        tokens = reported_prompt_tokens(answer, stream)
+        if tokens is None:
+            return
+        low, high = BYTES_PER_TOKEN_RANGE
+        self.bytes_per_token.add(min(max(prompt_bytes / tokens, low), high))
+
+
+def reported_prompt_tokens(answer: bytes, stream: bool) -> int | None:
+    """`meta_info.prompt_tokens` of a /generate answer (a stream's first event), or None."""
+    if stream:
+        event = answer.split(b"\n\n", 1)[0]
+        if not event.startswith(b"data: {"):
+            return None
+        answer = event[6:]
+    try:
+        body = json.loads(answer)
+    except (ValueError, RecursionError):
+        return None
+    meta = body.get("meta_info") if isinstance(body, dict) else None
+    tokens = meta.get("prompt_tokens") if isinstance(meta, dict) else None
+    return tokens if type(tokens) is int and 0 < tokens <= MAX_PROMPT_TOKENS else None
 
 
 def parse_load(body: object) -> InstanceLoad | None:

@@ -24,7 +24,8 @@ import aiohttp
 from aiohttp import web
 
 from .cluster_auth import RequestSigner
-from .conditional import Booking, LearnedOverhead, LoadAwareRule, LocalPrefillRule, estimate_prompt_tokens
+from .conditional import (Booking, LearnedOverhead, LoadAwareRule, LocalPrefillRule, PromptSizer,
+                          estimate_prompt_tokens, text_bytes)
 from .config import Role, RouterConfig
 from .metrics import RouterMetrics
 from .payload import (BOOTSTRAP_KEYS, BadRequest, FirstEventMerger, attempt_rid, batch_size, body_rids,
@@ -154,6 +155,7 @@ class PrefillPlan:
     worker: Worker  # the prefill instance, or the decode instance that prefills it itself
     booking: Booking
     predicted_wait_s: float | None  # the predicted wait there, without the path's learned overhead
+    prompt_bytes: int | None  # a text prompt's UTF-8 length (its answer teaches the PromptSizer); None: token ids
 
     @property
     def path(self) -> str:
@@ -191,6 +193,8 @@ class Dispatcher:
         self.load_rule = (LoadAwareRule(config.local_prefill_alpha, config.local_prefill_kv_gate)
                           if config.local_prefill_by_load else None)
         self.overheads = {"local": LearnedOverhead(), "remote": LearnedOverhead()}
+        self.sizer = PromptSizer()
+        metrics.prompt_bytes_per_token.set(self.sizer.bytes_per_token.value)
         self.conditional = config.mode == "pd" and (self.local_rule.enabled or self.load_rule is not None)
         self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
         self.auth = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -298,7 +302,9 @@ class Dispatcher:
             return Attempt(ctx, number, main, None, rid, body_rid)
         decodes = self.registry.available("decode", excluded)
         prefills = self.registry.available("prefill", excluded)
-        prompt = estimate_prompt_tokens(key) if self.conditional and ctx.batch is None else None
+        prompt = None
+        if self.conditional and ctx.batch is None:
+            prompt = self.sizer.tokens(key) if self.load_rule is not None else estimate_prompt_tokens(key)
         if self.load_rule is not None and prompt is not None and not ctx.prompt_only:
             return self.attempt_by_load(ctx, number, key, prompt, prefills, decodes, rid, body_rid)
         main = self.policies["decode"].select(decodes, key)
@@ -319,13 +325,13 @@ class Dispatcher:
                 self.metrics.predicted_ttft.labels(path=path).observe(seconds)
         if decision.decode is not None:
             main, side = decodes[decision.decode], None
-            wait_s = main.option().local_wait_s(prompt)
-            plan = PrefillPlan(main, main.booked.book(prompt, time.monotonic()), wait_s)
+            prefiller, wait_s = main, main.option().local_wait_s(prompt)
         else:
             main, side = self.policies["decode"].select(decodes, key), self.policies["prefill"].select(prefills, key)
-            wait_s = side.option().prefill_wait_s(prompt)
-            plan = PrefillPlan(side, side.booked.book(prompt, time.monotonic()), wait_s)
+            prefiller, wait_s = side, side.option().prefill_wait_s(prompt)
         self.metrics.prefills.labels(path="remote" if side else "local").inc()
+        plan = PrefillPlan(prefiller, prefiller.booked.book(prompt, time.monotonic()), wait_s,
+                           text_bytes(key) if isinstance(key, str) and ctx.path == "/generate" else None)
         return Attempt(ctx, number, main, side, rid, body_rid, plan)
 
     def learn_overhead(self, plan: PrefillPlan, stream: bool, first_byte_s: float) -> None:
@@ -335,6 +341,13 @@ class Dispatcher:
             overhead = self.overheads[plan.path]
             overhead.observe(first_byte_s, plan.predicted_wait_s)
             self.metrics.learned_overhead.labels(path=plan.path).set(overhead.value)
+
+    def learn_prompt_size(self, attempt: Attempt, answer: bytes) -> None:
+        """A /generate answer to a text prompt placed by load tells how many tokens that text was."""
+        plan = attempt.plan
+        if plan is not None and plan.prompt_bytes is not None:
+            self.sizer.observe(plan.prompt_bytes, answer, attempt.ctx.stream)
+            self.metrics.prompt_bytes_per_token.set(self.sizer.bytes_per_token.value)
 
     async def run_attempt(self, attempt: Attempt) -> web.StreamResponse:
         ctx = attempt.ctx
@@ -453,6 +466,7 @@ class Dispatcher:
             response = web.Response(status=exchange.status, body=first, headers=headers,
                                     content_type=exchange.content_type or "application/json")
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
+            self.learn_prompt_size(attempt, first)
             return response
         response = SSEResponse(status=exchange.status, headers={**SSE_HEADERS, **headers})
         if ctx.request.version >= (1, 1):
@@ -464,6 +478,7 @@ class Dispatcher:
         first = events.cut(first)  # an empty write still sends the head, which relay_sink() needs out
         if await self.write_client(attempt, merger.feed(first) if merger else first):
             self.metrics.added_latency.observe(pre_dispatch + time.perf_counter() - received)
+            self.learn_prompt_size(attempt, first)  # after the client has its first event
             await self.relay(attempt, exchange, events, merger)
         return response
 

@@ -58,6 +58,9 @@ class RouterMetrics:
         self.learned_overhead = Gauge(PREFIX + "learned_overhead_seconds", "--local-prefill-by-load: each path's "
                                       "learned time to first token beyond its predicted wait (remote: the "
                                       "handoff).", ("path",), registry=registry)
+        self.prompt_bytes_per_token = Gauge(PREFIX + "prompt_bytes_per_token", "--local-prefill-by-load: the UTF-8 "
+                                            "bytes per token of text prompts, learned from the servers' counts "
+                                            "(4 until one is seen).", registry=registry)
         self.cache_decisions = Counter(PREFIX + "cache_aware_decisions", "cache_aware picks, by role and by what "
                                        "decided: reported (an instance's /cache_report), local (the router's own "
                                        "prefix index) or load (no prefix matched enough, or the load was imbalanced).",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +60,7 @@ class StubServer:
     healthy: bool = True
     held: bool = False  # generate requests wait until release() while held
     load: dict | None = None  # what GET /load answers (queued tokens, rates, KV usage: docs/pd.md); None: 404
+    text_bytes_per_token: float = 4.0  # the stub's "tokenizer": /generate answers report text prompts this long
     requests: list[dict] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)
     abort_events: dict[str, asyncio.Event] = field(default_factory=dict)
@@ -214,6 +216,12 @@ class StubServer:
             return len(body.get("text") or body.get("input_ids"))
         return 1
 
+    def prompt_tokens(self, path: str, body: dict, index: int) -> int:
+        prompt = body.get("text", body.get("input_ids")) or ""
+        if self.is_batch(path, body):
+            prompt = prompt[index]
+        return math.ceil(len(prompt.encode("utf-8", "surrogatepass")) / self.text_bytes_per_token) if isinstance(prompt, str) else len(prompt)
+
     def item(self, path: str, body: dict, index: int, text: str, finish: str | None, completion_tokens: int) -> dict:
         if path == "/v1/chat/completions":
             key = "delta" if body.get("stream") else "message"
@@ -222,7 +230,8 @@ class StubServer:
         if path == "/v1/completions":
             choice = {"index": index, "text": text, "finish_reason": finish}
             return {"id": "cmpl-stub", "object": "text_completion", "served_by": self.name, "choices": [choice]}
-        meta: dict[str, Any] = {"id": body.get("rid"), "completion_tokens": completion_tokens,
+        meta: dict[str, Any] = {"id": body.get("rid"), "prompt_tokens": self.prompt_tokens(path, body, index),
+                                "completion_tokens": completion_tokens,
                                 "finish_reason": {"type": finish} if finish else None}
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = ([[-0.5, t, None] for t in range(3)] if self.role == "prefill" else [])

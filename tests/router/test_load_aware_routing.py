@@ -124,3 +124,18 @@ def test_flags_that_cannot_work_are_refused():
                   ["--local-prefill-alpha", "0"], ["--local-prefill-kv-gate", "1.5"]):
         with pytest.raises(SystemExit):
             parse_config(flags)
+
+
+def test_text_prompts_are_sized_in_the_servers_tokens(stubs, start_router):
+    """4,000 bytes: 1,000 tokens at the first guess (remote 0.2 s < local 0.25 s); the answer says 500 (8 bytes a
+    token), after which local 0.125 s beats remote 0.15 s."""
+    prefill = stubs.add("prefill", text_bytes_per_token=8.0,
+                        load={"queued_prefill_tokens": 1_000, "prefill_tokens_per_s": 10_000.0})
+    decode = stubs.add("decode", text_bytes_per_token=8.0,
+                       load={**BUDGETED_DECODE, "local_prefill_tokens_per_s": 4_000.0})
+    router = start_router("--prefill", prefill.url, "--decode", decode.url, *by_load())
+    assert router.metric("pdserve_router_prompt_bytes_per_token") == 4
+    assert not went_local(router, prefill, decode)
+    assert router.metric("pdserve_router_prompt_bytes_per_token") == 8
+    assert went_local(router, prefill, decode)
+    assert went_local(router, prefill, decode, {"input_ids": list(range(500))})  # token ids count themselves

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 from pdserve_router.conditional import (FASTER, INGEST_MARGIN_S, KV_GATE, NO_BUDGET, SLOWER, UNMEASURED,
-                                        BookedTokens, LearnedOverhead, InstanceLoad, LoadAwareRule, Option, parse_load)
+                                        BookedTokens, InstanceLoad, LearnedOverhead, LoadAwareRule, Option,
+                                        PromptSizer, parse_load, reported_prompt_tokens)
 
 PROMPT = 1000
 FAST_PREFILL = Option(InstanceLoad(0, 10_000.0))  # 0.1 s for the prompt
@@ -93,7 +94,7 @@ def test_a_learned_overhead_is_a_clipped_moving_average_of_the_observed_excess()
     assert estimate.value == pytest.approx(0.3 + 0.1 * (1.3 - 0.3))
     for _ in range(200):
         estimate.observe(first_byte_s=0.0, predicted_wait_s=2.0)  # the prediction overestimates the wait
-    assert estimate.seconds < 0 and estimate.value == 0.0
+    assert estimate.seconds.value < 0 and estimate.value == 0.0
     estimate.observe(first_byte_s=1e9, predicted_wait_s=0.0)  # a stalled request moves it by a bounded step
     assert estimate.value < 10
 
@@ -131,3 +132,29 @@ def test_a_load_without_a_valid_budget_takes_no_local_prefill(extra):
 
 def test_an_absurd_queue_is_not_believed():
     assert parse_load({"queued_prefill_tokens": 1 << 41, "prefill_tokens_per_s": 1.0}) is None
+
+
+def test_text_prompts_are_sized_at_the_bytes_per_token_the_servers_count():
+    sizer = PromptSizer()
+    assert sizer.tokens("x" * 4000) == 1000 and sizer.tokens([1, 2, 3]) == 3  # 4 bytes a token until told
+    sizer.observe(4000, b'{"text": "a", "meta_info": {"prompt_tokens": 500}}', stream=False)
+    assert sizer.tokens("x" * 4000) == 500
+    sizer.observe(4000, b'data: {"text": "a", "meta_info": {"prompt_tokens": 1000}}\n\ndata: {"te', stream=True)
+    assert sizer.bytes_per_token.value == pytest.approx(8 + 0.1 * (4 - 8))
+    sizer.observe(10**9, b'{"meta_info": {"prompt_tokens": 1}}', stream=False)  # clipped to 32 bytes a token
+    assert sizer.bytes_per_token.value == pytest.approx(7.6 + 0.1 * (32 - 7.6))
+
+
+@pytest.mark.parametrize(("answer", "stream"), [(b"", False), (b"[]", False), (b"{not json", False),
+                                                (b'{"meta_info": {"prompt_tokens": 0}}', False),
+                                                (b'{"meta_info": {"prompt_tokens": 2.5}}', False),
+                                                (b'{"meta_info": {"prompt_tokens": true}}', False),
+                                                (b'{"meta_info": {"prompt_tokens": 2000000000}}', False),
+                                                (b'{"meta_info": []}', False),
+                                                (b'{"meta_info": {"prompt_tokens": 9}}', True),  # not an event
+                                                (b'data: [DONE]\n\n', True), (b"[" * 100_000, False)])
+def test_answers_without_a_plausible_prompt_count_teach_nothing(answer, stream):
+    assert reported_prompt_tokens(answer, stream) is None
+    sizer = PromptSizer()
+    sizer.observe(4000, answer, stream)
+    assert sizer.bytes_per_token.samples == 0
