@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.config import ConfigError, ServerArgs
 from pdserve.scheduler.tpot_budget import CREDIT_CAP_BUDGETS, MIN_CHUNK_TOKENS, MIN_EARN_SHARE, StepCosts, TpotBudget
 
 PAGE = 16
@@ -163,3 +164,10 @@ def test_an_outlier_step_moves_the_learned_costs_by_a_bounded_amount():
     learned.record_extend(256, 5.0)
     learned.record_decode(5.0)
     assert learned.extend_s(256) < 4 * (FIXED_S + PER_TOKEN_S * 256) and learned.decode_s < 4 * DECODE_S
+
+
+@pytest.mark.parametrize("bad", [dict(decode_tpot_budget_ms=-1.0), dict(decode_tpot_budget_ms=float("nan")),
+                                 dict(decode_tpot_budget_ms=10.0, tp_size=2)])
+def test_a_budget_that_cannot_hold_is_refused_at_start(bad):
+    with pytest.raises(ConfigError, match="--decode-tpot-budget-ms"):
+        ServerArgs(model_path="m", **bad)

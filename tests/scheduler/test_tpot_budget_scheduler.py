@@ -211,6 +211,16 @@ def test_the_decode_role_prefills_local_prompts_within_the_budget(tiny_model, un
     decode.close()
 
 
+def test_a_decode_server_without_a_budget_offers_no_local_prefill(tiny_model):
+    decode, _ = make(tiny_model, 0.0, disaggregation_mode="decode", disaggregation_transfer_backend="tcp", port=2)
+    decode.add_request(greedy("local", prompt(4, 300), 3))
+    drain(decode)
+    report = decode.load_report()
+    assert report["prefill_tokens_per_s"] > 0 and report["local_prefill_tokens_per_s"] == 0.0
+    assert report["tpot_budget_ms"] == 0.0
+    decode.close()
+
+
 def test_the_load_report_offers_the_budget_share_while_requests_decode(tiny_model):
     sched, _ = make(tiny_model)
     idle = sched.load_report()
