@@ -62,7 +62,7 @@ class PeerLink:
         self.channel = ControlChannel(args.host, f"pd-{args.disaggregation_mode}", self.auth, listen=self.tp.is_leader)
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
-        self.transfer_stats = TransferStats(args.disaggregation_mode)
+        self.transfer_stats = TransferStats(args.disaggregation_mode, args.disaggregation_link_gbps)
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)
 

@@ -456,7 +456,7 @@ class PrefillRole(Role):
         if h is None:
             return
         h.writes_in_flight -= msg.count
-        self.link.transfer_stats.moved(msg.nbytes)
+        self.link.transfer_stats.moved(msg.nbytes, msg.seconds)
         h.write_seconds += msg.seconds
         h.writes_landed_at = max(h.writes_landed_at, msg.landed_at)
         if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed

@@ -20,10 +20,13 @@ FAILURE_REASONS = {
 
 @dataclass(slots=True)
 class TransferStats:
-    """Bytes moved, handoffs completed with their transfer time, and failures by reason."""
+    """Bytes moved, handoffs completed with their transfer time, and failures by reason. The prefill also sums the
+    time its engine writes took, against the link's bandwidth (`link_gbps`, 0 if unknown) for its efficiency."""
 
     role: str
+    link_gbps: float = 0.0
     bytes: int = 0
+    write_seconds: float = 0.0
     transfers: int = 0
     duration_sum: float = 0.0
     duration_counts: list[int] = field(default_factory=lambda: [0] * (len(DURATION_BUCKETS) + 1))
@@ -32,8 +35,16 @@ class TransferStats:
     def __post_init__(self) -> None:
         self.failures = dict.fromkeys(FAILURE_REASONS[self.role], 0)
 
-    def moved(self, nbytes: int) -> None:
+    def moved(self, nbytes: int, write_seconds: float = 0.0) -> None:
+        """`nbytes` reached the peer; the prefill says how long its engine took to write them."""
         self.bytes += nbytes
+        self.write_seconds += write_seconds
+
+    def link_efficiency(self) -> float | None:
+        """The share of the link the writes reached: bytes over write time, over `link_gbps` (None: unknown)."""
+        if not self.link_gbps or not self.write_seconds:
+            return None
+        return self.bytes / self.write_seconds / (self.link_gbps * 1e9)
 
     def completed(self, seconds: float) -> None:
         """One handoff's KV arrived in `seconds` of transfer time."""
@@ -50,5 +61,6 @@ class TransferStats:
             total += count
             cumulative.append(total)
         return {"role": self.role, "bytes": self.bytes, "transfers": self.transfers,
+                "write_seconds": self.write_seconds, "link_efficiency": self.link_efficiency(),
                 "duration_buckets": [[le, n] for le, n in zip((*DURATION_BUCKETS, float("inf")), cumulative)],
                 "duration_sum": self.duration_sum, "failures": dict(self.failures), "queues": queues}

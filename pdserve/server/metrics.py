@@ -118,7 +118,23 @@ def _kv_transfer_metrics(transfer: dict | None) -> list[Metric]:
                                labels=["role", "queue"])
     for queue, n in sorted(transfer["queues"].items()):
         queues.add_metric([*role, queue], n)
-    return [moved, done, duration, failures, queues]
+    return [moved, done, duration, failures, queues, *_link_metrics(role, transfer)]
+
+
+def _link_metrics(role: list[str], transfer: dict) -> list[Metric]:
+    """The prefill's write time, and the share of --disaggregation-link-gbps its writes reached (where set)."""
+    write_time = CounterMetricFamily(
+        PREFIX + "kv_transfer_write_seconds",
+        "Time the prefill's transfer engine spent writing KV (bytes over it: the write rate).", labels=["role"])
+    write_time.add_metric(role, transfer["write_seconds"])
+    if transfer["link_efficiency"] is None:
+        return [write_time]
+    efficiency = GaugeMetricFamily(
+        PREFIX + "kv_transfer_link_efficiency",
+        "KV bytes written over write time, as a share of --disaggregation-link-gbps, since the server started.",
+        labels=["role"])
+    efficiency.add_metric(role, transfer["link_efficiency"])
+    return [write_time, efficiency]
 
 
 class _SglangView:
