@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from transfer_peer import start_peer, stop_peer
+from pdserve.disagg.kv_checksum import head_checksums
 from pdserve.disagg.transfer import HeadSlice, KVRegion, TransferError, coalesce_page_runs, make_transfer_engine
 from pdserve.disagg.transfer.packing import KVMover, KVPiece
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
@@ -99,6 +100,10 @@ def test_gpu_scattered_pages(path, monkeypatch):
             got = received(conn)
             what = f"{path} over {sender.transport()}, {'packed' if pack else 'in place'}, heads {piece.heads}"
             assert torch.equal(got, want), f"{what}: {mismatch(got, want)}"
+            if piece is whole:  # the checksum a decode compares: the same on the sender's GPU and over what landed
+                landed = KVPool(DST_LAYOUT, "cpu")
+                landed.buffer.view(torch.uint8).copy_(got.view(landed.buffer.view(torch.uint8).shape))
+                assert head_checksums(landed, dst_pages, 0) == head_checksums(src, src_pages, 0)
         assert mover.arena.bytes_in_use == 0
         with pytest.raises(TransferError):
             sender.write(hello["session"], [src.data_ptr], [hello["base"] + DST_LAYOUT.num_slots * 10**6], [64])
