@@ -35,14 +35,17 @@ def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
         return torch.tensor([lp for out in llm.generate(sequences, score, use_tqdm=False)
                              for lp in out.prompt_logprobs[1:]])
 
-    llm = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=16)
+    # graphs of one row: the FP8 tuner compiles its candidates for that row count alone (each row count it tunes
+    # costs a cold start tens of seconds); each prompt decodes alone, in the graph
+    llm = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1)
     assert llm.scheduler.runner.graph_runner is not None
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in prompts]
     sequences = [prompt + out.token_ids for prompt, out in zip(prompts, outs)]
     fast = prompt_logprobs(llm, sequences)
     llm.shutdown()
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
-    fallback = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, disable_cuda_graph=True)
+    fallback = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1)
     slow = prompt_logprobs(fallback, sequences)
     fallback.shutdown()
     assert fast.shape == slow.shape == (sum(len(s) - 1 for s in sequences),)
@@ -52,7 +55,8 @@ def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
 def _kv_tokens_and_linear_bytes(path: str, quantization: str | None) -> tuple[int, int]:
     from pdserve import LLM
 
-    llm = LLM(path, device="cuda", quantization=quantization, mem_fraction_static=0.5, disable_cuda_graph=True)
+    # one graph of one row rather than eager (which tunes FP8 rows 1 to 8): the KV budget is set before either
+    llm = LLM(path, device="cuda", quantization=quantization, mem_fraction_static=0.5, cuda_graph_max_bs=1)
     try:
         linear_bytes = sum(p.numel() * p.element_size() for n, p in llm.scheduler.runner.model.named_parameters()
                            if "proj" in n)
