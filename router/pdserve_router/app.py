@@ -81,6 +81,8 @@ class Router:
 
     async def stop(self, app: web.Application) -> None:
         await self.health.stop()
+        if summary := self.dispatcher.load_rule_summary():
+            log.info("%s", summary)
         for poller in (self.load, self.cache_reports):
             if poller is not None:
                 await poller.stop()

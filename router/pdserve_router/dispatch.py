@@ -17,6 +17,7 @@ import json
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -194,6 +195,7 @@ class Dispatcher:
                           if config.local_prefill_by_load else None)
         self.overheads = {"local": LearnedOverhead(), "remote": LearnedOverhead()}
         self.sizer = PromptSizer()
+        self.load_decisions: Counter[str] = Counter()  # by reason, for the summary at shutdown
         metrics.prompt_bytes_per_token.set(self.sizer.bytes_per_token.value)
         self.conditional = config.mode == "pd" and (self.local_rule.enabled or self.load_rule is not None)
         self.needs_key = self.conditional or any(config.policy_for(role) == "cache_aware" for role in roles)
@@ -320,6 +322,7 @@ class Dispatcher:
         decision = self.load_rule.decide(prompt, [w.option() for w in prefills], [w.option() for w in decodes],
                                          self.overheads["remote"].value, self.overheads["local"].value)
         self.metrics.local_prefill_decisions.labels(reason=decision.reason).inc()
+        self.load_decisions[decision.reason] += 1
         for path, seconds in (("local", decision.local_s), ("remote", decision.remote_s)):
             if seconds is not None:
                 self.metrics.predicted_ttft.labels(path=path).observe(seconds)
@@ -333,6 +336,15 @@ class Dispatcher:
         plan = PrefillPlan(prefiller, prefiller.booked.book(prompt, time.monotonic()), wait_s,
                            text_bytes(key) if isinstance(key, str) and ctx.path == "/generate" else None)
         return Attempt(ctx, number, main, side, rid, body_rid, plan)
+
+    def load_rule_summary(self) -> str | None:
+        """One line on what the load-aware rule chose and learned (the router logs it at shutdown)."""
+        if self.load_rule is None:
+            return None
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(self.load_decisions.items())) or "none"
+        return (f"--local-prefill-by-load choices: {reasons}; learned overheads: local "
+                f"{self.overheads['local'].value * 1e3:.1f} ms, remote {self.overheads['remote'].value * 1e3:.1f} ms; "
+                f"text prompts at {self.sizer.bytes_per_token.value:.2f} bytes per token")
 
     def learn_overhead(self, plan: PrefillPlan, stream: bool, first_byte_s: float) -> None:
         """A streamed request's first byte teaches its path's overhead (a whole answer's first byte comes after

@@ -68,6 +68,9 @@ def test_a_long_prefill_queue_moves_prompts_to_a_decode_with_budget_only(stubs, 
     assert router.metric(f'{decisions}{{reason="no_budget"}}') == 2
     assert router.metric(f'{decisions}{{reason="kv_gate"}}') == 1
     assert router.metric('pdserve_router_prefill_total{path="local"}') == 4
+    router.terminate()  # the router logs a summary as it stops
+    router.proc.wait(timeout=10)
+    assert "--local-prefill-by-load choices: kv_gate 1, local_faster 4, no_budget 2; learned overheads" in router.log()
 
 
 def test_the_decode_predicted_soonest_takes_the_prompt(stubs, start_router):
