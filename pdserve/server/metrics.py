@@ -27,6 +27,7 @@ SGLANG_NAMES = {  # pdserve's family -> SGLang's (scheduler and tokenizer-manage
     "time_to_first_token_seconds": "time_to_first_token_seconds",
     "inter_token_latency_seconds": "inter_token_latency_seconds",
     "e2e_request_latency_seconds": "e2e_request_latency_seconds",
+    "decode_tokens_per_second": "gen_throughput",
 }
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,6 +51,8 @@ class _ScrapeState:
             _gauge("requests_in_flight", "Requests the HTTP server is waiting on.", self.in_flight),
             _gauge("num_running_reqs", "Requests in the running batch.", stats.get("num_running", 0)),
             _gauge("num_queue_reqs", "Requests waiting for admission.", stats.get("num_waiting", 0)),
+            _gauge("decode_tokens_per_second", "Tokens the decoding requests generate per second at the measured "
+                   "decode step time.", _decode_tokens_per_second(stats)),
             _gauge("kv_cache_used_tokens", "KV-cache token slots in use.", used),
             _gauge("kv_cache_total_tokens", "KV-cache token slots.", total),
             _gauge("kv_cache_usage_ratio", "Fraction of the KV cache in use.", used / total if total else 0.0),
@@ -64,6 +67,11 @@ class _ScrapeState:
             *_hicache_counters(stats.get("hicache", {})),
             *_kv_transfer_metrics(stats.get("kv_transfer")),
         ]
+
+
+def _decode_tokens_per_second(stats: dict) -> float:
+    step_ms = stats.get("decode_step_ms", 0.0)
+    return stats.get("num_running_reqs", 0) * 1000 / step_ms if step_ms else 0.0
 
 
 def _grammar_metrics(stats: dict) -> list[Metric]:

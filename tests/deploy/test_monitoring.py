@@ -156,12 +156,14 @@ SGLANG_QUERIES = (
     *(f'sum by (le) (increase(sglang:{h}_bucket{{model_name=~"$model_name"}}[$__rate_interval]))'
       for h in SGLANG_HISTOGRAMS),
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+    "sglang:gen_throughput",
     "rate(sglang:prompt_tokens_total[$__rate_interval])", "rate(sglang:generation_tokens_total[$__rate_interval])",
 )
 SERVER_JOBS = ("pdserve-prefill", "pdserve-decode")
 
 
-SGLANG_RENAMED = {"token_usage": "kv_cache_usage_ratio", "cache_hit_rate": "prefix_cache_hit_rate"}  # else same
+SGLANG_RENAMED = {"token_usage": "kv_cache_usage_ratio", "cache_hit_rate": "prefix_cache_hit_rate",
+                  "gen_throughput": "decode_tokens_per_second"}  # the other names are pdserve's with its prefix
 
 
 def samples_by_name(metrics_text: str) -> dict[tuple[str, tuple], float]:
@@ -175,7 +177,7 @@ def test_sglang_names_carry_the_same_values_as_pdserves(systemd_cluster):
     assert router.post("/generate", {"text": "same values", "max_new_tokens": 3}, timeout=120).status == 200
     model = systemd_cluster.prefill.get("/get_model_info").json()["served_model_name"]
     expected = {"prompt_tokens_total", "generation_tokens_total", "num_running_reqs", "num_queue_reqs", "token_usage",
-                "cache_hit_rate", *(h + part for h in SGLANG_HISTOGRAMS for part in ("_bucket", "_sum", "_count"))}
+                "cache_hit_rate", "gen_throughput", *(h + part for h in SGLANG_HISTOGRAMS for part in ("_bucket", "_sum", "_count"))}
     for proc in (systemd_cluster.prefill, systemd_cluster.decode):
         samples = samples_by_name(proc.get("/metrics").body.decode())
         sglang = [(name.removeprefix("sglang:"), dict(labels)) for name, labels in samples if name.startswith("sglang:")]

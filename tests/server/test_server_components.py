@@ -167,6 +167,23 @@ def test_metrics_render_valid_prometheus_text():
     assert samples["pdserve_generation_tokens_total"] == 4
 
 
+def test_sglang_names_carry_pdserves_values_with_the_model_name():
+    metrics = ServerMetrics("qwen")
+    metrics.observe_ttft(0.02)
+    metrics.request_finished(TokenOut("r", [1], {"type": "length"}, 5, 4, 2), 0.3)
+    samples = parse_prometheus(metrics.render({"num_running": 3, "num_running_reqs": 4, "num_waiting": 2,
+                                               "decode_step_ms": 8.0, "kv_used_tokens": 32, "kv_total_tokens": 128,
+                                               "prefix_hit_tokens": 1, "prefix_query_tokens": 4}, in_flight=1))
+    label = '{model_name="qwen"}'
+    assert samples["sglang:prompt_tokens_total" + label] == samples["pdserve_prompt_tokens_total"] == 5
+    assert samples["sglang:generation_tokens_total" + label] == 4
+    assert samples["sglang:num_running_reqs" + label] == 3 and samples["sglang:num_queue_reqs" + label] == 2
+    assert samples["sglang:token_usage" + label] == samples["sglang:cache_hit_rate" + label] == 0.25
+    assert samples["sglang:gen_throughput" + label] == samples["pdserve_decode_tokens_per_second"] == 500.0
+    assert samples['sglang:time_to_first_token_seconds_bucket{le="0.025",model_name="qwen"}'] == 1
+    assert samples["sglang:e2e_request_latency_seconds_sum" + label] == 0.3
+
+
 def test_kv_transfer_metrics_render_from_the_roles_stats():
     stats = TransferStats("decode")
     stats.moved(4096)
