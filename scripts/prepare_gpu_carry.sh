@@ -41,6 +41,21 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
 (cd .deb && apt-get download -q "${DEBS[@]}")
+# PD needs mooncake's transfer engine only: drop the store, collective and EP libraries and the command-line
+# binaries (about 70% of the wheel), so that the carry and the grown tree stay under the 64 MiB a call takes.
+slim_wheel() {
+  local wheel=$1 dir
+  dir=$(mktemp -d)
+  (cd "$dir" && unzip -q "$OLDPWD/$wheel" &&
+    rm -f mooncake/_store.*.so mooncake/_ep.*.so mooncake/libmooncake_pg*.so mooncake/libmooncake_ep_device.so \
+      mooncake/mooncake_client mooncake/mooncake_master mooncake/transfer_engine_bench \
+      mooncake_transfer_engine_cuda13.libs/libetcd_wrapper-*.so &&
+    sed -i '/_store\.\|_ep\.\|libmooncake_pg\|libmooncake_ep_device\|mooncake_client\|mooncake_master\|transfer_engine_bench\|libetcd_wrapper-/d' \
+      ./*.dist-info/RECORD &&
+    rm -f "$OLDPWD/$wheel" && zip -q -r -9 "$OLDPWD/$wheel" .)
+  rm -rf "$dir"
+}
+for wheel in .whl/mooncake_transfer_engine*.whl; do [ -e "$wheel" ] && slim_wheel "$wheel"; done
 
 du -b .whl/* .deb/* | awk '{printf "%8.2f MiB  %s\n", $1 / 1048576, $2}'
 total=$(du -cb .whl .deb | tail -1 | cut -f1)
