@@ -165,13 +165,13 @@ class Scheduler:
     def _timed_extend(self, items: list[ExtendItem]) -> None:
         tokens = sum(i.end - i.start for i in items)
         booked = self.tpot_budget.extend_started(tokens, decoding=bool(self.running))
-        self.step_timer.begin()
+        self.step_timer.begin(EXTEND)
         self._run_extend(items)
         self.step_timer.end(EXTEND, tokens, booked)
 
     def _timed_decode(self) -> None:
         size, booked = len(self.running), self.tpot_budget.decode_started()
-        self.step_timer.begin()
+        self.step_timer.begin(DECODE)
         self._run_decode()
         self.step_timer.end(DECODE, size, booked)
 
@@ -246,15 +246,16 @@ class Scheduler:
 
     def load_report(self) -> dict:
         """What the router weighs to place a prompt (`/load`): the prefill queued here, the full-speed prefill rate
-        measured, the rate a new prompt gets now (within the TPOT budget while requests decode), the decode pace."""
-        used = self.allocator.capacity - self.allocator.num_free
+        measured, the rate a new prompt gets now (within the TPOT budget while requests decode), the decode pace, and
+        the share of the KV pool that requests hold (pages the prefix cache could evict count as free)."""
+        held = max(0, self.allocator.capacity - self.available_pages())
         return {
             "queued_prefill_tokens": self.queued_prefill_tokens(),
             "prefill_tokens_per_s": round(self.prefill_meter.tokens_per_s, 1),
             "local_prefill_tokens_per_s": round(self._new_prompt_rate(), 1),
             "decode_step_ms": round(self.tpot_budget.costs.decode_s * 1e3, 3),
             "num_running_reqs": len(self.running),
-            "kv_usage": round(used / self.allocator.capacity, 4),
+            "kv_usage": round(held / self.allocator.capacity, 4),
             "tpot_budget_ms": self.args.decode_tpot_budget_ms,
         }
 

@@ -50,8 +50,9 @@ class StepTimer:
         self.began: float | torch.cuda.Event | None = None
         self.last_end: float | torch.cuda.Event | None = None  # the previous step's end, unless it had no forward
 
-    def begin(self) -> None:
-        self.began = self._mark()
+    def begin(self, kind: str) -> None:
+        """A step of `kind` starts (a decode step that follows another step is timed from that one's end)."""
+        self.began = self._mark() if kind == EXTEND or self.last_end is None else None
 
     def end(self, kind: str, size: int, booked_s: float | None) -> None:
         end = self._mark()
