@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -104,8 +105,8 @@ class RouterConfig:
         if self.local_prefill_by_load and (self.local_prefill_max_tokens or self.local_prefill_cost_factor):
             raise ConfigError("--local-prefill-by-load replaces --local-prefill-max-tokens and "
                               "--local-prefill-cost-factor: give one rule")
-        if self.local_prefill_alpha <= 0 or not 0 < self.local_prefill_kv_gate <= 1:
-            raise ConfigError("--local-prefill-alpha must be > 0 and --local-prefill-kv-gate in (0, 1]")
+        if not 0 < self.local_prefill_alpha < math.inf or not 0 < self.local_prefill_kv_gate <= 1:
+            raise ConfigError("--local-prefill-alpha must be a finite number > 0 and --local-prefill-kv-gate in (0, 1]")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold must be in [0, 1]")
 

@@ -124,7 +124,8 @@ def test_flags_that_cannot_work_are_refused():
     assert parse_config([]).load_poll_roles() == ()
     for flags in (["--local-prefill-by-load", "--local-prefill-max-tokens", "64"],
                   ["--local-prefill-by-load", "--local-prefill-cost-factor", "2"],
-                  ["--local-prefill-alpha", "0"], ["--local-prefill-kv-gate", "1.5"]):
+                  ["--local-prefill-alpha", "0"], ["--local-prefill-alpha", "nan"], ["--local-prefill-alpha", "inf"],
+                  ["--local-prefill-kv-gate", "1.5"], ["--local-prefill-kv-gate", "0"]):
         with pytest.raises(SystemExit):
             parse_config(flags)
 
