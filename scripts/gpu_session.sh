@@ -9,7 +9,7 @@
 #                graph tests again with CUDA_LAUNCH_BLOCKING=1
 #   tests_multi_gpu the tests that need two GPUs (`-m multi_gpu`: TP 2, GPU0 -> GPU1 KV transfers; nvidia-h200-x2)
 #   tuner_sweeps every candidate config of the FP8 rows kernel compiled and checked, then its tuner (`-m tuner_sweep`;
-#                about 9 minutes on a cold Triton cache: a call of its own)
+#                minutes per row dtype on a cold Triton cache: SWEEP_K=dtype0 and SWEEP_K=dtype1 in a call each)
 #   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step;
 #                where a decode step's and an 8k prefill's time goes (step_profile)
 #   offline      the offline throughput workload, overlapped and synchronous (qwen3-0.6b)
@@ -66,12 +66,14 @@ model() {
   echo "$M/$1"
 }
 
-# gpu_pytest NAME LIMIT MARKS: the tests of MARKS with the failures' summary and the slowest 30 durations. Modules
-# importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh) are reported as
-# collection errors; the rest still run.
+# gpu_pytest NAME LIMIT MARKS [PYTEST ARGS...]: the tests of MARKS with the failures' summary and the slowest 30
+# durations. Modules importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh)
+# are reported as collection errors; the rest still run.
 gpu_pytest() {
-  TAILN=60 step "$2" "$1" python3 -m pytest -q -rf -p no:cacheprovider --continue-on-collection-errors --durations=30 \
-    tests -m "$3"
+  local name=$1 limit=$2 marks=$3
+  shift 3
+  TAILN=60 step "$limit" "$name" python3 -m pytest -q -rf -p no:cacheprovider --continue-on-collection-errors \
+    --durations=30 tests -m "$marks" "$@"
 }
 
 suite_tests() {
@@ -84,8 +86,8 @@ suite_tests_multi_gpu() {
   gpu_pytest multi_gpu_tests 300 multi_gpu
 }
 
-suite_tuner_sweeps() {
-  gpu_pytest tuner_sweep_tests 560 tuner_sweep
+suite_tuner_sweeps() {  # SWEEP_K=dtype0 (bf16 rows) or dtype1 (fp16): one call each on a cold Triton cache
+  gpu_pytest tuner_sweep_tests 540 tuner_sweep ${SWEEP_K:+-k "$SWEEP_K"}
 }
 
 suite_engine() {

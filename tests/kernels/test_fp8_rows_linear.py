@@ -319,6 +319,7 @@ def test_fp8_rows_on_gpu(dtype):
 
 @pytest.mark.tuner_sweep
 @pytest.mark.fp8_gpu
+@pytest.mark.timeout(520)  # on a cold Triton cache each config compiles for every shape and epilogue
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_fp8_rows_candidate_on_gpu_and_tuner_choice(dtype):
     """Every candidate at each shape (each compiles: minutes), then the tuner over llama-3.1-8b's qkv and down
