@@ -14,7 +14,7 @@ from typing import Any
 
 MAX_PROBLEMS = 5
 _NOUNS = {"str": ("a string", "strings"), "int": ("an integer", "integers"), "float": ("a number", "numbers"),
-          "bool": ("true or false", "booleans"), "none": ("null", "nulls"), "any": ("a value", "values")}
+          "bool": ("true or false", "booleans")}
 _LIST = re.compile(r"list\[(.+)\]")
 
 
