@@ -214,7 +214,7 @@ class KVMover:
         self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device)
         self.arena = StagingArena(staging_bytes, timeout_s)
         engine.register(self.staging.data_ptr(), staging_bytes, str(self.device))
-        self._pools: dict[tuple[int, int], torch.Tensor] = {}  # (region ptr, pool base) -> pool bytes
+        self._pools: dict[tuple[int, KVRegion], torch.Tensor] = {}  # (registered region, pool) -> its words
         self._lock = threading.Lock()
         self._local = threading.local()  # each writer thread's CUDA stream
 
@@ -276,7 +276,7 @@ class KVMover:
         layout = region.layout
         nbytes = 2 * layout.num_layers * layout.layer_bytes
         registered = self.engine.regions.find(region.base, nbytes)  # the whole pool lies in registered memory
-        key = (registered.ptr, region.base)
+        key = (registered.ptr, region)
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
