@@ -27,8 +27,11 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,7 @@ from pdserve.server_processes import ClusterError
 
 WORKLOAD_FLAGS = {"mix": [], "chat": ["--mix-doc-fraction", "0"], "docs": ["--mix-doc-fraction", "1"]}
 KV_FREE_TIMEOUT_S = 30.0
+ROUTER_COUNTERS = ("pdserve_router_prefill_total", "pdserve_router_local_prefill_decisions_total")
 SHUTDOWN_DRAIN_S = 5.0
 STOP_MARGIN_S = 30.0  # a cluster's stop, and the summary, after the last run the time limit lets start
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -199,15 +203,38 @@ class LayoutBench:
         return asyncio.run(serving.run_at_rate(self.config, requests, rate, self.bench, self.slo))
 
 
-def measured_rate(bench: LayoutBench, rate: float, run_index: int, server_urls: list[str]) -> dict:
+def router_counters(router_url: str) -> dict[str, float]:
+    """The router's prefill-path counters (`pdserve_router_prefill_total{path=...}`, and with
+    --local-prefill-by-load its decisions by reason), by sample name and labels; empty if /metrics does not answer."""
+    try:
+        with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
+            text = response.read().decode(errors="replace")
+    except (OSError, urllib.error.URLError):
+        return {}
+    counters = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(ROUTER_COUNTERS):
+            try:
+                counters[name] = float(value)
+            except ValueError:
+                continue
+    return counters
+
+
+def measured_rate(bench: LayoutBench, rate: float, run_index: int, urls: list[str]) -> dict:
+    """One rate against the cluster (`urls`: its servers, then its router): the run's figures, every request's
+    record, the router's prefill-path counts during it, and whether every server's KV pool is free after it."""
+    before = router_counters(urls[-1])
     summary, results = bench.measure(rate, run_index)
-    pools = asyncio.run(kv_pool_check(server_urls, KV_FREE_TIMEOUT_S))
+    after = router_counters(urls[-1])
+    pools = asyncio.run(kv_pool_check(urls[:-1], KV_FREE_TIMEOUT_S))
     keep = ("request_rate", "requests", "completed", "errors", "error_kinds", "first_errors", "duration_s",
             "request_throughput", "output_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "slo_attainment",
             "slo_misses", "good_request_throughput")
     return {**{k: summary[k] for k in keep}, "kv_pools_free": all(p["kv_pool_fully_free"] for p in pools),
-            "kv_pools": pools, "request_fields": REQUEST_FIELDS,
-            "requests_measured": [request_record(r) for r in results]}
+            "kv_pools": pools, "router_counts": {k: v - before.get(k, 0.0) for k, v in after.items()},
+            "request_fields": REQUEST_FIELDS, "requests_measured": [request_record(r) for r in results]}
 
 
 @dataclass(slots=True)
@@ -248,7 +275,7 @@ class Sweeper:
             record["servers"], record["layout_line"] = started.server_urls, started.layout_line
             bench = LayoutBench.connect(self.args, started.router_url, self.builders)
             record["warmup"] = bench.warm()
-            self.measure_rates(bench, started.server_urls, record)
+            self.measure_rates(bench, [*started.server_urls, started.router_url], record)
         except (ClusterError, SystemExit) as exc:
             record["error"] = str(exc)
             print(f"sweep: {layout} (repeat {repeat + 1}) stopped: {exc}", file=sys.stderr, flush=True)
@@ -257,7 +284,7 @@ class Sweeper:
         self.clock.took("layout", since)
         return record
 
-    def measure_rates(self, bench: LayoutBench, server_urls: list[str], record: dict) -> None:
+    def measure_rates(self, bench: LayoutBench, urls: list[str], record: dict) -> None:
         """The rates upwards; those above a rate under --stop-below are skipped (they count as failing), those
         the time limit leaves no room for are left out (the goodput is then a lower bound)."""
         stop = False
@@ -270,7 +297,7 @@ class Sweeper:
                 record["rates"].append({"request_rate": rate, "skipped": True})
             else:
                 since = time.monotonic()
-                run = measured_rate(bench, rate, record["repeat"] * len(self.args.rates) + index, server_urls)
+                run = measured_rate(bench, rate, record["repeat"] * len(self.args.rates) + index, urls)
                 self.clock.took("rate", since)
                 record["rates"].append(run)
                 stop = (run["slo_attainment"] or 0.0) < self.args.stop_below
@@ -280,12 +307,17 @@ class Sweeper:
 # ---- the sweep ------------------------------------------------------------------------------------------------
 
 
-def device_name(device: str) -> str:
-    if device == "cpu" or not launch_cluster.visible_gpus():
+def device_name(args: argparse.Namespace) -> str:
+    """The first GPU's name from nvidia-smi (this process keeps off the GPUs the servers get); "CPU" without."""
+    if args.device == "cpu" or not launch_cluster.visible_gpus():
         return "CPU"
-    import torch
-
-    return torch.cuda.get_device_name(0)
+    first = (args.gpus or os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", first],
+                               capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "GPU"
+    return query.stdout.strip() or "GPU"
 
 
 def gpu_count(args: argparse.Namespace) -> int:
@@ -298,7 +330,7 @@ def sweep(args: argparse.Namespace, engine_args: list[str]) -> dict:
     if args.gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus  # before torch counts the GPUs (launch_cluster.visible_gpus)
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "model": args.model_path, "workload": args.workload,
-              "device_name": device_name(args.device), "num_gpus": gpu_count(args),
+              "device_name": device_name(args), "num_gpus": gpu_count(args),
               "gpus": args.gpus, "layouts": args.layouts, "rates": args.rates, "duration_s": args.duration,
               "repeats": args.repeats, "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
               "target_attainment": args.target_attainment, "decode_tpot_budget_ms": args.decode_tpot_budget_ms,

@@ -51,13 +51,22 @@ def rate_points(run: dict) -> list[tuple[float, float | None]]:
     return [(r["request_rate"], None if r.get("skipped") else r["slo_attainment"]) for r in run.get("rates", [])]
 
 
+def local_prefill_share(router_counts: dict[str, float]) -> float | None:
+    """The share of PD requests the router had prefilled on a decode server; None without PD requests."""
+    local = router_counts.get('pdserve_router_prefill_total{path="local"}', 0.0)
+    remote = router_counts.get('pdserve_router_prefill_total{path="remote"}', 0.0)
+    return local / (local + remote) if local + remote else None
+
+
 def per_rate(runs: Sequence[dict], rates: Sequence[float]) -> dict[str, dict[str, list]]:
-    """For each rate: the attainment, failures, KV check and each latency percentile of every repeat that ran it."""
+    """For each rate: the attainment, failures, KV check, share of local prefills and each latency percentile of
+    every repeat that ran it."""
     table = {}
     for rate in rates:
         measured = [r for run in runs for r in run.get("rates", []) if r["request_rate"] == rate and not r.get("skipped")]
         row = {"slo_attainment": [r["slo_attainment"] for r in measured], "errors": [r["errors"] for r in measured],
-               "kv_pools_free": [r["kv_pools_free"] for r in measured]}
+               "kv_pools_free": [r["kv_pools_free"] for r in measured],
+               "local_prefill_share": [local_prefill_share(r.get("router_counts", {})) for r in measured]}
         row.update({f"{metric[:-3]}_{pct}_ms": [r[metric][pct] for r in measured] for metric, pct in LATENCIES})
         table[f"{rate:g}"] = row
     return table

@@ -125,6 +125,9 @@ def test_a_sweep_on_the_cpu_writes_every_figure_and_the_grid(tiny_model, tmp_pat
             assert rate["errors"] == 0 and rate["kv_pools_free"] and rate["requests"] >= 8
             assert len(rate["requests_measured"]) == rate["requests"]
             assert all(r[rate["request_fields"].index("ttft_ms")] > 0 for r in rate["requests_measured"])
+    pd_counts = [r["router_counts"] for r in result["runs"][1]["rates"]]
+    assert [sum(v for k, v in counts.items() if k.startswith("pdserve_router_prefill_total")) for counts in pd_counts] \
+        == [r["requests"] for r in result["runs"][1]["rates"]]  # every PD request prefilled on one path or the other
     for name in ("colocated", "1p1d-balanced"):
         summary = result["summary"][name]
         assert set(summary) >= {"goodput_req_s", "goodput_interpolated_req_s", "goodput_spread", "per_rate",
