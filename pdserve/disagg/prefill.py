@@ -271,6 +271,12 @@ class PrefillRole(Role):
             self._fail(h, message, reason="aborted", status=None)
         return h is not None
 
+    def holds_output(self, req: Req) -> bool:
+        """A first token computed before the decode's page list came is not reported yet: a request that no decode
+        claims then fails with its 504 before the answer's first byte, so the router may retry it elsewhere."""
+        h = self.link.handoff_of(req)
+        return h is not None and h.poll == KVPoll.BOOTSTRAPPING
+
     def check_stop(self, req: Req) -> FinishReason | None:
         return None  # the decode side decides when generation stops, starting with the first token
 
@@ -411,6 +417,8 @@ class PrefillRole(Role):
         if h.room in self.held:  # the budget held it back: its decode has pages now, so it computes
             self._queue(h)
         self._push_computed(h)
+        if h.prefilled:
+            self.scheduler.report(h.req)  # its first token, held back until now (`holds_output`)
 
     def _targets(self, msg: TransferRequest, layout) -> list[KVTarget]:
         """The decode ranks of `msg`, each with the heads this rank writes into it."""

@@ -9,6 +9,7 @@ In the order a request meets them:
   prepare_step, plan_extend                 each step begins; which prompts this step prefills
   layer_hook, on_chunk_done, on_prefill_done  a prefill forward runs, a chunk lands, the prompt is done
   check_stop, caches_finished, keeps_pages  a token is appended; the request ends; its pages are released
+  holds_output                              the step's outputs are reported
   abort                                     a client aborts it
 and, for the scheduler process: can_step, has_work, idle_poll_ms, wakeup_fds, holds_pages, stats, reset_stats,
 queued_prefill_tokens, offered_prefill_rate, server_info, warmup_bootstrap, close.
@@ -46,6 +47,7 @@ class SchedulerAPI(Protocol):
     def add_token(self, req: Req, token: int, logprob: float | None = None, top_logprobs: list | None = None
                   ) -> None: ...
     def has_new_outputs(self) -> bool: ...
+    def report(self, req: Req) -> None: ...
     def finish(self, req: Req, reason: FinishReason) -> None: ...
     def end(self, req: Req, reason: FinishReason) -> None: ...
     def ensure_pages(self, req: Req, num_tokens: int) -> bool: ...
@@ -102,6 +104,11 @@ class Role:
     def caches_finished(self, req: Req) -> bool:
         """Whether req's KV enters the prefix cache when it finishes (unless aborted)."""
         return True
+
+    def holds_output(self, req: Req) -> bool:
+        """True to report req's new tokens later, when the role calls `report` (the prefill role: a first token
+        computed before its decode claimed the request); asked only while req has not ended."""
+        return False
 
     def keeps_pages(self, req: Req) -> bool:
         """True while something other than a forward pass still reads req's pages (the prefill role's KV

@@ -321,6 +321,10 @@ class Scheduler:
         """Some request has tokens or an end this step has not reported yet."""
         return bool(self._changed)
 
+    def report(self, req: Req) -> None:
+        """req's tokens so far go out with this step's outputs (those its role held back: `Role.holds_output`)."""
+        self._changed[req.rid] = req
+
     def end(self, req: Req, reason: FinishReason) -> None:
         """Take req out of every queue and finish it (unless it already finished)."""
         if req in self.waiting:
@@ -647,6 +651,8 @@ class Scheduler:
     def _collect_outputs(self) -> list[TokenOut]:
         outputs = []
         for req in self._changed.values():
+            if req.finish_reason is None and self.role.holds_output(req):
+                continue  # the role reports it later (`report`)
             outputs.append(self._make_output(req))
             if req.finish_reason is not None:
                 self.reqs.pop(req.rid, None)

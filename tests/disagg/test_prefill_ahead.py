@@ -30,16 +30,20 @@ def colocated_outputs(model: str, prompts: dict[str, list[int]], n: int) -> dict
         colocated.close()
 
 
-def step_until(sched, done, what: str, timeout: float = 30.0) -> None:
+def step_until(sched, done, what: str, timeout: float = 30.0) -> list:
+    """Steps `sched` until `done()`; the outputs it reported meanwhile."""
     deadline = time.monotonic() + timeout
+    outputs = []
     while not done():
         assert time.monotonic() < deadline, what
-        sched.step()
+        outputs += sched.step()
+    return outputs
 
 
 def test_the_prefill_computes_before_the_page_list_and_the_output_equals_colocated(tiny_model):
     """Chunked (70 tokens, chunks of 32) and single-chunk prompts are fully prefilled while their decode has not
-    even received them; their KV goes out once the page list comes, and the decode's tokens are colocated's."""
+    even received them; their first tokens are reported, and their KV goes out, once the page list comes; the
+    decode's tokens are colocated's."""
     rng = random.Random(3)
     prompts = {"chunked": [rng.randrange(3, 900) for _ in range(70)], "short": [rng.randrange(3, 900) for _ in range(9)]}
     expected = colocated_outputs(tiny_model, prompts, n=8)
@@ -49,7 +53,8 @@ def test_the_prefill_computes_before_the_page_list_and_the_output_equals_colocat
         for rid, ids in prompts.items():
             prefill.add_request(pd_req(rid, ids, port, rooms[rid]))
         handoffs = prefill.role.link.handoffs
-        step_until(prefill, lambda: all(h.prefilled for h in handoffs.values()), "the prefill waited for pages")
+        early = step_until(prefill, lambda: all(h.prefilled for h in handoffs.values()), "the prefill waited")
+        assert not any(out.new_token_ids for out in early)  # held back: no decode has claimed them yet
         for rid, room in rooms.items():
             h = handoffs[room]
             assert h.poll == KVPoll.BOOTSTRAPPING and h.pages_sent == 0 and h.writes_in_flight == 0
@@ -61,6 +66,7 @@ def test_the_prefill_computes_before_the_page_list_and_the_output_equals_colocat
         got = run([prefill, decode])
         for rid in prompts:
             assert got[(1, rid)]["ids"] == expected[rid], rid
+            assert got[(0, rid)]["ids"] == expected[rid][:1], rid  # the prefill's answer: its first token
         assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
     finally:
         prefill.close()
@@ -90,7 +96,7 @@ def test_a_page_list_arriving_mid_prompt_ships_the_computed_chunks_then_the_rest
 def test_computing_ahead_of_page_lists_is_bounded_by_a_share_of_the_pool(tiny_model):
     """With no decode claiming, the prefill queues requests only while their prompts fit in PAGES_AHEAD_SHARE of
     its pool; the rest wait, counted as queued prefill tokens, and go as soon as their page lists come."""
-    prefill, decode, port = make_pair(tiny_model, max_total_tokens=1024)
+    prefill, decode, port = make_pair(tiny_model, max_total_tokens=1024, disaggregation_bootstrap_timeout=120.0)
     try:
         page_size, pages = prefill.page_size, prefill.allocator.capacity
         budget = int(prefill.runner.pool.layout.num_pages * PAGES_AHEAD_SHARE)
@@ -100,11 +106,13 @@ def test_computing_ahead_of_page_lists_is_bounded_by_a_share_of_the_pool(tiny_mo
         prompts = {f"r{i}": [rng.randrange(3, 900) for _ in range(prompt_len)] for i in range(count)}
         for i, (rid, ids) in enumerate(prompts.items()):
             prefill.add_request(pd_req(rid, ids, port, room=4300 + i, n=2))
-        for _ in range(4 * count):
-            prefill.step()
         role = prefill.role
+        prefill.step()
         queued = [h for h in role.link.handoffs.values() if h.room not in role.held]
-        assert role.held and queued
+        step_until(prefill, lambda: all(h.prefilled for h in queued), "the queued requests were not computed")
+        for _ in range(3):  # nothing more is queued while no page list comes
+            prefill.step()
+        assert role.held and queued == [h for h in role.link.handoffs.values() if h.room not in role.held]
         assert sum(math.ceil(len(h.req.input_ids) / page_size) for h in queued) <= budget < pages
         assert all(h.prefilled for h in queued) and not any(h.req.stage_marks.marked & {tl.QUEUED}
                                                             for h in role.held.values())
