@@ -96,7 +96,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-decode", "--decode", type=int, default=None, help="Decode servers (default: 1).")
     parser.add_argument("--colocated", action="store_true",
                         help="Baseline without PD: --num-workers colocated servers behind a regular-mode router.")
-    parser.add_argument("--num-workers", type=int, default=None, help="Colocated servers with --colocated (default: 1).")
+    parser.add_argument("--num-workers", type=int, default=None,
+                        help="Colocated servers with --colocated (default: 1).")
     parser.add_argument("--layout", type=layout_name, default="auto",
                         help="Without server counts: auto (default: the layout measured best for --workload on the "
                              "GPUs, 1 prefill + 1 decode on the CPU or one GPU), colocated (one server per GPU), "
@@ -140,12 +141,17 @@ def layout_name(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def split_engine_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The flags before `--`, and the server flags after it."""
+    if "--" not in argv:
+        return argv, []
+    split = argv.index("--")
+    return argv[:split], argv[split + 1 :]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """The launcher's flags, and the engine flags after `--` (passed to every server as they are)."""
-    engine_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, engine_args = argv[:split], argv[split + 1 :]
+    argv, engine_args = split_engine_args(argv)
     parser = build_arg_parser()
     ns = parser.parse_args(argv)
     counts = {"--num-prefill": ns.num_prefill, "--num-decode": ns.num_decode, "--num-workers": ns.num_workers,

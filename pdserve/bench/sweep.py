@@ -13,9 +13,10 @@ router), `XpYd-balanced` (PD, the decode servers prefilling within --decode-tpot
 SLO). The repeats interleave the layouts (A, B, C, A, B, C), each start a fresh cluster. In a layout's run the rates
 go up from the lowest; after a rate whose attainment falls below --stop-below the higher ones are skipped (counted
 as failing); with --time-limit, a layout run or a rate starts only while the longest one so far still fits, so
-the sweep ends with every cluster stopped (a goodput cut short is a lower bound). Every rate sends `rate x --duration` requests of the workload (streamed, greedy, ignore_eos; the same
-shapes and arrival times for every layout and repeat), then checks that every server's KV pool is fully free. Flags
-after `--` go to every server. Exit status 1 when a request failed, a pool stayed in use or a cluster did not start.
+the sweep ends with every cluster stopped (a goodput cut short is a lower bound). Every rate sends `rate x
+--duration` requests of the workload (streamed, greedy, ignore_eos; the same shapes and arrival times for every
+layout and repeat), then checks that every server's KV pool is fully free. Flags after `--` go to every server.
+Exit status 1 when a request failed, a pool stayed in use or a cluster did not start.
 """
 
 from __future__ import annotations
@@ -115,10 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    engine_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, engine_args = argv[:split], argv[split + 1:]
+    argv, engine_args = launch_cluster.split_engine_args(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.duration <= 0 or args.min_requests < 1:
@@ -398,7 +396,8 @@ def run(argv: list[str]) -> dict:
 
 
 def plot_main(argv: list[str]) -> dict:
-    parser = bench_parser("the PNG grid of a saved sweep (one cut short too)", prog="python -m pdserve.bench.sweep plot")
+    parser = bench_parser("the PNG grid of a saved sweep (one cut short too)",
+                          prog="python -m pdserve.bench.sweep plot")
     parser.add_argument("result", type=Path, help="a sweep.json")
     parser.add_argument("-o", "--output", type=Path, required=True, help="the PNG to write")
     args = parser.parse_args(argv)

@@ -63,7 +63,8 @@ def per_rate(runs: Sequence[dict], rates: Sequence[float]) -> dict[str, dict[str
     every repeat that ran it."""
     table = {}
     for rate in rates:
-        measured = [r for run in runs for r in run.get("rates", []) if r["request_rate"] == rate and not r.get("skipped")]
+        measured = [r for run in runs for r in run.get("rates", [])
+                    if r["request_rate"] == rate and not r.get("skipped")]
         row = {"slo_attainment": [r["slo_attainment"] for r in measured], "errors": [r["errors"] for r in measured],
                "kv_pools_free": [r["kv_pools_free"] for r in measured],
                "local_prefill_share": [local_prefill_share(r.get("router_counts", {})) for r in measured]}
