@@ -99,7 +99,8 @@ def test_layerwise_push_matches_colocated(model):
     prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8)
     span_counts = []  # per write job: 2 (K, V) x page runs x layers; 0 for the final first-token marker
     submit = prefill.role.writers.submit
-    prefill.role.writers.submit = lambda job: (span_counts.append(len(job.spans[2])), submit(job))
+    prefill.role.writers.submit = lambda job: (span_counts.append(sum(len(p.spans()[2]) for p in job.pieces)),
+                                               submit(job))
     try:
         check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300)
         num_layers = prefill.model_config.num_layers
