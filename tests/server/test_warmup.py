@@ -40,6 +40,13 @@ def warmed_and_cold(tiny_model):
     return LLM(tiny_model, **args), LLM(tiny_model, skip_server_warmup=True, **args)
 
 
+def test_the_warm_up_leaves_the_grammar_compiler_ready_for_the_first_schema(warmed_and_cold):
+    """The tokenizer's grammar tables (seconds for a large vocabulary) are built before ready: a first schema pays
+    only for its own new states (tests/constrained/test_grammar_queue.py: over how many threads)."""
+    compiler = warmed_and_cold[0].scheduler.grammar_queue.compiler
+    assert compiler is not None and compiler.vocabulary.done() and compiler.vocabulary.exception() is None
+
+
 def test_offline_warm_up_runs_the_shapes_and_leaves_no_trace(warmed_and_cold):
     warmed, cold = warmed_and_cold
     assert cold.warmup is None
