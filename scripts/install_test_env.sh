@@ -24,5 +24,5 @@ python -m pip install -q "${torch_index[@]}" torch==2.13.0
 python -m pip install -q -e ".[test]" -e "./router[fast]"
 python -m pip install -q mooncake-transfer-engine-non-cuda
 python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
-python -c "import triton, hypothesis, hypothesis_jsonschema; from mooncake.engine import TransferEngine"
+python -c "import triton, hypothesis, hypothesis_jsonschema, xgrammar; from mooncake.engine import TransferEngine"
 echo "test environment ready: python -m pytest -q"
