@@ -8,7 +8,7 @@
 # out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
 # Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
 # Knobs (environment): RATES (comma-separated), DURATION (s of arrivals per rate), REPEATS, LAYOUTS, LABEL,
-# CALL_SECONDS (570: when the sweep must be done, counted from the script's start; the runs it leaves no room for
+# CALL_SECONDS (560: when the sweep must be done, counted from the script's start; the runs it leaves no room for
 # are not started, and the JSON says time_limit_reached).
 # Results in $OUT: sweep.json, sweep.png, logs.tgz (every server's and router's log), the steps' logs.
 # Repeats from two calls merge into one comparison (spread included) on this machine:
@@ -27,7 +27,11 @@ MODEL_DIR=$M/llama-3.1-8b
 [ -d "$MODEL_DIR" ] || step 240 make_llama-3.1-8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b \
   --out "$MODEL_DIR"
 RUN=$OUT/run${LABEL:-}
-finish() {  # a sweep cut short by its time limit still leaves its JSON (written after every layout run): draw it
+export PD_GOODPUT_RUN=$RUN  # every server and router the sweep starts inherits it: `finish` finds any left over
+leftovers() { grep -lsxz "PD_GOODPUT_RUN=$RUN" /proc/[0-9]*/environ | cut -d/ -f3; }
+finish() {  # a sweep killed at the step's limit leaves its clusters running and its JSON (written after every
+  # layout run) undrawn: stop the former (a warm machine's next call gets free GPUs), draw the latter
+  kill -9 $(leftovers) 2>/dev/null
   [ -f "$RUN/sweep.json" ] && [ ! -f "$RUN/sweep.png" ] &&
     python3 -m pdserve.bench.sweep plot "$RUN/sweep.json" -o "$RUN/sweep.png" > /dev/null
   tar czf "$OUT/logs${LABEL:-}.tgz" -C "$RUN" logs 2>/dev/null
@@ -36,7 +40,7 @@ finish() {  # a sweep cut short by its time limit still leaves its JSON (written
 }
 trap finish EXIT
 # the sweep's own limit stops its clusters in time; the step's limit (SIGABRT) is the backstop
-LIMIT=$((${CALL_SECONDS:-570} - SECONDS))
+LIMIT=$((${CALL_SECONDS:-560} - SECONDS))
 echo "model ready at ${SECONDS} s; the sweep gets $LIMIT s"
 TAILN=12 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep --model-path "$MODEL_DIR" \
   --gpus "$(seq -s, 0 $((GPUS - 1)))" --layouts "$LAYOUTS" --rates "$RATES" --duration "$DURATION" \
