@@ -67,13 +67,15 @@ model() {
 }
 
 # gpu_pytest NAME LIMIT MARKS [PYTEST ARGS...]: the tests of MARKS with the failures' summary and the slowest 30
-# durations. Modules importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh)
-# are reported as collection errors; the rest still run.
+# durations; with pytest-timeout, no test starts after LIMIT - 20 s, so an over-long run still reports them. Modules
+# importing a test-only package the carry lacks (jsonschema, xgrammar: see prepare_gpu_carry.sh) are reported as
+# collection errors; the rest still run.
 gpu_pytest() {
-  local name=$1 limit=$2 marks=$3
+  local name=$1 limit=$2 marks=$3 budget=()
   shift 3
+  python3 -c "import pytest_timeout" 2>/dev/null && budget=(--session-timeout "$((limit - 20))")
   TAILN=60 step "$limit" "$name" python3 -m pytest -q -rf -p no:cacheprovider --continue-on-collection-errors \
-    --durations=30 tests -m "$marks" "$@"
+    --durations=30 "${budget[@]}" tests -m "$marks" "$@"
 }
 
 suite_tests() {
