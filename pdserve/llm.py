@@ -22,7 +22,7 @@ from pdserve.process_setup import stop_children
 from pdserve.sampling_params import SamplingParams, check_prompt
 from pdserve.scheduler.request import Req
 from pdserve.scheduler.scheduler import Scheduler
-from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
+from pdserve.scheduler_main import run_scheduler_process, scheduler_process_name
 from pdserve.scheduler.warmup import warm_up
 from pdserve.tokenizer import load_tokenizer
 

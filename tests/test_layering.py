@@ -1,6 +1,6 @@
 """The package layout holds: no import circles, the router imports nothing of `pdserve`, the HTTP server only the
-entry points of the scheduler and detokenizer processes, `scheduler/` never imports `disagg/` but to pick the role,
-the PD handoff protocol loads without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
+entry points of the scheduler and detokenizer processes, `scheduler/` never imports `disagg/` (the scheduler
+child's entry, `pdserve/scheduler_main.py`, assembles both), the PD handoff protocol loads without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
 subclass of it, no member outside it), only `pdserve/scheduler` touches the scheduler's private methods, and the
 offline engine never loads the HTTP server."""
 
@@ -84,15 +84,16 @@ def test_circles_are_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-ROLE_PICKER = "pdserve.scheduler.process"  # the scheduler process's entry builds the PD role its flags name
+SCHEDULER_ENTRY = "pdserve.scheduler_main"  # the scheduler child's entry: assembles the scheduler and its PD role
 
 
 def test_scheduler_never_imports_disagg():
     graph = import_graph()
     upward = sorted((src, dst) for src, targets in graph.items() for dst in targets
-                    if src.startswith("pdserve.scheduler") and src != ROLE_PICKER and dst.startswith("pdserve.disagg"))
+                    if src.split(".")[:2] == ["pdserve", "scheduler"] and dst.startswith("pdserve.disagg"))
     assert upward == []
     assert "pdserve.disagg.handoff" in graph["pdserve.disagg.decode"]  # the walk sees the imports it checks
+    assert "pdserve.disagg.factory" in graph[SCHEDULER_ENTRY]
 
 
 def test_pd_protocol_imports_without_torch():
@@ -177,7 +178,7 @@ def test_the_http_server_imports_only_the_entry_points_of_the_processes_it_start
     graph = import_graph()
     reached = {dst for src, targets in graph.items() if src.startswith("pdserve.server") for dst in targets
                if dst.startswith(("pdserve.scheduler", "pdserve.detokenizer"))}
-    assert reached == {"pdserve.scheduler.process", "pdserve.detokenizer.process"}
+    assert reached == {SCHEDULER_ENTRY, "pdserve.detokenizer.process"}
 
 
 def test_the_router_imports_nothing_of_pdserve():

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from pdserve.config import ConfigError
 from pdserve.engine import compile_watch
 from pdserve.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.messages import (
@@ -38,7 +36,6 @@ from pdserve.messages import (
     decode,
     encode,
 )
-from pdserve.process_setup import child_setup
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.scheduler.request import Req
 
@@ -49,7 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EXIT_CONFIG_ERROR = 2
 STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"  # seconds; see SchedulerProcess.step_delay_s
 
 
@@ -174,23 +170,3 @@ class SchedulerProcess:
         if outputs:
             self.send(self.to_detokenizer, BatchTokenOut(outputs))
 
-
-def run_scheduler_process(args: ServerArgs) -> None:
-    """Entry point of a scheduler child, one per tensor-parallel rank (spawned by `server/serve.py`, and for the
-    ranks after 0 by the offline `LLM`)."""
-    child_setup(scheduler_process_name(args.tp_rank), args.log_level)
-    from pdserve.disagg.factory import create_scheduler
-
-    try:
-        scheduler = create_scheduler(args)
-    except ConfigError as exc:  # a flag only the model can refute: one line, not a traceback
-        logger.error("%s", exc)
-        sys.exit(EXIT_CONFIG_ERROR)
-    from pdserve.scheduler.warmup import warm_up
-
-    warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
-    SchedulerProcess(args, scheduler).run_forever(warmup)
-
-
-def scheduler_process_name(tp_rank: int) -> str:
-    return "scheduler" if tp_rank == 0 else f"scheduler-tp{tp_rank}"

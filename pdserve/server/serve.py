@@ -26,7 +26,7 @@ from aiohttp import web
 
 from pdserve.detokenizer.process import run_detokenizer_process
 from pdserve.process_setup import setup_logging, stop_children
-from pdserve.scheduler.process import run_scheduler_process, scheduler_process_name
+from pdserve.scheduler_main import run_scheduler_process, scheduler_process_name
 from pdserve.server.drain import SHUTTING_DOWN, Drain
 from pdserve.server.http_server import DRAIN_KEY, create_app
 from pdserve.server.metrics import ServerMetrics
