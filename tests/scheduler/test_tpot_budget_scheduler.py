@@ -151,10 +151,10 @@ def test_without_running_requests_prompts_prefill_in_full_chunks(tiny_model):
 
 def test_a_retraction_beside_a_budgeted_prefill_recomputes_and_matches(tiny_model):
     results = []
-    for budget_ms in (0.0, BUDGET_MS):  # 3 x (40 + 150) tokens outgrow the 512-token pool
-        sched, _ = make(tiny_model, budget_ms, max_total_tokens=512, schedule_conservativeness=0.0)
-        outputs = start_decoding(sched, [greedy(f"grow-{i}", prompt(20 + i, 40), 150) for i in range(3)])
-        sched.add_request(greedy("prompt", prompt(8, 300), 4))
+    for budget_ms in (0.0, BUDGET_MS):  # 3 x (40 + 100) tokens outgrow the 384-token pool
+        sched, _ = make(tiny_model, budget_ms, max_total_tokens=384, schedule_conservativeness=0.0)
+        outputs = start_decoding(sched, [greedy(f"grow-{i}", prompt(20 + i, 40), 100) for i in range(3)])
+        sched.add_request(greedy("prompt", prompt(8, 200), 4))
         results.append(drain(sched, outputs))
         assert sched.num_retracted > 0 and sched.kv_pool_is_fully_free()
         sched.close()
@@ -188,7 +188,7 @@ def test_a_request_under_a_grammar_prefilled_within_the_budget_matches(tiny_mode
     results = []
     for budget_ms in (0.0, BUDGET_MS):
         sched, _ = make(tiny_model, budget_ms)
-        outputs = start_decoding(sched, [greedy("decode", prompt(0, 30), 120)])
+        outputs = start_decoding(sched, [greedy("decode", prompt(0, 30), 60)])
         sched.add_request(greedy("json", prompt(5, 800), 30, json_schema=schema))
         results.append(drain(sched, outputs))
         assert sched.kv_pool_is_fully_free()
