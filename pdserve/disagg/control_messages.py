@@ -75,6 +75,8 @@ class TransferRequest(Message):
     kv_checksum: bool = False
     cached_pages: int = 0  # leading pages of dst_pages the decode already holds: the prefill does not write them
     rank_targets: list[tuple[str, int]] = field(default_factory=list)  # see tp_targets
+    staging: list[int] = field(default_factory=list)  # each decode rank's slot of receive staging, or none
+    staging_pages: int = 0  # pages the slots hold: those of dst_pages after cached_pages
 
 
 def tp_targets(msg: TransferRequest) -> list[tuple[str, int]]:

@@ -44,6 +44,7 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
                                              PeerGone, RouteResolved, TransferRequest)
 from pdserve.disagg.early_requests import ExpiringRooms
 from pdserve.disagg.peer_link import PeerLink
+from pdserve.disagg.transfer.receive_staging import ReceiveStaging
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
                                      peer_status, validate_pd_request)
 from pdserve.engine.model_runner import ModelRunner
@@ -75,6 +76,8 @@ class DecodeRole(Role):
         self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
         self.dead_peers: set[str] = set()
+        staging_mb = args.disaggregation_staging_mb
+        self.receive = ReceiveStaging(self.link.engine, runner.pool, staging_mb << 20) if staging_mb else None
         self.rank_targets = self._rank_targets()
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None
@@ -92,9 +95,11 @@ class DecodeRole(Role):
         self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
                          PeerGone: self._on_peer_gone, RouteResolved: self._on_route_resolved}
 
-    def _rank_targets(self) -> list[tuple[str, int]]:
-        """Every rank's (transfer session, KV buffer address), in rank order (one collective over the ranks)."""
-        mine = msgpack.packb([self.link.engine.session_id(), self.link.region.base])
+    def _rank_targets(self) -> list[tuple[str, int, int]]:
+        """Every rank's (transfer session, KV buffer address, receive staging address or 0), in rank order (one
+        collective over the ranks)."""
+        staging = self.receive.base if self.receive is not None else 0
+        mine = msgpack.packb([self.link.engine.session_id(), self.link.region.base, staging])
         return [tuple(msgpack.unpackb(raw)) for raw in self.link.tp.all_gather_bytes(mine)]
 
     # ---- requests -----------------------------------------------------------------------------------------
@@ -206,6 +211,8 @@ class DecodeRole(Role):
 
     def _preallocate(self) -> None:
         self._free_when_blocked = None
+        if self.receive is not None:
+            self.receive.collect()
         reserved = self._preallocate_fake(sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running))
         if self.fake_queue:
             return  # FIFO: later requests wait behind a blocked fake-transfer one
@@ -225,6 +232,7 @@ class DecodeRole(Role):
                 self._free_when_blocked = self.scheduler.available_pages()
                 break  # FIFO: later requests wait behind this one
             h.req.stage_marks.mark(PAGES_PREALLOCATED)
+            self._reserve_staging(h, route)
             h.peer_control = info.control_endpoint
             if self.link.tp.is_leader:  # the leader's message speaks for every rank
                 self.link.send_control(h.peer_control, self._transfer_request(h))
@@ -250,13 +258,22 @@ class DecodeRole(Role):
             self._commit(h, FirstToken(0, h.req.input_ids[-1]))
         return reserved
 
+    def _reserve_staging(self, h: Handoff, route: RouteResolved) -> None:
+        """A receive-staging slot for the pages the prefill writes, when it runs this server's TP size (whole
+        tokens) and the arena has room; else it writes the pages themselves."""
+        if self.receive is not None and route.route["tp_size"] == self.link.tp.size:
+            self.receive.reserve(h.room, len(h.dst_pages) - h.cached_pages)
+
     def _transfer_request(self, h: Handoff) -> TransferRequest:
         advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
-        targets = [(announced_endpoint(session, advertise, peer_host), base) for session, base in self.rank_targets]
+        targets = [(announced_endpoint(session, advertise, peer_host), base) for session, base, _ in self.rank_targets]
+        staged = self.receive is not None and h.room in self.receive.slots
+        staging = [self.receive.destination(h.room, base).base for _, _, base in self.rank_targets] if staged else []
         return TransferRequest(
             h.room, h.req.rid, announced_endpoint(self.link.channel.endpoint, advertise, peer_host), targets[0][0],
             self.link.description, targets[0][1], h.dst_pages, self.args.disaggregation_enable_kv_checksum,
-            h.cached_pages, rank_targets=targets,
+            h.cached_pages, rank_targets=targets, staging=staging,
+            staging_pages=len(h.dst_pages) - h.cached_pages if staged else 0,
         )
 
     def _allocate_destination(self, h: Handoff, reserved: int) -> bool:
@@ -305,6 +322,8 @@ class DecodeRole(Role):
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
         h.req.stage_marks.mark(KV_LANDED)
+        if self.receive is not None and h.room in self.receive.slots:
+            self.receive.unpack(h.room, h.dst_pages[h.cached_pages :])  # before the checksum and forwards read them
         try:
             self._check_first_token(msg.aux, h)
         except ValueError as exc:
@@ -390,11 +409,15 @@ class DecodeRole(Role):
             fence_deadline = self.link.clock() + self.args.disaggregation_fence_timeout
             self.quarantine[h.room] = (h.req.pages, fence_deadline, bootstrap_addr(h.req))
             h.req.pages = []
+        if self.receive is not None and h.room not in self.quarantine:
+            self.receive.drop(h.room)  # a quarantined room's slot stays fenced with its pages
         self.scheduler.finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
         pages, _, _ = self.quarantine.pop(room)
         self.scheduler.allocator.free(pages)
+        if self.receive is not None:
+            self.receive.drop(room)
 
     # ---- the scheduler process ----------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,7 @@ from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEO
                                      checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs,
                                      layout_from_description)
+from pdserve.disagg.transfer.base import StagedDestination
 from pdserve.disagg.transfer.packing import KVMover, KVPiece, staging_bytes
 from pdserve.disagg.control_transport import PeerClients
 from pdserve.engine.model_runner import ModelRunner
@@ -299,7 +300,7 @@ class PrefillRole(Role):
             computed = self._record_event()
             for h, runs in plans:
                 for target in h.peer_targets:
-                    self._submit(h, target, self._pieces(target, runs, range(layer, layer + 1)), False, computed)
+                    self._submit(h, target, self._pieces(h, target, runs, range(layer, layer + 1)), False, computed)
 
         return push_layer
 
@@ -346,15 +347,17 @@ class PrefillRole(Role):
         computed = self._record_event()
         for target in h.peer_targets:
             notify = (h.peer_control, kv_done) if kv_done is not None and sole_writer else None
-            self._submit(h, target, self._pieces(target, runs), final, computed, notify)
+            self._submit(h, target, self._pieces(h, target, runs), final, computed, notify)
 
-    def _pieces(self, target: KVTarget, runs: list, layers: range | None = None) -> list[KVPiece]:
+    def _pieces(self, h: Handoff, target: KVTarget, runs: list, layers: range | None = None) -> list[KVPiece]:
         """This rank's heads for `target` in the page `runs`, all layers by default (none when it takes none of
-        them from us)."""
+        them from us); into the target's receive staging when it gave a slot, at the runs' page positions."""
         if not runs or not target.heads:
             return []
         layers = range(self.link.region.layout.num_layers) if layers is None else layers
-        return [KVPiece(self.link.region, target.region, runs, layers, target.heads)]
+        staged = None if target.staged is None else replace(
+            target.staged, first_position=h.dst_pages.index(runs[0][1]) - h.cached_pages)
+        return [KVPiece(self.link.region, target.region, runs, layers, target.heads, staged)]
 
     def _first_token(self, h: Handoff) -> FirstToken:
         sent = h.req.pages[h.cached_pages : len(h.dst_pages)]
@@ -428,7 +431,9 @@ class PrefillRole(Role):
         if any(base <= 0 for _, base in targets):
             raise ValueError(f"bad kv_base in {targets[:8]!r}")
         heads = self.link.model_config.num_kv_heads
-        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, self.link.tp.size, self.link.tp.rank, decode_tp, j))
+        staged = _staged_destinations(msg, decode_tp, self.link.tp.size)
+        tp = self.link.tp
+        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, tp.size, tp.rank, decode_tp, j), staged[j])
                 for j, (session, base) in enumerate(targets)]
 
     def _on_peer_abort(self, msg: Abort) -> None:
@@ -560,6 +565,20 @@ class PrefillRole(Role):
 def _pages_known(h: Handoff) -> bool:
     """The decode side's page list came, and the handoff has not failed."""
     return h.poll in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
+
+
+def _staged_destinations(msg: TransferRequest, decode_tp: int, prefill_tp: int) -> list[StagedDestination | None]:
+    """Each decode rank's receive-staging slot for the room (None for each: it gave none)."""
+    if not msg.staging:
+        return [None] * decode_tp
+    if len(msg.staging) != decode_tp or any(ptr <= 0 for ptr in msg.staging):
+        raise ValueError(f"receive staging {msg.staging[:8]!r} for {decode_tp} decode ranks")
+    if decode_tp != prefill_tp:
+        raise ValueError(f"receive staging takes whole tokens: the decode runs TP {decode_tp}, the prefill {prefill_tp}")
+    if msg.staging_pages != len(msg.dst_pages) - msg.cached_pages:
+        raise ValueError(f"receive staging of {msg.staging_pages} pages for {len(msg.dst_pages) - msg.cached_pages} "
+                         "pages to write")
+    return [StagedDestination(ptr, msg.staging_pages) for ptr in msg.staging]
 
 
 def _first_token_record(h: Handoff, kv_checksum: int | None) -> FirstToken:

@@ -189,13 +189,26 @@ class HeadSlice:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedDestination:
+    """A handoff's slot in the decode's receive staging (transfer/receive_staging.py): `num_pages` pages of every
+    layer's K and V of whole tokens, laid out [K/V, layer, page position, page bytes] from `base`; a piece writes
+    the positions from `first_position` on, in its page order."""
+
+    base: int
+    num_pages: int
+    first_position: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class KVTarget:
     """A decode rank a prefill rank writes into: its transfer session, its KV buffer and the heads it takes from
-    this prefill rank (none: that decode rank gets its heads from other prefill ranks)."""
+    this prefill rank (none: that decode rank gets its heads from other prefill ranks), and the handoff's slot in
+    its receive staging, if it gave one."""
 
     session: str
     region: KVRegion
     heads: Sequence[HeadSlice]
+    staged: StagedDestination | None = None
 
 
 def kv_write_requests(

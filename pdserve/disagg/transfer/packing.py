@@ -18,7 +18,7 @@ import threading
 import time
 from contextlib import nullcontext
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from pdserve.disagg.transfer.base import (
     HeadSlice,
     KVRegion,
     PageRun,
+    StagedDestination,
     TransferEngine,
     TransferError,
     check_run,
@@ -33,6 +34,7 @@ from pdserve.disagg.transfer.base import (
     kv_write_requests,
     region_tensor,
 )
+from pdserve.mem_cache.kv_pool import KVLayout
 
 STAGING_ALIGN = 256  # bytes; every staging range starts at a multiple (word-aligned views, coalesced copies)
 MAX_STAGING_BYTES = 256 << 20  # a 2,048-token llama-3.1-8b KV: two writes of 128 MiB
@@ -44,13 +46,15 @@ Spans = tuple[list[int], list[int], list[int]]
 @dataclass(frozen=True, slots=True)
 class KVPiece:
     """Page `runs` of this rank's heads into one target's pool: each layer of `layers`, K and V. `heads` as in
-    `kv_write_requests` (None: every head, the same count on both sides)."""
+    `kv_write_requests` (None: every head, the same count on both sides). With `staged` the bytes go to the
+    decode's receive staging instead of its pages, which the decode unpacks before it commits the request."""
 
     src: KVRegion
     dst: KVRegion
     runs: Sequence[PageRun]
     layers: range
     heads: Sequence[HeadSlice] | None = None
+    staged: StagedDestination | None = None
 
     @property
     def num_pages(self) -> int:
@@ -63,6 +67,11 @@ class KVPiece:
             check_run(run, self.src.layout.num_pages, self.dst.layout.num_pages)
         if self.layers.step != 1 or not 0 <= self.layers.start < self.layers.stop <= self.src.layout.num_layers:
             raise TransferError(f"layers {self.layers} out of range for {self.src.layout.num_layers} layers")
+        staged = self.staged
+        if staged is not None and (not self.whole_tokens() or staged.first_position < 0
+                                   or staged.first_position + self.num_pages > staged.num_pages):
+            raise TransferError(f"{self.num_pages} pages of {len(heads)} head slices do not fit staged pages "
+                                f"{staged.first_position}.. of {staged.num_pages} (whole tokens only)")
         return heads
 
     def page_bytes(self) -> int:
@@ -77,6 +86,8 @@ class KVPiece:
 
     def spans(self) -> Spans:
         """The piece written in place: one span per run contiguous on both sides (or per token of a head slice)."""
+        if self.staged is not None:
+            raise TransferError("a piece for the decode's receive staging is written packed only")
         return kv_write_requests(self.src, self.dst, list(self.runs), self.layers, self.heads)
 
     def whole_tokens(self) -> bool:
@@ -91,7 +102,10 @@ def staging_bytes(pool_bytes: int) -> int:
 
 def saves_spans(piece: KVPiece) -> bool:
     """Whether packing at least halves the piece's spans: whole tokens whose destination runs are fewer than half
-    its runs contiguous on both sides (a head slice moves one span per token either way)."""
+    its runs contiguous on both sides (a head slice moves one span per token either way). A staged piece is
+    always packed: the staging's layout is the packed one."""
+    if piece.staged is not None:
+        return True
     return piece.whole_tokens() and 2 * len(destination_runs(piece.runs)) <= len(piece.runs)
 
 
@@ -120,13 +134,18 @@ def split_piece(piece: KVPiece, max_bytes: int) -> list[KVPiece]:
     if per_layer <= max_bytes:
         step = max_bytes // per_layer
         layers = piece.layers
-        return [KVPiece(piece.src, piece.dst, piece.runs, range(start, min(start + step, layers.stop)), piece.heads)
+        return [replace(piece, layers=range(start, min(start + step, layers.stop)))
                 for start in range(layers.start, layers.stop, step)]
     pages_per_part = max_bytes // (2 * piece.page_bytes())
     if pages_per_part == 0:
         raise TransferError(f"one page ({2 * piece.page_bytes()} B with K and V) exceeds {max_bytes} B of staging")
-    return [KVPiece(piece.src, piece.dst, runs, range(layer, layer + 1), piece.heads)
-            for layer in piece.layers for runs in _split_runs(piece.runs, pages_per_part)]
+    parts = []
+    for group, runs in enumerate(_split_runs(piece.runs, pages_per_part)):
+        staged = None if piece.staged is None else replace(
+            piece.staged, first_position=piece.staged.first_position + group * pages_per_part)
+        parts.extend(replace(piece, runs=runs, layers=range(layer, layer + 1), staged=staged)
+                     for layer in piece.layers)
+    return parts
 
 
 def _split_runs(runs: Sequence[PageRun], pages: int) -> list[list[PageRun]]:
@@ -159,9 +178,14 @@ class StagingArena:
         with self._cond:
             return sum(self._taken.values())
 
+    def try_acquire(self, nbytes: int) -> int | None:
+        """The start of a free range of `nbytes`, now taken, or None at once when none is free."""
+        with self._cond:
+            return self._take(_aligned(nbytes)) if 0 < nbytes <= self.size else None
+
     def acquire(self, nbytes: int) -> int:
         """The start of a free range of `nbytes` (rounded up to STAGING_ALIGN), now taken."""
-        n = -(-nbytes // STAGING_ALIGN) * STAGING_ALIGN
+        n = _aligned(nbytes)
         if not 0 < n <= self.size:
             raise TransferError(f"cannot stage {nbytes} B in an arena of {self.size} B")
         deadline = time.monotonic() + self.timeout_s
@@ -280,11 +304,8 @@ class KVMover:
         with self._lock:
             pool = self._pools.get(key)
             if pool is None:
-                head_bytes = layout.head_dim * layout.itemsize
-                word = next(w for w in (8, 4, 2, 1) if head_bytes % w == 0 and region.base % w == 0)
-                raw = region_tensor(registered)[region.base - registered.ptr :][:nbytes]
-                pool = self._pools[key] = raw.view(_WORDS[word]).view(
-                    2, layout.num_layers, layout.num_pages, layout.page_size, layout.num_kv_heads, head_bytes // word)
+                pool = self._pools[key] = kv_words(region_tensor(registered)[region.base - registered.ptr :][:nbytes],
+                                                   layout)
             return pool
 
     def _stream(self) -> torch.cuda.Stream | None:
@@ -300,10 +321,20 @@ class KVMover:
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
+def kv_words(raw: torch.Tensor, layout: KVLayout, num_pages: int | None = None) -> torch.Tensor:
+    """`raw`, the uint8 bytes of a pool of `layout` (or of `num_pages` pages of each layer's K and V laid out the
+    same way), as [K/V, layer, page, token, head, word] in the widest word its head bytes and address allow."""
+    head_bytes = layout.head_dim * layout.itemsize
+    word = next(w for w in (8, 4, 2, 1) if head_bytes % w == 0 and raw.data_ptr() % w == 0)
+    pages = layout.num_pages if num_pages is None else num_pages
+    return raw.view(_WORDS[word]).view(2, layout.num_layers, pages, layout.page_size, layout.num_kv_heads,
+                                       head_bytes // word)
+
+
 def _add_packed_spans(spans: Spans, staged: int, piece: KVPiece, h: HeadSlice,
                       runs: list[tuple[int, int, int]]) -> None:
-    """Spans from one head slice's staged bytes at `staged` to the destination pages: one per destination run,
-    layer and K/V for whole tokens, else one per token."""
+    """Spans from one head slice's staged bytes at `staged` to the destination: one per layer and K/V into the
+    decode's receive staging, else one per destination run, layer and K/V for whole tokens, else one per token."""
     src_ptrs, dst_ptrs, lengths = spans
     dst, layout = piece.dst, piece.dst.layout
     head_bytes = layout.head_dim * layout.itemsize
@@ -314,6 +345,13 @@ def _add_packed_spans(spans: Spans, staged: int, piece: KVPiece, h: HeadSlice,
     for kv in (0, 1):
         for i, layer in enumerate(piece.layers):
             block = staged + (kv * len(piece.layers) + i) * pages * page
+            if piece.staged is not None:
+                there = piece.staged
+                src_ptrs.append(block)
+                dst_ptrs.append(there.base + ((kv * layout.num_layers + layer) * there.num_pages
+                                              + there.first_position) * page)
+                lengths.append(pages * page)
+                continue
             for position, first, count in runs:
                 src = block + position * page
                 dst_ptr = dst.page_ptr(kv, layer, first) + h.dst_head * head_bytes
