@@ -95,7 +95,7 @@ def default_layout(gpus: int) -> str:
 def choose_layout(workload: str, gpus: int) -> tuple[str, str]:
     """The layout `auto` starts for `workload` on `gpus` GPUs, and why, in words."""
     if gpus < 2:
-        return "1p1d", "fewer than two GPUs: the launcher's default, both servers on one device"
+        return "1p1d", "fewer than two GPUs: the launcher's default pair"
     measured = MEASURED_BEST.get((workload, gpus))
     if measured is not None:
         return measured.layout, f"measured best: {measured.why}"
