@@ -104,6 +104,7 @@ class ServerArgs:
     disaggregation_heartbeat_failures: int = 3
     disaggregation_fence_timeout: float = 600.0
     disaggregation_layerwise_min_tokens: int = 512
+    disaggregation_prefill_ahead_share: float = 0.5
     disaggregation_link_gbps: float = 0.0
     disaggregation_staging_mb: int = 0
     disaggregation_secret: str | None = None
@@ -170,6 +171,8 @@ class ServerArgs:
         self._validate_tpot_budget()
         if self.disaggregation_layerwise_min_tokens < 0:
             raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
+        if not 0.0 <= self.disaggregation_prefill_ahead_share <= 1.0:
+            raise ConfigError("--disaggregation-prefill-ahead-share must be in [0, 1]")
         if not self.disaggregation_link_gbps >= 0:
             raise ConfigError("--disaggregation-link-gbps must be >= 0")
         if self.disaggregation_staging_mb < 0:
@@ -405,6 +408,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_staging_mb": ("disaggregation", "Decode: MiB of receive staging: a handoff whose prefill runs the same TP size gets a slot, the prefill writes its KV there packed (two spans per layer, whatever the pages' placement) and the decode unpacks it into the pages before it commits the request; a handoff finding no room is written into its pages (0: no staging)."),
     "disaggregation_link_gbps": ("disaggregation", "Prefill: the bandwidth of its link to the decode servers, GB/s (a torch copy GPU to GPU; 0: unknown), for the metric pdserve_kv_transfer_link_efficiency."),
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
+    "disaggregation_prefill_ahead_share": ("disaggregation", "Prefill: the share of the KV pool that prompts may claim while they compute before their decode's page list came (0: a prompt waits for its page list before it is queued)."),
     "disaggregation_secret": ("disaggregation", "Cluster secret shared by prefill, decode and router (else env PDSERVE_DISAGGREGATION_SECRET, else --api-key): HMAC on control messages, KV writes, bootstrap routes and the router's bootstrap fields."),
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a checksum of each request's KV pages (per KV head, computed on the device) and fail the request (502) on a mismatch."),
     "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),

@@ -6,9 +6,10 @@ it is known (WAITING_FOR_INPUT), each prefill chunk's newly filled pages are pus
 are pushed when it comes. After the last chunk the remaining pages and the first token follow (TRANSFERRING). When
 the last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
 
-Computing ahead is bounded: requests queued without a page list may claim at most `PAGES_AHEAD_SHARE` of the pool
-(their whole prompts' pages); beyond it a request waits for its page list (or for others' lists to free the
-budget), so a decode that has no pages for its requests cannot fill this pool with KV nobody will take.
+Computing ahead is bounded: requests queued without a page list may claim at most
+`--disaggregation-prefill-ahead-share` of the pool (their whole prompts' pages); beyond it a request waits for its
+page list (or for others' lists to free the budget), so a decode that has no pages for its requests cannot fill
+this pool with KV nobody will take. A share of 0 queues every request only once its page list came.
 
 `PrefillRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
 queues, in SGLang's words: the bootstrap queue (handoffs without their decode side's pages: computing, or held
@@ -53,7 +54,6 @@ from pdserve.timeline import (BOOTSTRAP_RESOLVED, DECODE_PAGES_KNOWN, HANDOFF_RE
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
-PAGES_AHEAD_SHARE = 0.5  # of the pool: pages that requests queued before their page list came may claim in all
 
 
 @dataclass(slots=True)
@@ -187,7 +187,7 @@ class PrefillRole(Role):
                 register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.link.auth)
         self.kv_done_after_writes: dict[int, KVDone] = {}  # room -> kv_done the leader sends once all writes landed
         self.held: dict[int, Handoff] = {}  # rooms without a page list beyond the pages-ahead budget, oldest first
-        self.max_pages_ahead = int(runner.pool.layout.num_pages * PAGES_AHEAD_SHARE)
+        self.max_pages_ahead = int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
         self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
                          WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}

@@ -15,7 +15,6 @@ from test_pd_schedulers import engine_args, greedy, make_pair, pd_req, run
 from pdserve.config import ServerArgs
 from pdserve.disagg.factory import create_scheduler
 from pdserve.disagg.handoff import KVPoll
-from pdserve.disagg.prefill import PAGES_AHEAD_SHARE
 from pdserve.scheduler.request import Req
 from pdserve import timeline as tl
 
@@ -94,12 +93,13 @@ def test_a_page_list_arriving_mid_prompt_ships_the_computed_chunks_then_the_rest
 
 
 def test_computing_ahead_of_page_lists_is_bounded_by_a_share_of_the_pool(tiny_model):
-    """With no decode claiming, the prefill queues requests only while their prompts fit in PAGES_AHEAD_SHARE of
-    its pool; the rest wait, counted as queued prefill tokens, and go as soon as their page lists come."""
+    """With no decode claiming, the prefill queues requests only while their prompts fit in
+    --disaggregation-prefill-ahead-share (0.5) of its pool; the rest wait, counted as queued prefill tokens, and go
+    as soon as their page lists come."""
     prefill, decode, port = make_pair(tiny_model, max_total_tokens=1024, disaggregation_bootstrap_timeout=120.0)
     try:
         page_size, pages = prefill.page_size, prefill.allocator.capacity
-        budget = int(prefill.runner.pool.layout.num_pages * PAGES_AHEAD_SHARE)
+        budget = int(prefill.runner.pool.layout.num_pages * prefill.args.disaggregation_prefill_ahead_share)
         prompt_len = 96  # 24 pages of 4 tokens each
         count = math.ceil(budget / (prompt_len / page_size)) + 3
         rng = random.Random(5)
@@ -145,3 +145,24 @@ def test_a_refused_page_list_fails_a_prefilled_request_and_frees_its_pages(tiny_
     finally:
         other.close()
         prefill.close()
+
+
+def test_a_share_of_zero_queues_a_request_only_once_its_page_list_came(tiny_model):
+    """The A/B switch for the GPU measurement: with --disaggregation-prefill-ahead-share 0 nothing is computed
+    before the decode's page list, as before computing ahead existed."""
+    prompt = list(range(40, 80))
+    expected = colocated_outputs(tiny_model, {"waits": prompt}, n=4)
+    prefill, decode, port = make_pair(tiny_model, disaggregation_prefill_ahead_share=0.0)
+    try:
+        prefill.add_request(pd_req("waits", prompt, port, room=4500, n=4))
+        for _ in range(3):
+            prefill.step()
+        h = prefill.role.link.handoffs[4500]
+        assert h.room in prefill.role.held and h.pages_computed == 0 and not h.req.stage_marks.marked & {tl.QUEUED}
+        decode.add_request(pd_req("waits", prompt, port, room=4500, n=4))
+        got = run([prefill, decode])
+        assert got[(1, "waits")]["ids"] == expected["waits"]
+        assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+    finally:
+        prefill.close()
+        decode.close()
