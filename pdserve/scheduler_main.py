@@ -32,10 +32,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
         logger.error("%s", exc)
         sys.exit(EXIT_CONFIG_ERROR)
     warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
-    switcher = None
-    if args.enable_pd_role_switch:
-        from pdserve.role_switch import switch_role as switcher
-    SchedulerProcess(args, scheduler, switcher).run_forever(warmup)
+    SchedulerProcess(args, scheduler).run_forever(warmup)
 
 
 def scheduler_process_name(tp_rank: int) -> str:
