@@ -16,8 +16,11 @@ both (`warmup.py`), so they are known before the first request.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 MIN_CHUNK_TOKENS = 256  # a smaller prefill chunk wastes the GPU (its fixed cost dominates)
 CREDIT_CAP_BUDGETS = 4.0  # credit held at most, in budgets: a quiet spell buys one larger chunk, not a flood
@@ -25,6 +28,7 @@ MIN_EARN_SHARE = 0.1  # a decode step earns at least this share of the budget: p
 DECODE_EWMA = 0.1  # weight of a new decode step's time
 EXTEND_DECAY = 0.9  # weight of the history at each new extend
 OUTLIER_FACTOR = 4.0  # a step counts as at most this many times its predicted time (a host pause is not its cost)
+LOG_EVERY_DECODE_STEPS = 5000  # a log line on the budget's work at most this often (~30 s of decoding)
 
 
 @dataclass(slots=True)
@@ -95,7 +99,7 @@ class TpotBudget:
     A budget of 0 is off: every extend may take `max_chunk` tokens (the costs are learned all the same, for
     `/load`)."""
 
-    __slots__ = ("budget_s", "max_chunk", "min_chunk", "page_size", "costs", "credit_s", "counters")
+    __slots__ = ("budget_s", "max_chunk", "min_chunk", "page_size", "costs", "credit_s", "counters", "window")
 
     def __init__(self, budget_ms: float, page_size: int, max_chunk: int, costs: StepCosts | None = None):
         self.budget_s = budget_ms / 1e3
@@ -105,6 +109,7 @@ class TpotBudget:
         self.costs = costs or StepCosts()
         self.credit_s = 0.0
         self.counters = BudgetCounters()
+        self.window = BudgetCounters()  # since the last log line
 
     @property
     def enabled(self) -> bool:
@@ -143,6 +148,7 @@ class TpotBudget:
         pause) leaves at most one minimum chunk's debt, or the cap's."""
         if charged is not None:
             self.counters.extend(tokens, seconds)
+            self.window.extend(tokens, seconds)
             self.credit_s = max(self.credit_s + charged - seconds, -self._debt_limit_s())
         self.costs.record_extend(tokens, seconds)
 
@@ -159,8 +165,24 @@ class TpotBudget:
         """A decode step's measured time (step to step), for the cost model and the credit it earned."""
         if credited is not None:
             self.counters.decode(seconds)
+            self.window.decode(seconds)
             self._add_credit(self._earned(seconds) - credited)
+            self._log_window()
         self.costs.record_decode(seconds)
+
+    def _log_window(self) -> None:
+        """One line per LOG_EVERY_DECODE_STEPS decode steps in which prompts were prefilled beside them."""
+        window = self.window
+        if window.decode_steps < LOG_EVERY_DECODE_STEPS:
+            return
+        self.window = BudgetCounters()
+        if not window.extends:
+            return
+        fixed, per_token = self.costs.extend_line()
+        logger.info("TPOT budget %g ms: %d decode steps, %d prefill chunks (%d tokens) beside them, mean inter-token "
+                    "time %.2f ms; learned: decode step %.2f ms, chunk %.2f ms + %.2f us per token",
+                    self.budget_s * 1e3, window.decode_steps, window.extends, window.extend_tokens,
+                    window.mean_itl_s * 1e3, self.costs.decode_s * 1e3, fixed * 1e3, per_token * 1e6)
 
     def _earned(self, decode_s: float) -> float:
         return max(self.budget_s - decode_s, MIN_EARN_SHARE * self.budget_s)
@@ -190,6 +212,7 @@ class TpotBudget:
         """The credit and counters start over; the learned costs stay (they describe the hardware)."""
         self.credit_s = 0.0
         self.counters = BudgetCounters()
+        self.window = BudgetCounters()
 
     def stats(self) -> dict:
         fixed, per_token = self.costs.extend_line()
@@ -217,10 +240,13 @@ class BudgetCounters:
         self.extend_tokens += tokens
         self.extend_s += seconds
 
+    @property
+    def mean_itl_s(self) -> float:
+        return (self.decode_s + self.extend_s) / self.decode_steps if self.decode_steps else 0.0
+
     def stats(self) -> dict:
-        itl = (self.decode_s + self.extend_s) / self.decode_steps if self.decode_steps else 0.0
         return {"decode_steps": self.decode_steps, "extends": self.extends, "extend_tokens": self.extend_tokens,
-                "mean_itl_ms": round(itl * 1e3, 3)}
+                "mean_itl_ms": round(self.mean_itl_s * 1e3, 3)}
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -171,3 +171,18 @@ def test_an_outlier_step_moves_the_learned_costs_by_a_bounded_amount():
 def test_a_budget_that_cannot_hold_is_refused_at_start(bad):
     with pytest.raises(ConfigError, match="--decode-tpot-budget-ms"):
         ServerArgs(model_path="m", **bad)
+
+
+def test_a_log_line_sums_up_each_window_in_which_the_budget_let_prompts_through(caplog, monkeypatch):
+    monkeypatch.setattr("pdserve.scheduler.tpot_budget.LOG_EVERY_DECODE_STEPS", 4)
+    b = budget()
+    chunk_s = FIXED_S + PER_TOKEN_S * 256  # as predicted: the learned line stays
+    with caplog.at_level("INFO", logger="pdserve.scheduler.tpot_budget"):
+        for _ in range(4):
+            decode_step(b)  # a window without prefill: no line
+        for _ in range(4):
+            b.extend_measured(256, chunk_s, b.extend_started(256, decoding=True))
+            decode_step(b)
+    assert [r.getMessage() for r in caplog.records] == [
+        "TPOT budget 10 ms: 4 decode steps, 4 prefill chunks (1024 tokens) beside them, mean inter-token time "
+        "9.56 ms; learned: decode step 6.00 ms, chunk 1.00 ms + 10.00 us per token"]
