@@ -8,7 +8,8 @@
 # colocated. Per run, in $OUT: the serving benchmark's TTFT / TPOT / ITL (serving_NAME.json), the server's budget
 # counters (budget_NAME.json: `mean_itl_ms` is the mean inter-token time the budget let the running requests have,
 # `extends` / `extend_tokens` what it let through, `credit_ms`, the learned `extend_fixed_ms` and
-# `extend_us_per_token`), /load sampled every 0.5 s (load_NAME.jsonl) and the warm-up's "step costs" log line.
+# `extend_us_per_token`), /load sampled every 0.5 s (load_NAME.jsonl), the warm-up's "step costs" log line and the
+# server's "TPOT budget" lines (one per 5,000 decode steps with prompts prefilled beside them).
 # Knobs (environment): RUNS, RATE (req/s), NUM_PROMPTS.
 set -u
 : "${RUNS:=decode:0 decode:10 colocated:10}" "${RATE:=2}" "${NUM_PROMPTS:=80}"
@@ -52,6 +53,7 @@ s = json.load(sys.stdin)["scheduler"]
 print(json.dumps({"tpot_budget": s["tpot_budget"], "num_local_prefills": s.get("num_local_prefills"),
                   "prefill_tokens_per_s": s["prefill_tokens_per_s"], "decode_step_ms": s["decode_step_ms"]}))' \
     | tee "$OUT/budget_$name.json"
+  grep -h "TPOT budget" "$OUT/server_$name.log" | tail -3
   kill $poller $server 2> /dev/null
   wait $server
   PORT=$((PORT + 1))
