@@ -42,7 +42,7 @@ trap finish EXIT
 # the sweep's own limit stops its clusters in time; the step's limit (SIGABRT) is the backstop
 LIMIT=$((${CALL_SECONDS:-560} - SECONDS))
 echo "model ready at ${SECONDS} s; the sweep gets $LIMIT s"
-TAILN=12 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep --model-path "$MODEL_DIR" \
+TAILN=34 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep --model-path "$MODEL_DIR" \
   --gpus "$(seq -s, 0 $((GPUS - 1)))" --layouts "$LAYOUTS" --rates "$RATES" --duration "$DURATION" \
   --repeats "$REPEATS" --workload mix --slo-ttft-ms 1000 --slo-tpot-ms 10 --transfer-backend mooncake \
   --time-limit "$LIMIT" --out "$RUN" -- --context-length 16384

@@ -374,7 +374,7 @@ def merged(results: list[dict]) -> dict:
 
 
 def report(result: dict) -> None:
-    print("\n" + "\n".join(sweep_report.summary_lines(result)))
+    print("\n" + "\n".join(sweep_report.rate_table_lines(result) + [""] + sweep_report.summary_lines(result)))
     if result["auto_entry"]:
         print(f"best: {result['best_layout']}; its pdserve/layouts.py MEASURED_BEST entry:\n    {result['auto_entry']}")
     print("PASS: no request failed, every KV pool free after every run" if result["passed"] else

@@ -110,8 +110,9 @@ def auto_entry(result: dict, summary: dict[str, dict]) -> str | None:
         return None
     others = ", ".join(f"{name} {_req_s(s['goodput_interpolated_mean'])}" for name, s in summary.items()
                        if name != best)
+    repeats = len(summary[best]["goodput_req_s"])
     why = (f"goodput {_req_s(summary[best]['goodput_interpolated_mean'])} (interpolated, mean of "
-           f"{len(summary[best]['goodput_req_s'])} repeats){'; ' + others if others else ''}; "
+           f"{repeats} repeat{'s' if repeats > 1 else ''}){'; ' + others if others else ''}; "
            f"TTFT <= {result['slo']['ttft_ms']:g} ms, TPOT <= {result['slo']['tpot_ms']:g} ms, "
            f"{result['device_name']}, {result['date'][:10]}")
     return f"({result['workload']!r}, {result['num_gpus']}): Measured({best!r}, {why!r}),"
@@ -126,13 +127,37 @@ def summary_lines(result: dict) -> list[str]:
     lines = []
     for name, s in result["summary"].items():
         spread_pct = s["goodput_interpolated_spread"]
-        lines.append(f"{name:>18}: goodput {_req_s(s['goodput_mean'])} (interpolated "
+        at_least = ">= " if any(s["lower_bound_only"]) else ""  # no rate failed: the rates stopped short of it
+        lines.append(f"{name:>18}: goodput {at_least}{_req_s(s['goodput_mean'])} (interpolated "
                      f"{_req_s(s['goodput_interpolated_mean'])}, repeats "
                      f"{', '.join(_req_s(g) for g in s['goodput_interpolated_req_s'])}, spread "
                      f"{'n/a' if spread_pct is None else f'{100 * spread_pct:.0f}%'}); failed requests "
                      f"{s['failed_requests']}, KV pools free after every run: {s['kv_pools_free']}"
                      + (f"; start errors: {len(s['start_errors'])}" if s["start_errors"] else ""))
     return lines
+
+
+def rate_table_lines(result: dict) -> list[str]:
+    """Per layout and rate, the mean over repeats of attainment, TTFT p50/p90, TPOT p50/p99 and the share of
+    prompts prefilled on a decode server."""
+    lines = [f"{'layout':>18} {'req/s':>6} {'in SLO':>7} {'TTFT p50/p90 ms':>17} {'TPOT p50/p99 ms':>16} "
+             f"{'local':>6} {'runs':>4}"]
+    for name, summary in result["summary"].items():
+        for rate, row in summary["per_rate"].items():
+            if row["slo_attainment"]:
+                lines.append(f"{name:>18} {rate:>6} {_pct(mean(row['slo_attainment'])):>7} "
+                             f"{_ms(row, 'ttft', 'p50', 'p90'):>17} {_ms(row, 'tpot', 'p50', 'p99'):>16} "
+                             f"{_pct(mean(row['local_prefill_share'])):>6} {len(row['slo_attainment']):>4}")
+    return lines
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _ms(row: dict, metric: str, low: str, high: str) -> str:
+    values = [mean(row[f"{metric}_{pct}_ms"]) for pct in (low, high)]
+    return " / ".join("-" if v is None else f"{v:.1f}" if v < 100 else f"{v:.0f}" for v in values)
 
 
 # ---- the PNG grid ----------------------------------------------------------------------------------------------

@@ -67,6 +67,9 @@ def test_summary_counts_failures_start_errors_and_the_best_layout_among_clean_on
     entry = sweep_report.auto_entry(result, summary)
     assert entry.startswith("('mix', 2): Measured('colocated', 'goodput 5.2 req/s (interpolated, mean of 2 repeats)")
     result["summary"] = summary
+    table = [line.split() for line in sweep_report.rate_table_lines(result)]
+    assert ["colocated", "8", "65%", "425", "/", "850", "6.0", "/", "9.0", "-", "2"] in table
+    assert not any(row[:2] == ["colocated", "12"] for row in table)  # skipped in every repeat
     png = sweep_report.plot(result, tmp_path / "grid.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
