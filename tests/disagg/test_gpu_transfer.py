@@ -1,8 +1,10 @@
 """GPU0 -> GPU1 transfers between two processes: the exact bytes over every path a PD server can take (mooncake over
-nvlink_intra and over its TCP transport, nccl, tcp), each packed and in place, whole pages and a head slice.
-Needs 2 GPUs."""
+nvlink_intra and over its TCP transport, nccl, tcp), each packed and in place, whole pages and a head slice, and
+into the decode's receive staging, unpacked there. Needs 2 GPUs."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.kv_checksum import head_checksums
 from pdserve.disagg.transfer import HeadSlice, KVRegion, TransferError, coalesce_page_runs, make_transfer_engine
+from pdserve.disagg.transfer.base import StagedDestination
 from pdserve.disagg.transfer.packing import KVMover, KVPiece
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
@@ -43,7 +46,7 @@ def distinct_scattered_pages(n: int) -> tuple[list[int], list[int]]:
     return src[:10] + list(range(30, 40)) + src[10 : n - 10], dst[:10] + list(range(50, 60)) + dst[10 : n - 10]
 
 
-def received(conn, command: str = "dump") -> torch.Tensor:
+def received(conn, command: str | tuple = "dump") -> torch.Tensor:
     conn.send(command)
     return torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8).view(
         2, DST_LAYOUT.num_layers, DST_LAYOUT.num_slots, DST_LAYOUT.num_kv_heads, -1)
@@ -93,12 +96,17 @@ def test_gpu_scattered_pages(path, monkeypatch):
         cases = [(whole, False, expected(src_host, src_pages, dst_pages)),
                  (whole, True, expected(src_host, src_pages, dst_pages)),
                  (head, False, expected(src_host, src_pages, dst_pages, slice(1, 2), slice(0, 1))),
-                 (head, True, expected(src_host, src_pages, dst_pages, slice(1, 2), slice(0, 1)))]
-        for piece, pack, want in cases:
+                 (head, True, expected(src_host, src_pages, dst_pages, slice(1, 2), slice(0, 1))),
+                 ("staged", True, expected(src_host, src_pages, dst_pages))]
+        for room, (piece, pack, want) in enumerate(cases):
             received(conn, "zero")
+            if piece == "staged":  # into the peer's receive staging, which it unpacks into the pages
+                conn.send(("stage", room, len(dst_pages)))
+                piece = replace(whole, staged=StagedDestination(conn.recv(), len(dst_pages)))
             mover.write(hello["session"], [piece], pack=pack)
-            got = received(conn)
-            what = f"{path} over {sender.transport()}, {'packed' if pack else 'in place'}, heads {piece.heads}"
+            got = received(conn, ("unpack", room, dst_pages) if piece.staged else "dump")
+            how = "staged" if piece.staged else "packed" if pack else "in place"
+            what = f"{path} over {sender.transport()}, {how}, heads {piece.heads}"
             assert torch.equal(got, want), f"{what}: {mismatch(got, want)}"
             if piece is whole:  # the checksum a decode compares: the same on the sender's GPU and over what landed
                 landed = KVPool(DST_LAYOUT, "cpu")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ import torch
 from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.head_map import head_slices, rank_heads
 from pdserve.disagg.transfer import KVRegion, TransferError, coalesce_page_runs, make_transfer_engine
-from pdserve.disagg.transfer.packing import KVMover, KVPiece, StagingArena, destination_runs, saves_spans, split_piece
+from pdserve.disagg.transfer.base import StagedDestination
+from pdserve.disagg.transfer.packing import (KVMover, KVPiece, StagingArena, destination_runs, merged, saves_spans,
+                                           split_piece)
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
 HEADS = 4
@@ -42,7 +45,7 @@ def random_pool(kv_layout: KVLayout, seed: int) -> KVPool:
     return pool
 
 
-def remote_pool(conn, kv_layout: KVLayout, command: str = "dump") -> torch.Tensor:
+def remote_pool(conn, kv_layout: KVLayout, command: str | tuple = "dump") -> torch.Tensor:
     conn.send(command)
     return torch.frombuffer(bytearray(conn.recv()), dtype=torch.uint8).view(
         2, kv_layout.num_layers, kv_layout.num_slots, kv_layout.num_kv_heads, -1)
@@ -91,6 +94,30 @@ def test_scattered_pages_round_trip_packed(sender, dtype, head_dim):
         assert mover.write(hello["session"], [piece]) == piece.nbytes == 2 * NUM_LAYERS * 18 * src_layout.page_bytes
         assert torch.equal(remote_pool(conn, dst_layout), moved(src, src_pages, dst_pages, dst_layout))
         assert mover.arena.bytes_in_use == 0
+    finally:
+        stop_peer(proc, conn)
+
+
+def test_a_staged_write_unpacks_into_scattered_pages(sender):
+    """Into the peer's receive staging, then unpacked there: the pages scattered on both sides land as in place,
+    from two writes (the pages in two groups, as a chunked prompt pushes them)."""
+    src_layout, dst_layout = layout(torch.bfloat16), layout(torch.bfloat16, num_pages=DST_PAGES_IN_POOL)
+    proc, conn, hello = start_peer("tcp", "cpu", dst_layout)
+    try:
+        src = random_pool(src_layout, seed=9)
+        sender.register(src.data_ptr, src.nbytes)
+        mover = KVMover(sender, "cpu", 1 << 20, timeout_s=10)
+        src_pages = random.Random(10).sample(range(1, SRC_PAGES_IN_POOL), 14)
+        dst_pages = random.Random(11).sample(range(1, DST_PAGES_IN_POOL), 14)
+        conn.send(("stage", 5, 14))
+        slot = StagedDestination(conn.recv(), 14)
+        for first, last in ((0, 6), (6, 14)):
+            piece = KVPiece(KVRegion(src.data_ptr, src_layout), KVRegion(hello["base"], dst_layout),
+                            coalesce_page_runs(src_pages[first:last], dst_pages[first:last]), range(NUM_LAYERS),
+                            staged=replace(slot, first_position=first))
+            mover.write(hello["session"], [piece])
+        got = remote_pool(conn, dst_layout, ("unpack", 5, dst_pages))
+        assert torch.equal(got, moved(src, src_pages, dst_pages, dst_layout))
     finally:
         stop_peer(proc, conn)
 
@@ -204,3 +231,8 @@ def test_packing_only_where_it_saves_spans():
                          head_slices(HEADS, 1, 0, 2, 1))
     assert not saves_spans(contiguous) and saves_spans(scattered)
     assert not saves_spans(both_scattered) and not saves_spans(head_slice)
+
+
+def test_spans_that_continue_each_other_on_both_sides_merge():
+    spans = ([100, 164, 300, 400], [1000, 1064, 2000, 2200], [64, 36, 100, 50])  # the last: a gap on one side
+    assert merged(spans) == ([100, 300, 400], [1000, 2000, 2200], [100, 100, 50])

@@ -1,5 +1,6 @@
-"""A transfer peer in its own process: owns a KV pool, registers it, and answers "dump", "zero" (then dump) and
-"stop"."""
+"""A transfer peer in its own process: owns a KV pool and a receive staging of 4 MiB, registers both, and answers
+"dump", "zero" (then dump), ("stage", room, pages) (a staging slot's address), ("unpack", room, page list) (then
+dump) and "stop"."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import multiprocessing as mp
 import torch
 
 from pdserve.disagg.transfer import layout_from_description, make_transfer_engine
+from pdserve.disagg.transfer.receive_staging import ReceiveStaging
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 
 
@@ -18,6 +20,7 @@ def serve_kv(backend: str, device: str, layout_desc: dict, conn) -> None:
     try:
         pool = KVPool(layout_from_description(layout_desc), device)
         engine.register(pool.data_ptr, pool.nbytes, device)
+        staging = ReceiveStaging(engine, pool, 4 << 20)
         conn.send({"session": engine.session_id(), "base": pool.data_ptr, "transport": engine.transport()})
         while conn.poll(120):
             cmd = conn.recv()
@@ -25,6 +28,13 @@ def serve_kv(backend: str, device: str, layout_desc: dict, conn) -> None:
                 break
             if cmd == "zero":
                 pool.buffer.zero_()
+            elif cmd[0] == "stage":
+                staging.reserve(cmd[1], cmd[2])
+                conn.send(staging.destination(cmd[1], staging.base).base)
+                continue
+            elif cmd[0] == "unpack":
+                staging.unpack(cmd[1], cmd[2])
+                staging.collect()
             conn.send(kv_bytes(pool))
     finally:
         engine.close()

@@ -272,7 +272,7 @@ class KVMover:
                     offset += size
             if stream is not None:
                 stream.synchronize()  # the engine reads the staging bytes on streams of its own
-            self.engine.write(peer_session, *spans)
+            self.engine.write(peer_session, *merged(spans))
         finally:
             self.arena.release(start)
 
@@ -364,6 +364,20 @@ def _add_packed_spans(spans: Spans, staged: int, piece: KVPiece, h: HeadSlice,
                 src_ptrs.extend(range(src, src + tokens * token, token))
                 dst_ptrs.extend(range(dst_ptr, dst_ptr + tokens * layout.token_bytes, layout.token_bytes))
                 lengths.extend([token] * tokens)
+
+
+def merged(spans: Spans) -> Spans:
+    """The spans with each one that continues the previous on both sides joined to it (a staged piece of every
+    page position: one span per K/V of its layers)."""
+    out: Spans = ([], [], [])
+    for src, dst, n in zip(*spans):
+        if out[2] and out[0][-1] + out[2][-1] == src and out[1][-1] + out[2][-1] == dst:
+            out[2][-1] += n
+        else:
+            out[0].append(src)
+            out[1].append(dst)
+            out[2].append(n)
+    return out
 
 
 def _joined(batches: list[Spans]) -> Spans:
