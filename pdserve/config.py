@@ -112,6 +112,7 @@ class ServerArgs:
     decode_local_prefill_chunk_size: int = 512
     decode_tpot_budget_ms: float = 0.0
     disaggregation_decode_enable_radix_cache: bool = False
+    enable_pd_role_switch: bool = False
     # internal: set by the launcher, not by users
     ipc_dir: str | None = field(default=None, metadata={"cli": False})
     tp_rank: int = field(default=0, metadata={"cli": False})
@@ -169,6 +170,7 @@ class ServerArgs:
             raise ConfigError("--disaggregation-advertise-host must name an address peers can reach, "
                               f"not {self.disaggregation_advertise_host!r}")
         self._validate_tpot_budget()
+        self._validate_role_switch()
         if self.disaggregation_layerwise_min_tokens < 0:
             raise ConfigError("--disaggregation-layerwise-min-tokens must be >= 0")
         if not 0.0 <= self.disaggregation_prefill_ahead_share <= 1.0:
@@ -194,6 +196,18 @@ class ServerArgs:
         if self.decode_tpot_budget_ms and self.tp_size > 1:
             raise ConfigError("--decode-tpot-budget-ms needs --tp-size 1: each rank would time its own steps and "
                               "the ranks' batches would part")
+
+    def _validate_role_switch(self) -> None:
+        if not self.enable_pd_role_switch:
+            return
+        if not self.is_pd or self.serves_role_alone:
+            raise ConfigError("--enable-pd-role-switch needs --disaggregation-mode prefill or decode with a real "
+                              "transfer backend (not fake)")
+        if self.tp_size > 1:
+            raise ConfigError("--enable-pd-role-switch needs --tp-size 1")
+        if self.disaggregation_bootstrap_port == self.port:
+            raise ConfigError(f"--disaggregation-bootstrap-port and --port are both {self.port}; a server that may "
+                              "become a prefill needs its own bootstrap port")
 
     def _validate_kv_cache_dtype(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -413,6 +427,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a checksum of each request's KV pages (per KV head, computed on the device) and fail the request (502) on a mismatch."),
     "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
     "decode_tpot_budget_ms": ("disaggregation", "Mean inter-token time (ms) the running requests keep while prompts are prefilled beside them: prefill chunks are sized online from the measured step times so that they fit (Sarathi-style time slicing; a decode server's local prefills, and a colocated server's too). Replaces the alternation of --decode-local-prefill-chunk-size. 0: off."),
+    "enable_pd_role_switch": ("disaggregation", "Let this PD server change role between prefill and decode without a restart (POST /pd_role_switch, or the router's --balance-roles): it drains, then takes the other role on the same weights and KV pool. Give it its own --disaggregation-bootstrap-port even when it starts as decode."),
     "disaggregation_decode_enable_radix_cache": ("disaggregation", "Decode: keep finished requests' prompt and output pages in a radix cache of its own; a request whose prefix this server already holds receives only the missing pages from the prefill."),
 }
 

@@ -95,6 +95,14 @@ class GetStatsReq:
     request_id: int
 
 
+@message
+class SwitchRoleReq:
+    """Become the PD role `mode` (prefill or decode) if idle (`POST /pd_role_switch`)."""
+
+    request_id: int
+    mode: str
+
+
 # --- scheduler -> tokenizer manager ---------------------------------------------------------------
 
 
@@ -108,6 +116,15 @@ class FlushCacheReply:
 class GetStatsReply:
     request_id: int
     stats: dict
+
+
+@message
+class SwitchRoleReply:
+    request_id: int
+    success: bool
+    message: str  # why the switch was refused or failed ('' on success)
+    busy: bool  # refused because something is still in flight: worth asking again
+    model_info: dict  # the scheduler's model info under the role it has now
 
 
 @message

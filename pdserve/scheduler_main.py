@@ -24,6 +24,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
     child_setup(scheduler_process_name(args.tp_rank), args.log_level)
     from pdserve.disagg.factory import create_scheduler  # the engine loads in the child only, not where it is spawned
     from pdserve.scheduler.process import SchedulerProcess
+    from pdserve.role_switch import switch_role
     from pdserve.scheduler.warmup import warm_up
 
     try:
@@ -32,7 +33,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
         logger.error("%s", exc)
         sys.exit(EXIT_CONFIG_ERROR)
     warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
-    SchedulerProcess(args, scheduler).run_forever(warmup)
+    SchedulerProcess(args, scheduler, switch_role if args.enable_pd_role_switch else None).run_forever(warmup)
 
 
 def scheduler_process_name(tp_rank: int) -> str:

@@ -180,7 +180,7 @@ REFUSED = {
         disaggregation-decode-allocation-policy disaggregation-decode-enable-offload-kvcache
         disaggregation-decode-extra-slots disaggregation-decode-host-receive-threshold
         disaggregation-decode-polling-interval disaggregation-decode-retraction-backup
-        enable-adaptive-dispatch-to-encoder enable-pd-role-switch enable-pdmux encoder-bootstrap-port
+        enable-adaptive-dispatch-to-encoder enable-pdmux encoder-bootstrap-port
         encoder-only encoder-register-urls encoder-transfer-backend encoder-urls language-model-only
         language-only optimistic-prefill-attempts pdmux-config-path sm-group-num
     """,

@@ -67,17 +67,19 @@ def decode_scheduler_args(args: ServerArgs) -> ServerArgs:
 
 
 class DecodeRole(Role):
-    def __init__(self, args: ServerArgs, runner: ModelRunner):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, link: PeerLink | None = None):
+        """`link`: the one a role switch kept (`pdserve/role_switch.py`); None opens a new one."""
         self.args = args
         self.page_size = args.page_size
-        self.link = PeerLink(args, runner)
+        self.link = link or PeerLink(args, runner)
         self.num_local_prefills = 0
         self._extended_last_step = False
         self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
         self.dead_peers: set[str] = set()
         staging_mb = args.disaggregation_staging_mb
-        self.receive = ReceiveStaging(self.link.engine, runner.pool, staging_mb << 20) if staging_mb else None
+        self.receive = self.link.kept("receive_staging", lambda: ReceiveStaging(self.link.engine, runner.pool,
+                                                                                 staging_mb << 20)) if staging_mb else None
         self.rank_targets = self._rank_targets()
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None
@@ -444,10 +446,14 @@ class DecodeRole(Role):
         return self.link.server_info()
 
     def close(self) -> None:
+        self.detach_link().close()
+
+    def detach_link(self) -> PeerLink:
+        """Stop the role's threads; the peer link stays open for the next role."""
         if self.link.tp.is_leader:
             self.heartbeat.close()
             self.route_pool.shutdown(wait=False, cancel_futures=True)
-        self.link.close()
+        return self.link
 
 
 def route_resolved(addr: str, lookup: Future) -> RouteResolved:

@@ -63,8 +63,22 @@ class PeerLink:
         self.description = peer_description(args, self.model_config, pool, self.engine.name)
         self.handoffs: dict[int, Handoff] = {}
         self.transfer_stats = TransferStats(args.disaggregation_mode, args.disaggregation_link_gbps)
+        self._kept: dict[str, object] = {}  # buffers a role registered with the engine (`kept`)
         logger.info("KV transfer backend %s over %s; control endpoint %s", self.engine.name,
                     self.engine.transport(), self.channel.endpoint)
+
+    def kept(self, name: str, make: Callable[[], object]) -> object:
+        """The buffer `name` made by `make` once: what a role registers with the engine stays registered for the
+        engine's life, and a role switch hands the link (and so it) to the next role of that kind."""
+        if name not in self._kept:
+            self._kept[name] = make()
+        return self._kept[name]
+
+    def serve_role(self, args: ServerArgs) -> None:
+        """The link now serves the role `args` names (a role switch): peers keep reaching the same endpoints, the
+        transfer counters start over under the new role."""
+        self.args = args
+        self.transfer_stats = TransferStats(args.disaggregation_mode, args.disaggregation_link_gbps)
 
     def handoff_of(self, req: Req) -> Handoff | None:
         """The handoff of this request (a fake-transfer request has none, whatever its room)."""

@@ -168,13 +168,15 @@ class PrefillRole(Role):
     (`KVTarget`s), each through its own transfer engine; a room counts as written once the writes of all ranks
     landed (see `_on_write_done`), and then the leader sends `kv_done`."""
 
-    def __init__(self, args: ServerArgs, runner: ModelRunner):
+    def __init__(self, args: ServerArgs, runner: ModelRunner, link: PeerLink | None = None):
+        """`link`: the one a role switch kept (`pdserve/role_switch.py`); None opens a new one."""
         self.args = args
         self.page_size = args.page_size
         self.device = runner.device
-        self.link = PeerLink(args, runner)
-        mover = KVMover(self.link.engine, self.device, staging_bytes(runner.pool.nbytes),
-                        args.disaggregation_waiting_timeout)
+        self.link = link or PeerLink(args, runner)
+        mover = self.link.kept("kv_mover", lambda: KVMover(self.link.engine, self.device,
+                                                           staging_bytes(runner.pool.nbytes),
+                                                           args.disaggregation_waiting_timeout))
         self.writers = KVWriters(mover, self.link.channel.post, self.link.channel.new_peer_clients)
         self.bootstrap = None
         sessions = self._rank_sessions()
@@ -556,10 +558,14 @@ class PrefillRole(Role):
         return {**self.link.server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}
 
     def close(self) -> None:
+        self.detach_link().close()
+
+    def detach_link(self) -> PeerLink:
+        """Stop the role's threads and its bootstrap server; the peer link stays open for the next role."""
         self.writers.close()
         if self.bootstrap is not None:
             self.bootstrap.close()
-        self.link.close()
+        return self.link
 
 
 def _pages_known(h: Handoff) -> bool:

@@ -31,6 +31,8 @@ from pdserve.messages import (
     MessageError,
     ProcessReady,
     RequestError,
+    SwitchRoleReply,
+    SwitchRoleReq,
     TokenizedGenerateReq,
     TokenOut,
     decode,
@@ -49,10 +51,17 @@ logger = logging.getLogger(__name__)
 STEP_DELAY_ENV = "PDSERVE_TEST_STEP_DELAY_S"  # seconds; see SchedulerProcess.step_delay_s
 
 
+# (scheduler, the server's flags, the role to take) -> the scheduler of that role and None, or the scheduler of the
+# old role and why the switch failed (`pdserve/role_switch.py`)
+SwitchRole = Callable[["Scheduler", "ServerArgs", str], tuple["Scheduler", "str | None"]]
+
+
 class SchedulerProcess:
-    def __init__(self, args: ServerArgs, scheduler: Scheduler):
+    def __init__(self, args: ServerArgs, scheduler: Scheduler, switch_role: SwitchRole | None = None):
+        """`switch_role`: given with `--enable-pd-role-switch`."""
         self.args = args
         self.sched = scheduler
+        self.switch_role = switch_role
         self.tp = scheduler.runner.tp
         self.to_detokenizer = self.to_tokenizer = None  # a follower rank sends nothing
         if self.tp.is_leader:
@@ -62,6 +71,7 @@ class SchedulerProcess:
             AbortReq: self.handle_abort,
             FlushCacheReq: self.handle_flush_cache,
             GetStatsReq: self.handle_get_stats,
+            SwitchRoleReq: self.handle_switch_role,
         }
         # Test-only fault injection (tests/chaos): a pause before every step that has work, so that a request
         # stays in each phase long enough to be hit there. Unset (the default), nothing is slowed.
@@ -159,6 +169,23 @@ class SchedulerProcess:
         stats["kv_pool_fully_free"] = not self.sched.has_work() and bool(self.sched.kv_pool_is_fully_free())
         stats["compiles_after_ready"] = compile_watch.compiles_after_ready()
         self.send(self.to_tokenizer, GetStatsReply(msg.request_id, stats))
+
+    def handle_switch_role(self, msg: SwitchRoleReq) -> None:
+        """Take the role `msg.mode` on this model runner and KV pool, only when no request, handoff or page is in
+        flight; the HTTP side has stopped sending requests and asks again until then or its timeout."""
+        busy = self.sched.has_work() or not self.sched.kv_pool_is_fully_free()
+        if self.switch_role is None:
+            error = "this server was not started with --enable-pd-role-switch"
+        elif busy:
+            error = "requests, KV handoffs or their pages are still in flight"
+        else:
+            for fd in self.sched.wakeup_fds():
+                self.poller.unregister(fd)
+            self.sched, error = self.switch_role(self.sched, self.args, msg.mode)
+            for fd in self.sched.wakeup_fds():
+                self.poller.register(fd, zmq.POLLIN)
+        self.send(self.to_tokenizer, SwitchRoleReply(msg.request_id, error is None, error or "", busy,
+                                                     self.sched.model_info))
 
     def run_step(self) -> list[TokenOut]:
         """One scheduler step; with nothing queued it only handles control messages and deadlines."""

@@ -28,6 +28,8 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 EXCHANGE_KEY = web.RequestKey("exchange", Exchange)  # on a generation route's request
 PUBLIC_PATHS = frozenset({"/health"})
 GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+ROLE_SWITCH_PATH = "/pd_role_switch"
+ROUTER_ONLY_PATHS = GENERATION_PATHS | {ROLE_SWITCH_PATH}  # with a cluster secret: the router's token required
 
 # OpenAI's error types by status; any other 4xx is an invalid request and any 5xx a server error. `code` is
 # always the HTTP status, an int, as in SGLang's error responses.
@@ -139,12 +141,12 @@ def auth_middleware(api_key: str) -> Any:
 
 
 def router_auth_middleware(auth: ClusterAuth) -> Any:
-    """A PD server with a cluster secret takes generation requests (and so bootstrap fields) only from the router:
-    each needs the router's `X-PD-Auth` token over its method, path and body."""
+    """A PD server with a cluster secret takes generation requests (and so bootstrap fields) and role switches only
+    from the router: each needs the router's `X-PD-Auth` token over its method, path and body."""
 
     @web.middleware
     async def check_router_token(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.method == "POST" and request.path in GENERATION_PATHS:
+        if request.method == "POST" and request.path in ROUTER_ONLY_PATHS:
             try:
                 auth.verify_token(request.headers.get(HEADER), "POST", request.path_qs, await request.read())
             except AuthError as exc:

@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.cluster_auth import make_auth
-from pdserve.server import native_api, openai_api
+from pdserve.server import native_api, openai_api, role_switch_api
 from pdserve.server.drain import Drain
 from pdserve.server.http_common import (ARGS_KEY, METRICS_KEY, TM_KEY, auth_middleware, error_middleware,
                                         body_timeout_middleware, mark_answer_started, router_auth_middleware,
@@ -35,4 +35,5 @@ def create_app(args: Any, tm: TokenizerManager, server_metrics: ServerMetrics) -
     app.on_response_prepare.append(mark_answer_started)
     native_api.add_routes(app)
     openai_api.add_routes(app)
+    role_switch_api.add_routes(app, role_switch_api.RoleSwitcher(tm, drain))
     return app

@@ -87,7 +87,7 @@ async def build_generate_requests(
                               stream_interval=stream_interval_of(body, nested[index]))
         with_logprobs(req, bool(body.return_logprob), body.top_logprobs_num or 0,
                       -1 if body.logprob_start_len is None else body.logprob_start_len)
-        settle_bootstrap(args, req)
+        settle_bootstrap(tm.args, req)  # the role it serves now (a role switch changes it)
         requests.append(req)
     await tm.check_requests(requests)
     return requests, is_batch
@@ -155,8 +155,8 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    tm, args = request.app[TM_KEY], request.app[ARGS_KEY]
-    server_args = {k: v for k, v in dataclasses.asdict(args).items() if k not in ("api_key", "disaggregation_secret", "ipc_dir")}
+    tm = request.app[TM_KEY]
+    server_args = {k: v for k, v in dataclasses.asdict(tm.args).items() if k not in ("api_key", "disaggregation_secret", "ipc_dir")}
     stats = await _scheduler_stats(tm)
     return json_response({**server_args, "model_info": tm.model_info, "scheduler": stats,
                               "requests_in_flight": len(tm.states), "time": time.time()})
@@ -164,9 +164,12 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 async def load(request: web.Request) -> web.Response:
     """What the router's conditional disaggregation weighs (`Scheduler.load_report`): the prompt tokens queued, the
-    measured prefill rate at full speed and the rate a new prompt gets now, the decode pace and KV use."""
-    stats = await _scheduler_stats(request.app[TM_KEY])
-    return json_response({key: stats[key] for key in LOAD_KEYS})
+    measured prefill rate at full speed and the rate a new prompt gets now, the decode pace and KV use; and the role
+    it serves now (the router's --balance-roles reads it)."""
+    tm = request.app[TM_KEY]
+    stats = await _scheduler_stats(tm)
+    return json_response({"disaggregation_mode": tm.args.disaggregation_mode,
+                          **{key: stats[key] for key in LOAD_KEYS}})
 
 
 async def cache_report(request: web.Request) -> web.Response:

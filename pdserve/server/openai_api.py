@@ -174,7 +174,7 @@ async def _requests(
         req = GenerateRequest(rid, input_ids, params, bootstrap_host=host, bootstrap_port=port,
                               bootstrap_room=room, routing_key=keys[index // body.n])
         with_logprobs(req, top_n is not None, top_n or 0, -1)
-        settle_bootstrap(args, req)
+        settle_bootstrap(tm.args, req)  # the role it serves now (a role switch changes it)
         requests.append(req)
     await tm.check_requests(requests)
     check_unique_rids(tm, requests)

@@ -33,6 +33,8 @@ from pdserve.messages import (
     ProcessReady,
     RequestError,
     StrOut,
+    SwitchRoleReply,
+    SwitchRoleReq,
     TokenizedGenerateReq,
     decode,
     encode,
@@ -45,6 +47,7 @@ from pdserve.timeline import DETOKENIZED, SENT, TOKENIZED, Arrival, RequestTimel
 logger = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECONDS = 30.0
+SWITCH_TIMEOUT_SECONDS = 1800.0  # a role switch warms the new role up (first compiles of its kernels)
 
 
 class RequestRejected(Exception):
@@ -337,13 +340,23 @@ class TokenizerManager:
         reply = await self._control(GetStatsReq)
         return reply.stats
 
-    async def _control(self, message_class: type) -> Any:
+    async def switch_role(self, mode: str) -> SwitchRoleReply:
+        """Ask the scheduler to take the PD role `mode`; on success this side serves as that role from now on."""
+        reply = await self._control(SwitchRoleReq, mode, timeout=SWITCH_TIMEOUT_SECONDS)
+        if reply.success:
+            self.args = self.args.replace(disaggregation_mode=mode)
+            self.role = server_role(mode)
+            self.model_info = {**self.model_info, **reply.model_info}
+            self.prefix_digest = PrefixDigest(self.args.keeps_prefix_cache)  # the new role's cache starts empty
+        return reply
+
+    async def _control(self, message_class: type, *fields: Any, timeout: float = CONTROL_TIMEOUT_SECONDS) -> Any:
         request_id = next(self._control_ids)
         waiter = asyncio.get_running_loop().create_future()
         self._control_waiters[request_id] = waiter
         try:
-            self._to_scheduler.send(encode(message_class(request_id)))
-            return await asyncio.wait_for(waiter, CONTROL_TIMEOUT_SECONDS)
+            self._to_scheduler.send(encode(message_class(request_id, *fields)))
+            return await asyncio.wait_for(waiter, timeout)
         finally:
             self._control_waiters.pop(request_id, None)
 
@@ -361,7 +374,7 @@ class TokenizerManager:
                 self._on_outputs(msg)
             elif isinstance(msg, RequestError):
                 self._on_request_error(msg)
-            elif isinstance(msg, (FlushCacheReply, GetStatsReply)):
+            elif isinstance(msg, (FlushCacheReply, GetStatsReply, SwitchRoleReply)):
                 waiter = self._control_waiters.get(msg.request_id)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)

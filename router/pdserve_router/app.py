@@ -22,6 +22,7 @@ from .dashboard import add_dashboard
 from .dispatch import CONNECTION_ERRORS, SHUTTING_DOWN, Dispatcher
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .payload import BadRequest, error_response, spliceable
+from .role_balance import RoleBalancer, RoleSwitcher, SwitchRefused
 from .upstream import UpstreamPool
 from .workers import CacheReportPoller, HealthChecker, LoadPoller, NoHealthyWorker, Worker, WorkerRegistry
 
@@ -49,6 +50,8 @@ class Router:
         self.health: HealthChecker | None = None
         self.load: LoadPoller | None = None
         self.cache_reports: CacheReportPoller | None = None
+        self.role_switcher: RoleSwitcher | None = None
+        self.balancer: RoleBalancer | None = None
         self.event_loop = "asyncio"
         self.draining = False
 
@@ -75,6 +78,10 @@ class Router:
             self.cache_reports = CacheReportPoller(self.registry, self.session, self.auth)
             await self.cache_reports.check_all()  # reports from the start, like the health checks
             self.cache_reports.start()
+        self.role_switcher = RoleSwitcher(self.config, self.registry, self.session, self.metrics)
+        if self.config.balance_roles:
+            self.balancer = RoleBalancer(self.config, self.registry, self.session, self.role_switcher)
+            self.balancer.start()
         log.info("pdserve-router (%s mode, %s event loop) serving on http://%s:%d with %s", self.config.mode,
                  self.event_loop, self.config.host, self.config.port,
                  ", ".join(f"{w.role} {w.url}" for w in self.registry.workers.values()) or "no instances yet")
@@ -83,7 +90,7 @@ class Router:
         await self.health.stop()
         if summary := self.dispatcher.load_rule_summary():
             log.info("%s", summary)
-        for poller in (self.load, self.cache_reports):
+        for poller in (self.load, self.cache_reports, self.balancer):
             if poller is not None:
                 await poller.stop()
         await self.dispatcher.close()
@@ -224,6 +231,22 @@ class Router:
         worker.healthy = worker.ready = await self.health.probe(worker)
         return web.json_response(worker.describe(), status=201)
 
+    async def switch_role(self, request: web.Request) -> web.Response:
+        """`POST /switch_role {"url": ..., "role": "prefill" | "decode"}`: the balance's switch, asked by hand."""
+        try:
+            spec = await json_body(request)
+        except ValueError as exc:
+            return error_response(400, str(exc))
+        if not isinstance(spec, dict) or not isinstance(spec.get("url"), str) or not isinstance(spec.get("role"), str):
+            return error_response(400, 'expected a JSON object {"url": ..., "role": "prefill" | "decode"}')
+        try:
+            outcome = await self.role_switcher.switch(spec["url"], spec["role"], "asked by POST /switch_role")
+        except SwitchRefused as exc:
+            return error_response(exc.status, str(exc))
+        except ConfigError as exc:  # an URL that is not one
+            return error_response(400, str(exc))
+        return web.json_response(outcome, status=200 if outcome["outcome"] == "switched" else 409)
+
     async def remove_worker(self, request: web.Request) -> web.Response:
         url = request.query.get("url")
         if url is None and request.body_exists:
@@ -312,6 +335,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/workers", router.list_workers)
     app.router.add_post("/workers", router.add_worker)
     app.router.add_delete("/workers", router.remove_worker)
+    app.router.add_post("/switch_role", router.switch_role)
     add_dashboard(app, router.registry, router.config, router.policy_names)
     return app
 

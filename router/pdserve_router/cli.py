@@ -10,8 +10,8 @@ from .cluster_auth import configured_secret
 from .config import CACHE_AWARE_SOURCES, DEFAULT_BOOTSTRAP_PORT, EVENT_LOOPS, POLICIES, ConfigError, RouterConfig
 
 
-_HTTP, _POLICIES, _CONDITIONAL, _REQUESTS, _HEALTH, _BREAKER = (
-    "http", "policies", "conditional disaggregation", "requests", "health checks", "circuit breaker")
+_HTTP, _POLICIES, _CONDITIONAL, _BALANCE, _REQUESTS, _HEALTH, _BREAKER = (
+    "http", "policies", "conditional disaggregation", "role balance", "requests", "health checks", "circuit breaker")
 # flag: (its --help group, as the server groups its flags; its help)
 _HELP: dict[str, tuple[str, str]] = {
     "host": (_HTTP, "Address to bind; 127.0.0.1 unless told otherwise."),
@@ -57,6 +57,19 @@ _HELP: dict[str, tuple[str, str]] = {
                                             "this fraction takes no local prefill."),
     "load_poll_interval_s": (_CONDITIONAL, "Seconds between reads of the instances' /load (with a load-reading "
                                            "local-prefill rule on)."),
+    "balance_roles": (_BALANCE, "Switch a PD instance (started with --enable-pd-role-switch) to the other role when "
+                                "one side's pressure stays at its threshold while the other side idles; never the "
+                                "last instance of a role, one switch at a time (docs/pd.md, 'Role balance')."),
+    "balance_interval_s": (_BALANCE, "Seconds between reads of every instance's /load for the role balance."),
+    "balance_prefill_wait_s": (_BALANCE, "A prefill is at its threshold when its queued prompt tokens take this "
+                                         "many seconds at its measured rate."),
+    "balance_decode_step_ms": (_BALANCE, "A decode is at its threshold when its decode step takes this many ms "
+                                         "(or its KV pool is 90%% full)."),
+    "balance_window_s": (_BALANCE, "One side must stay at its threshold, the other idle, this many seconds before "
+                                   "a switch."),
+    "balance_cooldown_s": (_BALANCE, "Seconds after a switch before the next one."),
+    "balance_drain_timeout_s": (_BALANCE, "Seconds a switching instance has to finish its requests; past them it "
+                                          "refuses the switch and keeps its role (also for POST /switch_role)."),
     "request_timeout_s": (_REQUESTS, "Whole-request deadline in seconds (504 when hit)."),
     "request_body_timeout_s": (_REQUESTS, "Seconds a client may take to send a request body; a slower one gets "
                                           "408 and its connection is closed."),

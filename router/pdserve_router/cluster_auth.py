@@ -15,6 +15,7 @@ import secrets
 import time
 
 SECRET_ENV = "PDSERVE_DISAGGREGATION_SECRET"
+HEADER = "X-PD-Auth"
 
 
 def configured_secret(flag: str | None, api_key: str | None = None) -> str | None:
@@ -27,6 +28,10 @@ class RequestSigner:
         self._key = hashlib.sha256(b"pdserve-cluster:" + secret.encode()).digest()
 
     def header_line(self, path: str, body: bytes) -> bytes:
+        return f"{HEADER}: {self.token(path, body)}\r\n".encode()
+
+    def token(self, path: str, body: bytes) -> str:
+        """The X-PD-Auth value over a POST of `body` to `path`."""
         stamp = f"{time.time()!r}.{secrets.token_hex(16)}."
         signed = stamp.encode() + f"POST {path}\n".encode() + body
-        return f"X-PD-Auth: {stamp}{hmac.new(self._key, signed, hashlib.sha256).hexdigest()}\r\n".encode()
+        return stamp + hmac.new(self._key, signed, hashlib.sha256).hexdigest()

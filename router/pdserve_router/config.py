@@ -50,6 +50,14 @@ class RouterConfig:
     local_prefill_alpha: float = 1.0
     local_prefill_kv_gate: float = 0.9
     load_poll_interval_s: float = 0.1
+    # automatic P:D balance (pd mode): instances started with --enable-pd-role-switch change role
+    balance_roles: bool = False
+    balance_interval_s: float = 1.0
+    balance_prefill_wait_s: float = 1.0
+    balance_decode_step_ms: float = 10.0
+    balance_window_s: float = 10.0
+    balance_cooldown_s: float = 60.0
+    balance_drain_timeout_s: float = 30.0
     # requests
     request_timeout_s: float = 600.0
     request_body_timeout_s: float = 30.0
@@ -109,6 +117,18 @@ class RouterConfig:
             raise ConfigError("--local-prefill-alpha must be a finite number > 0 and --local-prefill-kv-gate in (0, 1]")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ConfigError("--cache-threshold must be in [0, 1]")
+        self.validate_balance()
+
+    def validate_balance(self) -> None:
+        if self.balance_roles and self.mode != "pd":
+            raise ConfigError("--balance-roles needs pd mode (--prefill and --decode instances)")
+        knobs = (self.balance_interval_s, self.balance_prefill_wait_s, self.balance_decode_step_ms,
+                 self.balance_drain_timeout_s)
+        if not all(0 < k < math.inf for k in knobs) or not 0 <= self.balance_window_s < math.inf \
+                or not 0 <= self.balance_cooldown_s < math.inf:
+            raise ConfigError("--balance-interval-s, --balance-prefill-wait-s, --balance-decode-step-ms and "
+                              "--balance-drain-timeout-s must be > 0, --balance-window-s and --balance-cooldown-s "
+                              ">= 0 (all finite)")
 
     def policy_for(self, role: Role) -> str:
         return {"prefill": self.prefill_policy, "decode": self.decode_policy, "regular": self.policy}[role]

@@ -1,0 +1,55 @@
+"""A PD server changes role in place (`--enable-pd-role-switch`, `POST /pd_role_switch`): the scheduler process
+replaces its scheduler by one of the other role on the same model runner, KV pool and peer link, with no weight
+reload. The HTTP side has drained the server first and `SchedulerProcess` checked that nothing is in flight and
+every page is free.
+
+The peer link (transfer engine, control channel) and the buffers registered with its engine are kept, so the
+server's control endpoint and transfer session stay the same across switches: a decode peer that cached its
+route as a prefill finds it valid again when it becomes a prefill once more. The prefix cache starts empty.
+
+It sits with `scheduler_main.py` above `pdserve/scheduler/` and `pdserve/disagg/`: it assembles both.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.config import ServerArgs
+from pdserve.disagg.bootstrap import BootstrapError
+from pdserve.disagg.factory import scheduler_for
+from pdserve.disagg.transfer.base import TransferError
+from pdserve.scheduler.role import Role
+from pdserve.scheduler.scheduler import Scheduler
+from pdserve.scheduler.warmup import warm_up
+
+logger = logging.getLogger(__name__)
+PD_ROLES = ("prefill", "decode")
+
+
+def switch_role(scheduler: Scheduler, args: ServerArgs, mode: str) -> tuple[Scheduler, str | None]:
+    """A scheduler of role `mode` and None; or, when that role cannot start (its bootstrap port is taken), one of
+    the old role again and why. `scheduler` (idle, every page free) is closed either way; `args`: the server's
+    flags as launched."""
+    old_mode = scheduler.args.disaggregation_mode
+    if mode not in PD_ROLES or mode == old_mode:
+        return scheduler, f"cannot switch from {old_mode} to {mode!r}: the roles are {', '.join(PD_ROLES)}"
+    started = time.monotonic()
+    runner, link = scheduler.runner, scheduler.role.detach_link()
+    scheduler.role = Role()  # the old role's threads have stopped: closing the scheduler must not close the link
+    scheduler.close()
+    try:
+        switched = _start_role(args.replace(disaggregation_mode=mode), runner, link)
+    except (BootstrapError, TransferError, OSError) as exc:
+        logger.error("the switch from %s to %s failed (%s); staying %s", old_mode, mode, exc, old_mode)
+        return _start_role(args.replace(disaggregation_mode=old_mode), runner, link), f"{type(exc).__name__}: {exc}"
+    logger.info("switched role from %s to %s in %.2f s", old_mode, mode, time.monotonic() - started)
+    return switched, None
+
+
+def _start_role(args: ServerArgs, runner, link) -> Scheduler:
+    link.serve_role(args)
+    scheduler = scheduler_for(args, runner, link)
+    if not args.skip_server_warmup:
+        warm_up(scheduler)  # a server that started as decode has compiled no prefill kernel yet
+    return scheduler
