@@ -353,7 +353,8 @@ def summarized(result: dict) -> dict:
     """`result` with each layout's summary, the best layout, its `auto` entry and whether every run was clean."""
     summary = sweep_report.summarize(result)
     passed = all(s["failed_requests"] == 0 and s["kv_pools_free"] and not s["start_errors"] for s in summary.values())
-    return {**result, "summary": summary, "best_layout": sweep_report.best_layout(summary),
+    return {**result, "summary": summary, "versus_colocated": sweep_report.versus_colocated(summary),
+            "best_layout": sweep_report.best_layout(summary),
             "auto_entry": sweep_report.auto_entry(result, summary), "passed": passed}
 
 
@@ -374,7 +375,8 @@ def merged(results: list[dict]) -> dict:
 
 
 def report(result: dict) -> None:
-    print("\n" + "\n".join(sweep_report.rate_table_lines(result) + [""] + sweep_report.summary_lines(result)))
+    print("\n" + "\n".join(sweep_report.rate_table_lines(result) + [""] + sweep_report.summary_lines(result)
+                            + sweep_report.versus_lines(result["versus_colocated"])))
     if result["auto_entry"]:
         print(f"best: {result['best_layout']}; its pdserve/layouts.py MEASURED_BEST entry:\n    {result['auto_entry']}")
     print("PASS: no request failed, every KV pool free after every run" if result["passed"] else

@@ -96,6 +96,47 @@ def summarize(result: dict) -> dict[str, dict]:
             for layout in result["layouts"]}
 
 
+def versus_colocated(summary: dict[str, dict]) -> dict[str, dict]:
+    """Each other layout against `colocated`: the ratio of mean interpolated goodputs, and per rate both measured
+    up to colocated's saturation (its mean step goodput) the ratios of mean TTFT p90 and mean TPOT p99."""
+    base = summary.get("colocated")
+    if base is None:
+        return {}
+    saturation = base["goodput_mean"] or 0.0
+    comparisons = {}
+    for name, other in summary.items():
+        if name == "colocated":
+            continue
+        goodputs = (other["goodput_interpolated_mean"], base["goodput_interpolated_mean"])
+        rates = [rate for rate in other["per_rate"] if float(rate) <= saturation
+                 and other["per_rate"][rate]["slo_attainment"] and base["per_rate"][rate]["slo_attainment"]]
+        comparisons[name] = {
+            "goodput_ratio": goodputs[0] / goodputs[1] if None not in goodputs and goodputs[1] else None,
+            **{f"{key}_ratio": {rate: _ratio(other["per_rate"][rate][key], base["per_rate"][rate][key])
+                                for rate in rates} for key in ("ttft_p90_ms", "tpot_p99_ms")}}
+    return comparisons
+
+
+def _ratio(values: list, base: list) -> float | None:
+    numerator, denominator = mean(values), mean(base)
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def versus_lines(comparisons: dict[str, dict]) -> list[str]:
+    """One line per layout: its ratios to colocated, the latency ones by rate (req/s: ratio)."""
+    return [f"{name} vs colocated: goodput {_times(c['goodput_ratio'])}; up to colocated's saturation, TTFT p90 "
+            f"{_by_rate(c['ttft_p90_ms_ratio'])}; TPOT p99 {_by_rate(c['tpot_p99_ms_ratio'])}"
+            for name, c in comparisons.items()]
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _by_rate(ratios: dict[str, float | None]) -> str:
+    return ", ".join(f"{rate}: {_times(value)}" for rate, value in ratios.items()) or "no rate"
+
+
 def best_layout(summary: dict[str, dict]) -> str | None:
     """The layout with the highest mean interpolated goodput, among those whose every start succeeded."""
     ranked = [(s["goodput_interpolated_mean"], name) for name, s in summary.items()

@@ -70,6 +70,9 @@ def test_summary_counts_failures_start_errors_and_the_best_layout_among_clean_on
     table = [line.split() for line in sweep_report.rate_table_lines(result)]
     assert ["colocated", "8", "65%", "425", "/", "850", "6.0", "/", "9.0", "-", "2"] in table
     assert not any(row[:2] == ["colocated", "12"] for row in table)  # skipped in every repeat
+    versus = sweep_report.versus_colocated(summary)["1p1d"]  # colocated saturates at 4 req/s
+    assert versus == {"goodput_ratio": pytest.approx(8.8 / (31 / 6)), "ttft_p90_ms_ratio": {"4": 300 / 205},
+                      "tpot_p99_ms_ratio": {"4": 1.0}}
     png = sweep_report.plot(result, tmp_path / "grid.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
