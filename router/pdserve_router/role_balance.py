@@ -198,9 +198,10 @@ class RoleSwitcher:
             return {"status": None, "message": str(exc) or type(exc).__name__}
 
     async def role_now(self, worker: Worker) -> tuple[str, int | None]:
-        """The role and bootstrap port the instance reports on /server_info; its old ones when it does not answer."""
+        """The role and bootstrap port the instance reports on /get_server_info; its old ones when it does not
+        answer."""
         try:
-            async with self.session.get(worker.url + "/server_info", headers=self.auth,
+            async with self.session.get(worker.url + "/get_server_info", headers=self.auth,
                                         timeout=aiohttp.ClientTimeout(total=self.config.admin_timeout_s)) as resp:
                 info = json.loads(await resp.read()) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):

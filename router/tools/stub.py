@@ -3,6 +3,7 @@
 They speak the pdserve HTTP contract without a model: a decode stub waits until the prefill stub of the same
 `bootstrap_room` has "sent the KV" (a shared in-process Fabric) or until its request is aborted, then streams
 `tokens` SSE events. Faults are knobs on StubServer: `fail_status`, `healthy`, `delay_s`, `response_delay_s`.
+`POST /pd_role_switch` changes a PD stub's role (or answers `switch_status` when that is not 200).
 
 `python -m tools.stub --prefill-ports 31000 --decode-ports 31001` serves them in one process.
 """
@@ -60,6 +61,9 @@ class StubServer:
     healthy: bool = True
     held: bool = False  # generate requests wait until release() while held
     load: dict | None = None  # what GET /load answers (queued tokens, rates, KV usage: docs/pd.md); None: 404
+    bootstrap_port: int = 8998  # what /get_server_info reports (a prefill's, or a decode's once it switches)
+    switch_status: int = 200  # the answer to POST /pd_role_switch; 200 switches the role
+    switches: list[str] = field(default_factory=list)  # the roles POST /pd_role_switch asked for
     text_bytes_per_token: float = 4.0  # the stub's "tokenizer": /generate answers report text prompts this long
     requests: list[dict] = field(default_factory=list)
     aborted: list[Any] = field(default_factory=list)
@@ -86,6 +90,7 @@ class StubServer:
         app.router.add_post("/flush_cache", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/load", self.load_report)
+        app.router.add_post("/pd_role_switch", self.switch_role)
         return app
 
     async def start(self) -> None:
@@ -112,7 +117,8 @@ class StubServer:
         return web.json_response({"ok": self.healthy}, status=200 if self.healthy else 503)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"role": self.role, "name": self.name, "internal_states": [{"name": self.name}]})
+        return web.json_response({"role": self.role, "name": self.name, "internal_states": [{"name": self.name}],
+                                  "disaggregation_mode": self.role, "disaggregation_bootstrap_port": self.bootstrap_port})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "stub-model", "served_by": self.name})
@@ -125,6 +131,16 @@ class StubServer:
 
     async def load_report(self, request: web.Request) -> web.Response:
         return web.json_response(self.load) if self.load is not None else web.json_response({}, status=404)
+
+    async def switch_role(self, request: web.Request) -> web.Response:
+        role = (await request.json())["role"]
+        self.switches.append(role)
+        if self.switch_status != 200:
+            return web.json_response({"error": {"message": "stub refuses the switch"}}, status=self.switch_status)
+        self.role = role
+        if self.load is not None:
+            self.load = {**self.load, "disaggregation_mode": role}
+        return web.json_response({"success": True, "role": role, "bootstrap_port": self.bootstrap_port})
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")
