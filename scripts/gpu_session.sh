@@ -16,8 +16,8 @@
 #   kernels      Triton attention and fused-op kernels against the measured ceilings; decode block-shape sweep;
 #                skinny GEMM vs cuBLAS (FlashAttention-4 joins the extend sweep where installed: its cu13 libs wheel
 #                is 92 MB, over one call's carry, see scripts/fa4_probe.py)
-#   kv_transfer  the GPU byte test of every transfer path, then raw KV writes GPU0 -> GPU1 (mooncake, nccl), in place
-#                and packed, contiguous / scattered / fragmented pages, 2k and 8k tokens (about 3 minutes)
+#   kv_transfer  the GPU byte test of every transfer path, then raw KV writes GPU0 -> GPU1 (mooncake, nccl), in place,
+#                packed and staged, contiguous / scattered / fragmented pages, 2k and 8k tokens (about 3 minutes)
 #   pd           PD through the router on two GPUs: greedy identity with colocated and added TTFT
 #   router       the router overhead bench on the lent host's idle cores
 #   hicache      the host KV tier (llama-3.1-8b, one GPU): copy rates per layout against the pinned copy ceiling,
@@ -122,8 +122,8 @@ suite_kernels() {
 }
 
 suite_kv_transfer() {
-  # the exact bytes over every transfer path a server can take (packed and in place), then the write bandwidth of
-  # a 2k and an 8k llama-3.1-8b KV per page placement, in place and packed (about 3 minutes)
+  # the exact bytes over every transfer path a server can take (in place, packed, staged), then the write bandwidth
+  # of a 2k and an 8k llama-3.1-8b KV per page placement, each way (about 3 minutes)
   TAILN=12 step 150 kv_transfer_bytes python3 -m pytest -q -p no:cacheprovider -m gpu tests/disagg/test_gpu_transfer.py
   TAILN=45 step 240 kv_transfer python3 -m pdserve.bench.kv_transfer --backends mooncake,nccl --sizes-mib 256 \
     --tokens 2048,8192 --page-sizes 16 --iters 5 --timeout 100 --out "$OUT/kv_transfer.json"

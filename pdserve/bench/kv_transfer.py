@@ -1,4 +1,4 @@
-"""Raw KV write bandwidth, GPU0 -> GPU1, one process per GPU (spawned), written in place and packed.
+"""Raw KV write bandwidth, GPU0 -> GPU1, one process per GPU (spawned), written in place, packed and staged.
 
     python -m pdserve.bench.kv_transfer                      # every backend that loads
     python -m pdserve.bench.kv_transfer --backends mooncake --tokens 2048,8192 --patterns scattered,fragmented
@@ -15,10 +15,12 @@ Cases: flat single-span writes of --sizes-mib, and the KV of --tokens tokens of 
                512-8,192 tokens (70% chat up to 2,048, 30% documents of 6-8k) allocated, grown page by page and
                freed at random until a pool of --traffic-pool-tokens has turned over --churn times at 97%
                occupancy, on each side.
-Each KV case is written in place (`--pack off`: one span per run contiguous on both sides) and packed (`on`: the
+Each KV case is written (--pack) in place (`off`: one span per run contiguous on both sides), packed (`on`: the
 sender gathers its pages into the staging arena a prefill server has, then writes one span per destination run,
-see pdserve/disagg/transfer/packing.py). GB/s is KV bytes over the median write time; the ceiling is a torch
-device-to-device copy GPU0 -> GPU1 measured here, and --link-gbps the nominal link (394 GB/s: two H200s).
+see pdserve/disagg/transfer/packing.py) and staged (`staged`: packed into a slot of the receiver's receive staging,
+as with --disaggregation-staging-mb; the decode's unpack into its pages is timed apart, on the receiving GPU).
+GB/s is KV bytes over the median write time; spans are those the engine was given per write; the ceiling is a
+torch device-to-device copy GPU0 -> GPU1 measured here, and --link-gbps the nominal link (394 GB/s: two H200s).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import torch
 
 from pdserve.bench.cli import bench_parser, write_result
 from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, make_transfer_engine
-from pdserve.disagg.transfer.packing import MAX_STAGING_BYTES, KVMover, KVPiece, destination_runs
+from pdserve.disagg.transfer.base import StagedDestination
+from pdserve.disagg.transfer.packing import MAX_STAGING_BYTES, KVMover, KVPiece, kv_words
 from pdserve.mem_cache.kv_pool import KVLayout, PageAllocator
 
 NOMINAL_LINK_GBPS = 394.0
@@ -56,7 +59,7 @@ class Case:
     page_size: int = 0  # 0: one flat span of nbytes
     tokens: int = 0
     pattern: str = ""
-    pack: bool = False
+    how: str = "in place"  # or "packed", "staged"
 
 
 def build_cases(args) -> list[Case]:
@@ -65,9 +68,8 @@ def build_cases(args) -> list[Case]:
         for tokens in args.tokens:
             nbytes = tokens * llama8b_layout(ps, 1).token_bytes * 2 * LLAMA8B_LAYERS
             for pattern in args.patterns:
-                for pack in args.pack:
-                    how = "packed" if pack else "in place"
-                    cases.append(Case(f"kv {tokens} tok p{ps} {pattern} {how}", nbytes, ps, tokens, pattern, pack))
+                for how in args.pack:
+                    cases.append(Case(f"kv {tokens} tok p{ps} {pattern} {how}", nbytes, ps, tokens, pattern, how))
     return cases
 
 
@@ -129,17 +131,57 @@ def compacted(pages: list[int]) -> list[int]:
     return [new_id[p] for p in pages]
 
 
-def receiver(backend: str, gpu: int, nbytes: int, conn) -> None:
+def receiver(backend: str, gpu: int, nbytes: int, args, conn) -> None:
+    """Serves a KV buffer and a receive staging of the largest case's KV until told to stop; on ("unpack", ...)
+    times the decode's unpack of that many tokens into scattered pages."""
     torch.cuda.set_device(gpu)
     device = f"cuda:{gpu}"
     engine = make_transfer_engine(backend, device, timeout_s=120)
     try:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        staging = torch.empty(max(args.tokens) * llama8b_layout(16, 1).token_bytes * 2 * LLAMA8B_LAYERS,
+                              dtype=torch.uint8, device=device)
         engine.register(buf.data_ptr(), nbytes, device)
-        conn.send({"session": engine.session_id(), "base": buf.data_ptr(), "transport": engine.transport()})
-        conn.poll(3600)  # serve until the parent says stop (or goes away)
+        engine.register(staging.data_ptr(), staging.numel(), device)
+        conn.send({"session": engine.session_id(), "base": buf.data_ptr(), "staging": staging.data_ptr(),
+                   "transport": engine.transport()})
+        while conn.poll(3600):  # until the parent says stop (or goes away)
+            command = conn.recv()
+            if command == "stop":
+                break
+            conn.send({f"{tokens} tok p{ps}": unpack_seconds(buf, staging, ps, tokens, max(args.tokens))
+                       for ps in args.page_sizes for tokens in args.tokens})
     finally:
         engine.close()
+
+
+def unpack_seconds(buf: torch.Tensor, staging: torch.Tensor, page_size: int, tokens: int, max_tokens: int) -> float:
+    """The decode's unpack (`ReceiveStaging.unpack`) of `tokens` tokens from staging into pages at random."""
+    layout = llama8b_layout(page_size, max_tokens)
+    n = tokens // page_size
+    pool = kv_words(buf[: 2 * layout.num_layers * layout.layer_bytes], layout)
+    staged = kv_words(staging[: 2 * layout.num_layers * n * layout.page_bytes], layout, n)
+    index = torch.tensor(random.Random(1).sample(range(1, layout.num_pages), n), device=buf.device)
+
+    def unpack() -> None:
+        pool.index_copy_(2, index, staged)
+        torch.cuda.synchronize(buf.device)
+
+    return time_write(unpack, 5)
+
+
+class SpanCounter:
+    """An engine that counts the spans it is given, then writes them through the real one."""
+
+    def __init__(self, engine):
+        self.engine, self.spans, self.writes = engine, 0, 0
+
+    def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:
+        self.spans += len(lengths)
+        self.engine.write(peer_session, src_ptrs, dst_ptrs, lengths)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
 
 
 def time_write(write, iters: int) -> float:
@@ -161,6 +203,7 @@ def sender(backend: str, gpu: int, nbytes: int, hello: dict, cases: list[Case], 
         buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         engine.register(buf.data_ptr(), nbytes, device)
         mover = KVMover(engine, device, MAX_STAGING_BYTES, timeout_s=120)
+        mover.engine = counter = SpanCounter(engine)
         engine.connect(hello["session"])
         results, pages = [], {}
         for case in cases:
@@ -169,16 +212,18 @@ def sender(backend: str, gpu: int, nbytes: int, hello: dict, cases: list[Case], 
                 seconds = time_write(lambda: engine.write(hello["session"], *spans), args.iters)
                 results.append((case.label, case.nbytes, 1, seconds))
                 continue
-            key = (case.page_size, case.tokens, case.pattern)  # packed and in place move the same pages
+            key = (case.page_size, case.tokens, case.pattern)  # every way of writing moves the same pages
             if key not in pages:
                 pages[key] = page_lists(case, max(args.tokens), args, rng)
             layout = llama8b_layout(case.page_size, max(args.tokens))
             runs = coalesce_page_runs(*pages[key])
+            staged = StagedDestination(hello["staging"], len(pages[key][0])) if case.how == "staged" else None
             piece = KVPiece(KVRegion(buf.data_ptr(), layout), KVRegion(hello["base"], layout), runs,
-                            range(layout.num_layers))
-            spans = 2 * layout.num_layers * len(destination_runs(runs) if case.pack else runs)
-            seconds = time_write(lambda: mover.write(hello["session"], [piece], pack=case.pack), args.iters)
-            results.append((case.label, case.nbytes, spans, seconds))
+                            range(layout.num_layers), staged=staged)
+            counter.spans = 0
+            pack = case.how != "in place"
+            seconds = time_write(lambda: mover.write(hello["session"], [piece], pack=pack), args.iters)
+            results.append((case.label, case.nbytes, counter.spans // (args.iters + 1), seconds))
         conn.send({"transport": engine.transport(), "results": results})
     except Exception as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -201,7 +246,7 @@ def copy_ceiling(src_gpu: int, dst_gpu: int, nbytes: int, conn) -> None:
 def run_backend(ctx, backend: str, args, cases: list[Case], nbytes: int) -> dict:
     rparent, rchild = ctx.Pipe()
     sparent, schild = ctx.Pipe()
-    recv_proc = ctx.Process(target=receiver, args=(backend, args.dst_gpu, nbytes, rchild), daemon=True)
+    recv_proc = ctx.Process(target=receiver, args=(backend, args.dst_gpu, nbytes, args, rchild), daemon=True)
     recv_proc.start()
     send_proc = None
     try:
@@ -213,7 +258,11 @@ def run_backend(ctx, backend: str, args, cases: list[Case], nbytes: int) -> dict
         send_proc.start()
         if not sparent.poll(args.timeout):
             return {"error": f"sender did not finish within {args.timeout}s"}
-        return sparent.recv()
+        out = sparent.recv()
+        if "error" not in out and "staged" in args.pack:
+            rparent.send("unpack")
+            out["unpack_seconds"] = rparent.recv() if rparent.poll(args.timeout) else {}
+        return out
     except EOFError:
         return {"error": "a peer process died (see its stderr)"}
     finally:
@@ -229,8 +278,8 @@ def comma_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
-def pack_modes(text: str) -> list[bool]:
-    modes = {"off": False, "on": True}
+def pack_modes(text: str) -> list[str]:
+    modes = {"off": "in place", "on": "packed", "staged": "staged"}
     return [modes[x] for x in text.split(",")]
 
 
@@ -244,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--patterns", type=lambda s: s.split(","),
                         default=["contiguous", "scattered", "scattered-source", "fragmented"],
                         help="page placements: contiguous, scattered, scattered-source, fragmented")
-    parser.add_argument("--pack", type=pack_modes, default=[False, True], help="in place (off), packed (on), or both")
+    parser.add_argument("--pack", type=pack_modes, default=["in place", "packed", "staged"],
+                        help="how the KV cases are written: off (in place), on (packed), staged; comma-separated")
     parser.add_argument("--churn", type=float, default=4.0, help="pool turnovers before a fragmented case's pages")
     parser.add_argument("--traffic-pool-tokens", type=int, default=120_000,
                         help="the size of the pool whose traffic fragments a fragmented case's pages")
@@ -283,6 +333,8 @@ def main() -> None:
             gbps = size / seconds / 1e9
             print(f"{label:44s} {size / MIB:8.1f} {spans:7d} {seconds * 1e3:9.2f} {gbps:8.1f} "
                   f"{gbps / ceiling:6.0%} {gbps / args.link_gbps:6.0%}", flush=True)
+        for label, seconds in out.get("unpack_seconds", {}).items():
+            print(f"the decode's unpack of a staged {label} KV into scattered pages: {seconds * 1e3:.2f} ms", flush=True)
     write_result(args.out, report)
 
 
