@@ -8,6 +8,7 @@
 # out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
 # Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
 # Knobs (environment): RATES (comma-separated), DURATION (s of arrivals per rate), REPEATS, LAYOUTS, LABEL,
+# TPOT_BUDGET_MS (the balanced layouts' decode budget; default the launcher's),
 # CALL_SECONDS (560: when the sweep must be done, counted from the script's start; the runs it leaves no room for
 # are not started, and the JSON says time_limit_reached).
 # Results in $OUT: sweep.json, sweep.png, logs.tgz (every server's and router's log), the steps' logs.
@@ -45,5 +46,6 @@ echo "model ready at ${SECONDS} s; the sweep gets $LIMIT s"
 TAILN=34 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep --model-path "$MODEL_DIR" \
   --gpus "$(seq -s, 0 $((GPUS - 1)))" --layouts "$LAYOUTS" --rates "$RATES" --duration "$DURATION" \
   --repeats "$REPEATS" --workload mix --slo-ttft-ms 1000 --slo-tpot-ms 10 --transfer-backend mooncake \
-  --time-limit "$LIMIT" --out "$RUN" -- --context-length 16384
+  ${TPOT_BUDGET_MS:+--decode-tpot-budget-ms "$TPOT_BUDGET_MS"} --time-limit "$LIMIT" --out "$RUN" -- \
+  --context-length 16384
 grep -h "ready after\|layout" "$OUT/sweep${LABEL:-}.log" | head -40
