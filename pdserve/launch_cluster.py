@@ -7,7 +7,8 @@
 
 Without server counts (`--prefill`, `--decode`, `--colocated`, `--num-workers`), the `--layout` starts: `auto`
 (default) picks the layout measured best for `--workload` on the GPUs (`pdserve.layouts`; on the CPU or one GPU,
-1 prefill + 1 decode as always) and says which and why in one line; `colocated`, `XpYd` and `XpYd-balanced` name one.
+1 prefill + 1 decode as always) and says which and why in one line; `colocated`, `XpYd`, `XpYd-balanced` and the
+`-roles` ending (roles that follow the load) name one.
 
 Each server takes as many GPUs as its TP size, prefills first: with `--prefill-tp-size 2 --decode-tp-size 1`,
 prefill 0 runs on GPUs 0-1, prefill 1 on GPUs 2-3, decode 0 on GPU 4 (each server's `--base-gpu-id`, and its own
@@ -35,14 +36,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster_auth import SECRET_ENV, cluster_secret
 from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_server_arg_parser, parse_server_cli
 from pdserve.hub import resolve_model_path
-from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, WORKLOADS, LayoutError, check_fits,
-                             check_layout_name, choose_layout, parse_layout)
+from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, ROLE_BALANCE_ROUTER_FLAGS,
+                             ROLE_SWITCH_SERVER_FLAG, WORKLOADS, LayoutError, check_fits, check_layout_name,
+                             choose_layout, parse_layout)
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
@@ -101,8 +103,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout", type=layout_name, default="auto",
                         help="Without server counts: auto (default: the layout measured best for --workload on the "
                              "GPUs, 1 prefill + 1 decode on the CPU or one GPU), colocated (one server per GPU), "
-                             "XpYd (e.g. 1p3d) or XpYd-balanced (decode servers also prefill, within "
-                             "--decode-tpot-budget-ms, when the router finds the prefill queue long).")
+                             "XpYd (e.g. 1p3d), XpYd-balanced (decode servers also prefill, within "
+                             "--decode-tpot-budget-ms, when the router finds the prefill queue long), and a PD "
+                             "layout ending in -roles (servers switch role when one side idles and the other "
+                             "queues).")
     parser.add_argument("--num-gpus", type=int, default=None,
                         help="GPUs a layout uses, the first ones visible (default: all; on the CPU, the servers a "
                              f"layout places, default {CPU_SLOTS}).")
@@ -168,7 +172,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--layout {ns.layout} names the servers itself; leave out --prefill, --decode, --colocated "
                      "and --num-workers")
     ns.num_prefill, ns.num_decode, ns.num_workers = ns.num_prefill or 1, ns.num_decode or 1, ns.num_workers or 1
-    ns.balanced = False
+    ns.balanced = ns.switch_roles = False
     if not 0 <= ns.port < 65536:
         parser.error(f"--port must be in 0..65535, got {ns.port}")
     owned = ("--model-path", "--model", "--port", "--host", "--device", "--base-gpu-id", "--disaggregation-mode",
@@ -308,13 +312,37 @@ def apply_layout(ns: argparse.Namespace, gpus: int) -> str | None:
         check_fits(layout, gpus)
     except LayoutError as exc:
         raise ClusterError(str(exc)) from None
-    ns.colocated, ns.balanced = layout.colocated, layout.balanced
+    ns.colocated, ns.balanced, ns.switch_roles = layout.colocated, layout.balanced, layout.switch_roles
     ns.num_workers = max(1, layout.workers // ns.worker_tp_size)
     ns.num_prefill, ns.num_decode = layout.prefill or 1, layout.decode or 1
     where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else "the CPU"
     if ns.layout != "auto":
         return f"--layout {name} on {where}: {layout.describe()}"
     return f"--layout auto on {where} for the {ns.workload} workload: {name} ({layout.describe()}); {why}"
+
+
+def pd_servers(ns: argparse.Namespace, spec: Callable[..., ChildSpec], ports: PortPicker
+               ) -> tuple[list[ChildSpec], list[str]]:
+    """The prefill then decode servers (`spec(name, tp_size, *flags, bootstrap=port)` plans one), and the router's
+    flags for them. A -balanced layout's decodes prefill within their TPOT budget and its router picks the path by
+    load; in a -roles layout every server may switch role (a decode has a bootstrap port of its own for when it
+    prefills) and the router balances the roles."""
+    switch = [ROLE_SWITCH_SERVER_FLAG] if ns.switch_roles else []
+    budget = [DECODE_TPOT_BUDGET_FLAG, f"{ns.decode_tpot_budget_ms:g}"] if ns.balanced else []
+    prefills = []
+    for i in range(ns.num_prefill):
+        boot = ports.pick()
+        prefills.append(spec(f"prefill {i}", ns.prefill_tp_size, *prefill_flags(ns.transfer_backend, boot), *switch,
+                             bootstrap=boot))
+    decodes = []
+    for j in range(ns.num_decode):
+        boot = ports.pick() if ns.switch_roles else None
+        own_boot = ["--disaggregation-bootstrap-port", str(boot)] if boot else []
+        decodes.append(spec(f"decode {j}", ns.decode_tp_size, *decode_flags(ns.transfer_backend), *budget, *switch,
+                            *own_boot, bootstrap=boot))
+    router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
+    router_flags += [*(BALANCED_ROUTER_FLAGS if ns.balanced else ()), *(ROLE_BALANCE_ROUTER_FLAGS if switch else ())]
+    return prefills + decodes, router_flags
 
 
 def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, engine_args: list[str],
@@ -336,15 +364,7 @@ def plan_cluster(ns: argparse.Namespace, model_path: str, placement: Placement, 
         servers = [spec(f"worker {i}", ns.worker_tp_size) for i in range(ns.num_workers)]
         router_flags = ["--worker", *(s.url for s in servers)]
     else:
-        bootstraps = [ports.pick() for _ in range(ns.num_prefill)]
-        prefills = [spec(f"prefill {i}", ns.prefill_tp_size, *prefill_flags(ns.transfer_backend, b), bootstrap=b)
-                    for i, b in enumerate(bootstraps)]
-        budget = [DECODE_TPOT_BUDGET_FLAG, f"{ns.decode_tpot_budget_ms:g}"] if ns.balanced else []
-        decodes = [spec(f"decode {j}", ns.decode_tp_size, *decode_flags(ns.transfer_backend), *budget)
-                   for j in range(ns.num_decode)]
-        servers = prefills + decodes
-        router_flags = pd_router_flags([(s.url, s.bootstrap_port) for s in prefills], [s.url for s in decodes])
-        router_flags += BALANCED_ROUTER_FLAGS if ns.balanced else ()
+        servers, router_flags = pd_servers(ns, spec, ports)
     router_port = ns.port or ports.pick()
     argv = router_argv(router_port, *router_flags, "--shutdown-drain-timeout-s", str(ns.shutdown_drain_timeout_s),
                        *ns.router_args.split(), host=host)

@@ -1,8 +1,10 @@
 """Deployment layouts on a machine's GPUs, by name, and the one `launch_cluster --layout auto` starts.
 
 Names: `colocated` (one plain server per GPU behind the regular router), `XpYd` (X prefill and Y decode servers
-behind the PD router, e.g. 1p1d, 1p3d, 2p2d, 3p1d), and `XpYd-balanced`: the same with the decode servers taking
-prefill work within a TPOT budget and the router choosing local or remote prefill per request from measured load.
+behind the PD router, e.g. 1p1d, 1p3d, 2p2d, 3p1d), `XpYd-balanced`: the same with the decode servers taking
+prefill work within a TPOT budget and the router choosing local or remote prefill per request from measured load,
+and a `-roles` ending (`2p2d-roles`, `2p2d-balanced-roles`): every server may switch role without a restart, the
+router moving one to the busy side when the other idles (the automatic P:D balance).
 
 `auto` picks from MEASURED_BEST, which holds what `python -m pdserve.bench.sweep` measured best for a workload on a
 GPU count (the sweep prints the entry to add); where nothing was measured, half the GPUs prefill and the rest decode,
@@ -20,7 +22,12 @@ BALANCED_SUFFIX = "-balanced"
 # decode server's prefill work kept within a TPOT budget (its value: the launcher's --decode-tpot-budget-ms).
 BALANCED_ROUTER_FLAGS = ("--local-prefill-by-load",)
 DECODE_TPOT_BUDGET_FLAG = "--decode-tpot-budget-ms"
-_PD_NAME = re.compile(r"([1-9]\d*)p([1-9]\d*)d")
+ROLES_SUFFIX = "-roles"
+# What lets the P:D ratio follow the load: every PD server switchable (a decode one with its own bootstrap port, for
+# the day it prefills), the router's balance switching them.
+ROLE_SWITCH_SERVER_FLAG = "--enable-pd-role-switch"
+ROLE_BALANCE_ROUTER_FLAGS = ("--balance-roles",)
+_PD_NAME = re.compile(r"([1-9]\d*)p([1-9]\d*)d(-balanced)?(-roles)?")
 
 
 class LayoutError(ValueError):
@@ -36,6 +43,7 @@ class Layout:
     prefill: int = 0
     decode: int = 0
     balanced: bool = False
+    switch_roles: bool = False
 
     @property
     def colocated(self) -> bool:
@@ -48,8 +56,9 @@ class Layout:
     def describe(self) -> str:
         if self.colocated:
             return f"{self.workers} colocated server{'s' if self.workers > 1 else ''}"
-        extra = ", decode servers prefill within their TPOT budget, chosen by load" if self.balanced else ""
-        return f"{self.prefill} prefill + {self.decode} decode{extra}"
+        extras = [", decode servers prefill within their TPOT budget, chosen by load"] if self.balanced else []
+        extras += [", roles switch with the load"] if self.switch_roles else []
+        return f"{self.prefill} prefill + {self.decode} decode{''.join(extras)}"
 
 
 def parse_layout(name: str, slots: int) -> Layout:
@@ -57,11 +66,12 @@ def parse_layout(name: str, slots: int) -> Layout:
     whatever the slots (`fits` says whether they fit)."""
     if name == "colocated":
         return Layout(name, workers=max(1, slots))
-    base = name.removesuffix(BALANCED_SUFFIX)
-    match = _PD_NAME.fullmatch(base)
+    match = _PD_NAME.fullmatch(name)
     if match is None:
-        raise LayoutError(f"unknown layout {name!r}: colocated, XpYd (e.g. 1p1d, 2p2d) or XpYd{BALANCED_SUFFIX}")
-    return Layout(name, prefill=int(match[1]), decode=int(match[2]), balanced=base != name)
+        raise LayoutError(f"unknown layout {name!r}: colocated, XpYd (e.g. 1p1d, 2p2d), XpYd{BALANCED_SUFFIX}, "
+                          f"XpYd{ROLES_SUFFIX} or XpYd{BALANCED_SUFFIX}{ROLES_SUFFIX}")
+    return Layout(name, prefill=int(match[1]), decode=int(match[2]), balanced=match[3] is not None,
+                  switch_roles=match[4] is not None)
 
 
 def check_fits(layout: Layout, gpus: int) -> None:
@@ -87,9 +97,10 @@ MEASURED_BEST: dict[tuple[str, int], Measured] = {}
 
 
 def default_layout(gpus: int) -> str:
-    """Half the GPUs prefill (the mix is ~75% prefill work), the others decode and help with prefill."""
+    """Half the GPUs prefill (the mix is ~75% prefill work), the others decode and help with prefill; from three
+    GPUs on, one side has a server to spare, so the roles follow the load."""
     prefill = max(1, gpus // 2)
-    return f"{prefill}p{gpus - prefill}d{BALANCED_SUFFIX}"
+    return f"{prefill}p{gpus - prefill}d{BALANCED_SUFFIX}{ROLES_SUFFIX if gpus > 2 else ''}"
 
 
 def choose_layout(workload: str, gpus: int) -> tuple[str, str]:
@@ -99,5 +110,6 @@ def choose_layout(workload: str, gpus: int) -> tuple[str, str]:
     measured = MEASURED_BEST.get((workload, gpus))
     if measured is not None:
         return measured.layout, f"measured best: {measured.why}"
-    return default_layout(gpus), ("not measured yet, the default: half the GPUs prefill, and the decode servers "
-                                  "take prefill work within their TPOT budget when the prefill queue is long")
+    roles = ", and a server of the idle side switches role when the other side's queue stays long" if gpus > 2 else ""
+    return default_layout(gpus), ("not measured yet, the default: half the GPUs prefill, the decode servers take "
+                                  f"prefill work within their TPOT budget when the prefill queue is long{roles}")

@@ -51,7 +51,8 @@ from pdserve.server_processes import ClusterError
 
 WORKLOAD_FLAGS = {"mix": [], "chat": ["--mix-doc-fraction", "0"], "docs": ["--mix-doc-fraction", "1"]}
 KV_FREE_TIMEOUT_S = 30.0
-ROUTER_COUNTERS = ("pdserve_router_prefill_total", "pdserve_router_local_prefill_decisions_total")
+ROUTER_COUNTERS = ("pdserve_router_prefill_total", "pdserve_router_local_prefill_decisions_total",
+                   "pdserve_router_role_switches_total")
 SHUTDOWN_DRAIN_S = 5.0
 STOP_MARGIN_S = 30.0  # a cluster's stop, and the summary, after the last run the time limit lets start
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -202,8 +203,9 @@ class LayoutBench:
 
 
 def router_counters(router_url: str) -> dict[str, float]:
-    """The router's prefill-path counters (`pdserve_router_prefill_total{path=...}`, and with
-    --local-prefill-by-load its decisions by reason), by sample name and labels; empty if /metrics does not answer."""
+    """The router's prefill-path counters (`pdserve_router_prefill_total{path=...}`, with --local-prefill-by-load
+    its decisions by reason, with --balance-roles its role switches), by sample name and labels; empty if /metrics
+    does not answer."""
     try:
         with urllib.request.urlopen(router_url + "/metrics", timeout=10) as response:
             text = response.read().decode(errors="replace")

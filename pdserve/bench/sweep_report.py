@@ -169,7 +169,7 @@ def summary_lines(result: dict) -> list[str]:
     for name, s in result["summary"].items():
         spread_pct = s["goodput_interpolated_spread"]
         at_least = ">= " if any(s["lower_bound_only"]) else ""  # no rate failed: the rates stopped short of it
-        lines.append(f"{name:>18}: goodput {at_least}{_req_s(s['goodput_mean'])} (interpolated "
+        lines.append(f"{name:>20}: goodput {at_least}{_req_s(s['goodput_mean'])} (interpolated "
                      f"{_req_s(s['goodput_interpolated_mean'])}, repeats "
                      f"{', '.join(_req_s(g) for g in s['goodput_interpolated_req_s'])}, spread "
                      f"{'n/a' if spread_pct is None else f'{100 * spread_pct:.0f}%'}); failed requests "
@@ -181,12 +181,12 @@ def summary_lines(result: dict) -> list[str]:
 def rate_table_lines(result: dict) -> list[str]:
     """Per layout and rate, the mean over repeats of attainment, TTFT p50/p90, TPOT p50/p99 and the share of
     prompts prefilled on a decode server."""
-    lines = [f"{'layout':>18} {'req/s':>6} {'in SLO':>7} {'TTFT p50/p90 ms':>17} {'TPOT p50/p99 ms':>16} "
+    lines = [f"{'layout':>20} {'req/s':>6} {'in SLO':>7} {'TTFT p50/p90 ms':>17} {'TPOT p50/p99 ms':>16} "
              f"{'local':>6} {'runs':>4}"]
     for name, summary in result["summary"].items():
         for rate, row in summary["per_rate"].items():
             if row["slo_attainment"]:
-                lines.append(f"{name:>18} {rate:>6} {_pct(mean(row['slo_attainment'])):>7} "
+                lines.append(f"{name:>20} {rate:>6} {_pct(mean(row['slo_attainment'])):>7} "
                              f"{_ms(row, 'ttft', 'p50', 'p90'):>17} {_ms(row, 'tpot', 'p50', 'p99'):>16} "
                              f"{_pct(mean(row['local_prefill_share'])):>6} {len(row['slo_attainment']):>4}")
     return lines

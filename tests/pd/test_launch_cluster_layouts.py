@@ -55,8 +55,23 @@ def test_auto_takes_the_measured_best_layout_of_the_declared_workload(tiny_model
     assert "for the docs workload: 3p1d-balanced" in docs.layout_line
     assert [s.gpu for s in docs.servers] == [0, 1, 2, 3]
     assert flag_value(docs.servers[-1].argv, DECODE_TPOT_BUDGET_FLAG) == "12.5"
-    chat = planned(tiny_model, 4, "--workload", "chat")  # nothing measured: half the GPUs prefill
-    assert "for the chat workload: 2p2d-balanced" in chat.layout_line
+    chat = planned(tiny_model, 4, "--workload", "chat")  # nothing measured: half the GPUs prefill, roles follow
+    assert "for the chat workload: 2p2d-balanced-roles (" in chat.layout_line
+
+
+def test_a_roles_layout_makes_every_server_switchable_and_the_router_balance_them(tiny_model):
+    plan = planned(tiny_model, 4, "--layout", "1p3d-roles")
+    assert plan.layout_line == "--layout 1p3d-roles on 4 GPUs: 1 prefill + 3 decode, roles switch with the load"
+    assert all(layouts.ROLE_SWITCH_SERVER_FLAG in s.argv for s in plan.servers)
+    boots = [flag_value(s.argv, "--disaggregation-bootstrap-port") for s in plan.servers]
+    assert all(b and b.isdigit() for b in boots) and len(set(boots)) == 4  # a decode may become a prefill
+    assert [s.bootstrap_port for s in plan.servers] == [int(b) for b in boots]
+    assert all(f in plan.router.argv for f in layouts.ROLE_BALANCE_ROUTER_FLAGS)
+    assert not any(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
+    assert flag_value(plan.router.argv, "--prefill-bootstrap-ports") == boots[0]
+    plain = planned(tiny_model, 4, "--layout", "2p2d")
+    assert not any(layouts.ROLE_SWITCH_SERVER_FLAG in s.argv for s in plain.servers)
+    assert [s.bootstrap_port is None for s in plain.servers] == [False, False, True, True]
 
 
 def test_named_layouts_fill_the_gpus_given(tiny_model):
@@ -115,4 +130,9 @@ def test_layout_names_parse_into_server_counts():
     with pytest.raises(LayoutError, match="needs 5 GPUs"):
         layouts.check_fits(parse_layout("2p3d", 4), 4)
     layouts.check_fits(parse_layout("2p3d", 1), 1)  # one GPU: every server shares it
-    assert layouts.choose_layout("mix", 3)[0] == "1p2d-balanced"
+    assert parse_layout("2p2d-balanced-roles", 4) == layouts.Layout("2p2d-balanced-roles", prefill=2, decode=2,
+                                                                    balanced=True, switch_roles=True)
+    assert parse_layout("3p1d-roles", 4).switch_roles and not parse_layout("3p1d-roles", 4).balanced
+    with pytest.raises(LayoutError, match="unknown layout"):
+        parse_layout("1p1d-roles-balanced", 2)
+    assert layouts.choose_layout("mix", 3)[0] == "1p2d-balanced-roles"  # a side with a server to spare
