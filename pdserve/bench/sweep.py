@@ -73,6 +73,8 @@ def number_list(value: str) -> list[float]:
 
 def layout_list(value: str) -> list[str]:
     names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one layout")
     try:
         return [name if name == "auto" else check_layout_name(name) for name in dict.fromkeys(names)]
     except LayoutError as exc:

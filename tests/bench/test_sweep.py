@@ -100,6 +100,7 @@ def test_the_time_limit_lets_a_run_start_only_while_the_longest_so_far_still_fit
 
 @pytest.mark.parametrize("flags, message", [
     (["--layouts", "1p1d,2x2"], "unknown layout '2x2'"),
+    (["--layouts", ","], "name at least one layout"),
     (["--rates", "4,0"], "positive finite"),
     (["--gpus", "0,a"], "--gpus takes comma-separated GPU ids"),
     (["--repeats", "0"], "must be positive"),
