@@ -6,7 +6,8 @@ llama-3.1-8b KV in 16-token pages is 8,192 spans when the prefill's pages are sc
 into the order of the decode's runs (its allocator hands out few long runs). The gather is one `index_select` per
 head slice on the sender's device, over the pool's bytes in machine words whatever the KV dtype (FP8 pages travel
 as they are), into a range of a bounded staging arena registered with the engine. The receiver sees an ordinary
-write: the protocol does not change, and a piece that would not save spans is written in place as before.
+write, and a piece that would not save spans is written in place as before. A piece for the decode's receive
+staging (receive_staging.py) is always packed, into its slot: two spans per write, whatever the pages.
 
 Staging layout of one piece, per head slice: [K/V, layer, page in destination order, token, head, byte].
 """
@@ -16,8 +17,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from contextlib import nullcontext
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -216,13 +217,13 @@ class StagingArena:
             n = self._taken.pop(start)
             self._free.append((start, n))
             self._free.sort()
-            merged: list[tuple[int, int]] = []
+            free: list[tuple[int, int]] = []
             for s, length in self._free:
-                if merged and merged[-1][0] + merged[-1][1] == s:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + length)
+                if free and free[-1][0] + free[-1][1] == s:
+                    free[-1] = (free[-1][0], free[-1][1] + length)
                 else:
-                    merged.append((s, length))
-            self._free = merged
+                    free.append((s, length))
+            self._free = free
             self._cond.notify_all()
 
 
