@@ -176,9 +176,11 @@ class RoleSwitcher:
         try:
             answer = await self.ask(worker, to_role)
         finally:
-            role, port = await self.role_now(worker)
-            self.registry.add(worker.url, role, port)
-            self.busy = False
+            try:
+                role, port = await self.role_now(worker)
+                self.registry.add(worker.url, role, port)
+            finally:
+                self.busy = False
         outcome = "switched" if role == to_role else "refused"
         self.metrics.role_switches.labels(to_role=to_role, outcome=outcome).inc()
         log.warning("role switch: %s %s -> %s %s in %.1f s (%s)%s", worker.role, worker.url, to_role, outcome,

@@ -7,6 +7,7 @@ cluster has a cluster secret, as every launcher sets one."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -38,7 +39,8 @@ def cluster(tiny_model) -> Iterator[dict[str, Proc]]:
     moving = decode_server(tiny_model, "tcp", SWITCHABLE, "--disaggregation-bootstrap-port", str(boot_moving),
                            *SECRET, name="decode-moving")
     start_all([prefill, steady, moving])
-    front = router([(prefill, boot_prefill)], [steady, moving], *SECRET, name="router-role-switch")
+    front = router([(prefill, boot_prefill)], [steady, moving], *SECRET, "--prefill-policy", "round_robin",
+                   name="router-role-switch")  # round robin: the switched server takes its share of prefills
     try:
         start_all([front])
     except BaseException:
@@ -97,6 +99,11 @@ def roles_in_router(front: Proc) -> dict[str, str]:
     return {w["url"]: w["role"] for w in front.get("/workers").json()["workers"]}
 
 
+def received(server: Proc) -> float:
+    text = server.get("/metrics").body.decode()
+    return float(re.search(r"^pdserve_requests_received_total (\S+)$", text, re.M).group(1))
+
+
 def mode(server: Proc) -> str:
     return server.get("/load").json()["disaggregation_mode"]
 
@@ -119,7 +126,9 @@ def test_switching_under_load_loses_no_request_and_keeps_greedy_outputs(cluster,
         outcome = switch(front, moving, "prefill")
         assert outcome["outcome"] == "switched" and outcome["from_role"] == "decode", outcome
         assert mode(moving) == "prefill" and roles_in_router(front)[moving.url] == "prefill"
+        served_before = received(moving)
         load.wait_for(2 * LOAD_THREADS, after=time.monotonic())  # prefilled on either prefill server now
+        assert received(moving) > served_before  # it served as a prefill
         assert switch(front, moving, "decode")["outcome"] == "switched"
         back_at = time.monotonic()
         assert mode(moving) == "decode" and roles_in_router(front)[moving.url] == "decode"
