@@ -15,7 +15,8 @@
 #   pd             prefill + decode on GPU 0 behind the router (mooncake), --max-total-tokens 120000 each, request
 #                  timelines on all three: the mix fresh, 30 s of the decode load to fill both pools, the mix again;
 #                  then `pdserve.bench.timeline` over the logs (PREFILL_GPU=0 DECODE_GPU=1 on a two-GPU machine
-#                  puts each server on its own GPU)
+#                  puts each server on its own GPU; PD_FLAGS adds flags to both servers, e.g.
+#                  PD_FLAGS="--disaggregation-prefill-ahead-share 0" for the prefill that waits for its page list)
 #   cluster        `python -m pdserve.launch_cluster` on the one GPU and the README's curl
 # Set PYSPY=1 for py-spy profiles of the servers under the mix. Results land in $OUT/pd_one_gpu.tgz (the device tool
 # brings back 8 files at most).
@@ -136,7 +137,7 @@ phase_decode_alone() {
 }
 
 phase_pd() {
-  local common=(--disaggregation-transfer-backend mooncake --max-total-tokens 120000)
+  local common=(--disaggregation-transfer-backend mooncake --max-total-tokens 120000 ${PD_FLAGS:-})
   local p d r
   p=$(CUDA_VISIBLE_DEVICES=${PREFILL_GPU:-0} serve prefill "${common[@]}" --port 7000 --disaggregation-mode prefill --disaggregation-bootstrap-port 8998 \
     --request-timeline-log "$OUT/timeline_prefill.jsonl")
