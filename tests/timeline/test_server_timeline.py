@@ -112,6 +112,19 @@ def test_a_colocated_request_passes_every_stage_in_order(colocated, stream):
     assert stage_count(proc, tl.COLOCATED_ROLE, tl.SENT) >= 1
 
 
+def test_an_openai_request_takes_its_request_id_header_as_its_rid(colocated, tiny_model):
+    """A direct client's X-Request-Id names the timeline line, the answer's id carries OpenAI's prefix before it;
+    an overlong one is refused."""
+    proc, log = colocated
+    body = {"model": tiny_model, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    reply = proc.post("/v1/completions", body, headers={"X-Request-Id": "direct-1"})
+    assert reply.status == 200, reply.body
+    assert reply.json()["id"] == "cmpl-direct-1"
+    assert timeline_line(log, "direct-1")["role"] == tl.COLOCATED_ROLE
+    reply = proc.post("/v1/completions", body, headers={"X-Request-Id": "x" * 513})
+    assert reply.status == 400 and "X-Request-Id" in reply.json()["error"]["message"]
+
+
 def test_a_pd_request_is_logged_by_both_roles_and_merged_with_the_router(pd_logged):
     procs, logs = pd_logged["procs"], pd_logged["logs"]
     reply = procs["router"].post("/generate", {"text": PROMPT, "sampling_params": SAMPLING, "stream": True},
