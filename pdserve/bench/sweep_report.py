@@ -219,7 +219,8 @@ def draw(result: dict) -> Any:
         limit = slo["ttft_ms"] if metric == "ttft_ms" else slo["tpot_ms"]
         _rate_panel(ax, result, f"{metric[:-3]}_{pct}_ms", f"{metric[:-3].upper()} {pct} (ms)", line=limit,
                     log=metric == "ttft_ms")
-    axes[0][1].legend(fontsize=8)
+    if axes[0][1].get_legend_handles_labels()[0]:
+        axes[0][1].legend(fontsize=8)
     where = (f"{result['num_gpus']} servers on the CPU" if result["device_name"] == "CPU" else
              f"{result['num_gpus']} x {result['device_name']}")
     fig.suptitle(f"{result['workload']} workload, {result['model']}, {where}, "
@@ -245,7 +246,8 @@ def _goodput_bars(ax, result: dict) -> None:
     ax.set_xticks(range(len(names)), names, fontsize=8)
     ax.set_title(f"goodput (req/s, >= {100 * result['target_attainment']:g}% in SLO)", fontsize=10)
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
 
 
