@@ -19,6 +19,7 @@ from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError
 from pdserve.disagg.factory import scheduler_for
 from pdserve.disagg.transfer.base import TransferError
+from pdserve.engine import compile_watch
 from pdserve.scheduler.role import Role
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.warmup import warm_up
@@ -51,5 +52,6 @@ def _start_role(args: ServerArgs, runner, link) -> Scheduler:
     link.serve_role(args)
     scheduler = scheduler_for(args, runner, link)
     if not args.skip_server_warmup:
-        warm_up(scheduler)  # a server that started as decode has compiled no prefill kernel yet
+        with compile_watch.warming_up():
+            warm_up(scheduler)  # a server that started as decode has compiled no prefill kernel yet
     return scheduler

@@ -6,12 +6,15 @@ listener (`triton.knobs.compilation.listener`, which Triton calls at the end of 
 specialization built, or loaded from the on-disk cache; launches of a kernel already in memory do not call it)
 and chains any listener installed before. `compiles_after_ready()` is the count for
 `pdserve_compiles_after_ready_total`. pdserve uses no torch.compile, and cuBLAS/cuDNN heuristics expose no hook.
+A role switch warms its new role up after ready (`warming_up()`): those compiles are expected and not counted.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -24,8 +27,11 @@ class CompileWatch:
         self.chained = chained  # the Triton listener installed before this one, called after it
         self.count = 0
         self.lock = threading.Lock()
+        self.warming_up = False
 
     def record(self, what: str, seconds: float, from_disk_cache: bool) -> None:
+        if self.warming_up:
+            return
         with self.lock:
             self.count += 1
         source = "loaded from the on-disk cache" if from_disk_cache else "compiled"
@@ -60,6 +66,19 @@ def arm() -> CompileWatch:
         _watch = CompileWatch(knobs.compilation.listener)
         knobs.compilation.listener = _watch.triton_listener
     return _watch
+
+
+@contextmanager
+def warming_up() -> Iterator[None]:
+    """Compiles inside (a role switch's warm-up of its new role) are expected: neither counted nor logged."""
+    if _watch is None:
+        yield
+        return
+    _watch.warming_up = True
+    try:
+        yield
+    finally:
+        _watch.warming_up = False
 
 
 def compiles_after_ready() -> int:

@@ -43,3 +43,17 @@ def test_armed_watch_counts_and_names_each_triton_compile(monkeypatch, tmp_path,
     assert loaded.startswith("after ready, loaded from the on-disk cache triton kernel _copy_kernel(BLOCK=64) in ")
     assert compiled.endswith(" ms (warm-up did not reach it)")
 
+
+
+def test_a_role_switch_warm_up_compiles_uncounted(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compile_watch, "_watch", None)
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    source = ASTSource(_copy_kernel, {"src": "*fp32", "dst": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                       {"BLOCK": 32})
+    compile_watch.arm()
+    with caplog.at_level(logging.WARNING, logger=compile_watch.__name__), compile_watch.warming_up():
+        triton.compile(source, target=GPUTarget("cuda", 80, 32))
+    assert compile_watch.compiles_after_ready() == 0 and caplog.records == []
+    triton.compile(ASTSource(_copy_kernel, source.signature, {"BLOCK": 256}), target=GPUTarget("cuda", 80, 32))
+    assert compile_watch.compiles_after_ready() == 1  # counted again once the warm-up is over
