@@ -346,7 +346,7 @@ class TokenizerManager:
         if reply.success:
             self.args = self.args.replace(disaggregation_mode=mode)
             self.role = server_role(mode)
-            self.model_info = {**self.model_info, **reply.model_info}
+            self.model_info = {**reply.model_info, "warmup": self.model_info.get("warmup")}  # the start's warm-up
             self.prefix_digest = PrefixDigest(self.args.keeps_prefix_cache)  # the new role's cache starts empty
         return reply
 

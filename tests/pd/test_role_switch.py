@@ -17,6 +17,7 @@ import pytest
 from cluster_util import CHILD_ENV, Proc, Reply, decode_server, free_port, http, prefill_server, router, start_all, \
     stop_all, wait_kv_free
 from pdserve.cluster_auth import HEADER, ClusterAuth
+from pdserve.config import ConfigError, ServerArgs
 from pdserve.scheduler.process import STEP_DELAY_ENV
 
 pytestmark = pytest.mark.timeout(900)  # the servers start inside the test
@@ -165,13 +166,37 @@ def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(
     while steady.get("/load").json()["num_running_reqs"] == 0:  # decoding: seconds of steps still to come
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.02)
-    switch_body = {"role": "prefill", "drain_timeout_s": 0.3}
-    reply = signed_post(steady, "/pd_role_switch", switch_body)
+    switch_body = {"role": "prefill", "drain_timeout_s": 1.0}
+    switching: dict = {}
+    switcher = threading.Thread(target=lambda: switching.update(reply=signed_post(steady, "/pd_role_switch",
+                                                                                   switch_body)))
+    switcher.start()
+    short_body = {"input_ids": PROMPTS[3], "sampling_params": GREEDY}
+    while (paused := signed_post(steady, "/generate", short_body)).status == 200:  # until the drain has begun
+        assert switcher.is_alive(), "no request was refused while the server drained"
+    assert paused.status == 503 and "switching its role" in paused.json()["error"]["message"], paused.body
+    switcher.join(60)
+    reply = switching["reply"]
     assert reply.status == 409 and "keeps its role" in reply.json()["error"]["message"], reply.body
+    assert signed_post(steady, "/generate", short_body).json()["output_ids"] == generate(colocated, PROMPTS[3])
     assert steady.post("/pd_role_switch", switch_body).status == 401  # only the router may ask
     thread.join(120)
     assert result["reply"].status == 200, result["reply"].body
     assert result["reply"].json()["output_ids"] == generate(colocated, PROMPTS[1], LONG_OUTPUT)
     assert mode(steady) == "decode" and roles_in_router(front)[steady.url] == "decode"
     assert generate(front, PROMPTS[2]) == generate(colocated, PROMPTS[2])
+    assert signed_post(steady, "/pd_role_switch", {"role": "colocated"}).status == 400
+    not_enabled = colocated.post("/pd_role_switch", {"role": "prefill"})
+    assert not_enabled.status == 400 and "--enable-pd-role-switch" in not_enabled.json()["error"]["message"]
     wait_kv_free([cluster["prefill"], steady, cluster["moving"]])
+
+
+@pytest.mark.parametrize("flags, problem", [
+    ({}, "prefill or decode"),
+    ({"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake"}, "not fake"),
+    ({"disaggregation_mode": "decode", "tp_size": 2}, "--tp-size 1"),
+    ({"disaggregation_mode": "decode", "disaggregation_bootstrap_port": 30000}, "its own bootstrap port"),
+])
+def test_role_switch_flags_that_cannot_work_are_refused(flags, problem):
+    with pytest.raises(ConfigError, match=problem):
+        ServerArgs(model_path="m", enable_pd_role_switch=True, **flags)
