@@ -44,7 +44,7 @@ from pdserve.config import ConfigError, ServerArgs, build_arg_parser as build_se
 from pdserve.hub import resolve_model_path
 from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, ROLE_BALANCE_ROUTER_FLAGS,
                              ROLE_SWITCH_SERVER_FLAG, WORKLOADS, LayoutError, check_fits, check_layout_name,
-                             choose_layout, parse_layout)
+                             choose_layout, parse_layout, plain_layout)
 from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
@@ -300,18 +300,30 @@ def layout_gpus(ns: argparse.Namespace, visible: int) -> int:
     return min(visible, ns.num_gpus or visible)
 
 
+def auto_layout(workload: str, servers: int, tp_size: int) -> tuple[str, str]:
+    """`choose_layout` for `servers` server slots; with ranks per server, its plain form (no -balanced, -roles)."""
+    name, why = choose_layout(workload, servers)
+    if tp_size == 1:
+        return name, why
+    return plain_layout(name), f"{why}; plain, as servers of {tp_size} ranks take no TPOT budget or role switch"
+
+
 def apply_layout(ns: argparse.Namespace, gpus: int) -> str | None:
     """Set the server counts of `ns` from its --layout on `gpus` GPUs (0: the CPU), and return the line that says
     which layout and why; None when the command line gave the server counts itself."""
     if ns.server_counts_given:
         return None
     slots = gpus or ns.num_gpus or CPU_SLOTS
-    name, why = (ns.layout, "") if ns.layout != "auto" else choose_layout(ns.workload, gpus)
+    tp_size = max(ns.prefill_tp_size, ns.decode_tp_size)
+    name, why = (ns.layout, "") if ns.layout != "auto" else auto_layout(ns.workload, gpus // tp_size, tp_size)
     try:
         layout = parse_layout(name, slots)
-        check_fits(layout, gpus)
+        check_fits(layout, gpus if tp_size == 1 else 0)  # servers of several ranks: place_servers counts them
     except LayoutError as exc:
         raise ClusterError(str(exc)) from None
+    if tp_size > 1 and (layout.balanced or layout.switch_roles):
+        raise ClusterError(f"layout {name}: the TPOT budget and the role switch need servers of one rank "
+                           "(--tp-size 1); name the plain layout")
     ns.colocated, ns.balanced, ns.switch_roles = layout.colocated, layout.balanced, layout.switch_roles
     ns.num_workers = max(1, layout.workers // ns.worker_tp_size)
     ns.num_prefill, ns.num_decode = layout.prefill or 1, layout.decode or 1

@@ -74,6 +74,12 @@ def parse_layout(name: str, slots: int) -> Layout:
                   switch_roles=match[4] is not None)
 
 
+def plain_layout(name: str) -> str:
+    """`name` without its -balanced and -roles endings."""
+    match = _PD_NAME.fullmatch(name)
+    return f"{match[1]}p{match[2]}d" if match else name
+
+
 def check_fits(layout: Layout, gpus: int) -> None:
     """LayoutError unless `layout`'s servers have a GPU each (one GPU is shared by every server)."""
     if gpus > 1 and layout.servers > gpus:

@@ -102,9 +102,20 @@ def test_the_cpu_and_one_gpu_keep_the_default_pair_and_counts_given_override_the
     assert counts.layout_line is None and [s.name for s in counts.servers] == ["prefill 0", "prefill 1", "decode 0"]
 
 
+def test_auto_with_servers_of_several_ranks_counts_servers_and_starts_the_plain_layout(tiny_model):
+    ns, engine_args = parse_args(["--model-path", tiny_model, "--", "--tp-size", "2"])
+    plan = plan_layout(ns, engine_args, 4)
+    assert "for the mix workload: 1p1d (1 prefill + 1 decode); not measured yet" in plan.layout_line
+    assert plan.layout_line.endswith("plain, as servers of 2 ranks take no TPOT budget or role switch")
+    assert [(s.name, s.gpu, s.tp_size) for s in plan.servers] == [("prefill 0", 0, 2), ("decode 0", 2, 2)]
+    assert not any(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
+
+
 @pytest.mark.parametrize("visible, flags, message", [
     (2, ["--layout", "3p1d"], "layout 3p1d needs 4 GPUs, 2 given"),
     (2, ["--num-gpus", "4"], "--num-gpus 4 but 2 GPU"),
+    (4, ["--layout", "1p1d-balanced", "--decode-tp-size", "2"], "need servers of one rank"),
+    (4, ["--layout", "2p2d", "--prefill-tp-size", "2"], "the servers need 6 GPUs .* but 4 are visible"),
 ])
 def test_layouts_that_do_not_fit_the_gpus_are_refused(tiny_model, visible, flags, message):
     with pytest.raises(ClusterError, match=message):
