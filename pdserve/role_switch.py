@@ -18,8 +18,10 @@ import time
 from pdserve.config import ServerArgs
 from pdserve.disagg.bootstrap import BootstrapError
 from pdserve.disagg.factory import scheduler_for
+from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.transfer.base import TransferError
 from pdserve.engine import compile_watch
+from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.role import Role
 from pdserve.scheduler.scheduler import Scheduler
 from pdserve.scheduler.warmup import warm_up
@@ -30,8 +32,8 @@ PD_ROLES = ("prefill", "decode")
 
 def switch_role(scheduler: Scheduler, args: ServerArgs, mode: str) -> tuple[Scheduler, str | None]:
     """A scheduler of role `mode` and None; or, when that role cannot start (its bootstrap port is taken), one of
-    the old role again and why. `scheduler` (idle, every page free) is closed either way; `args`: the server's
-    flags as launched."""
+    the old role again and why. `scheduler` (idle, every page free) is closed unless `mode` is no other PD role;
+    `args`: the server's flags as launched."""
     old_mode = scheduler.args.disaggregation_mode
     if mode not in PD_ROLES or mode == old_mode:
         return scheduler, f"cannot switch from {old_mode} to {mode!r}: the roles are {', '.join(PD_ROLES)}"
@@ -48,7 +50,7 @@ def switch_role(scheduler: Scheduler, args: ServerArgs, mode: str) -> tuple[Sche
     return switched, None
 
 
-def _start_role(args: ServerArgs, runner, link) -> Scheduler:
+def _start_role(args: ServerArgs, runner: ModelRunner, link: PeerLink) -> Scheduler:
     link.serve_role(args)
     scheduler = scheduler_for(args, runner, link)
     if not args.skip_server_warmup:

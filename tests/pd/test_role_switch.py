@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -152,6 +153,19 @@ def signed_post(server: Proc, path: str, body: dict) -> Reply:
     """A POST signed as the router signs (a request without bootstrap fields: the decode prefills it itself)."""
     data = json.dumps(body).encode()
     return server.post(path, data, headers={HEADER: ClusterAuth(SECRET[1]).token("POST", path, data)}, timeout=120)
+
+
+def test_a_role_that_cannot_start_leaves_the_server_in_its_old_role(cluster, colocated):
+    steady = cluster["steady"]
+    port = steady.get("/get_server_info").json()["disaggregation_bootstrap_port"]
+    with socket.socket() as taken:  # the bootstrap port the prefill role would open
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        reply = signed_post(steady, "/pd_role_switch", {"role": "prefill"})
+    assert reply.status == 409 and "BootstrapError" in reply.json()["error"]["message"], reply.body
+    assert mode(steady) == "decode"
+    assert cluster["router"].post("/generate", {"input_ids": PROMPTS[4], "sampling_params": GREEDY}).json()[
+        "output_ids"] == generate(colocated, PROMPTS[4])
 
 
 def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(cluster, colocated):
