@@ -8,7 +8,7 @@
 # out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
 # Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
 # Knobs (environment): RATES (comma-separated), DURATION (s of arrivals per rate), REPEATS, LAYOUTS, LABEL,
-# TPOT_BUDGET_MS (the balanced layouts' decode budget; default the launcher's),
+# TPOT_BUDGET_MS (the balanced layouts' decode budget; default the sweep's: the TPOT SLO, 10 ms),
 # CALL_SECONDS (560: when the sweep must be done, counted from the script's start; the runs it leaves no room for
 # are not started, and the JSON says time_limit_reached).
 # Results in $OUT: sweep.json, sweep.png, logs.tgz (every server's and router's log), the steps' logs.
