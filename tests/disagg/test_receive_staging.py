@@ -25,6 +25,22 @@ def staged_pair(tiny_model):
         decode.close()
 
 
+def hold_every_other_page(scheduler, monkeypatch) -> None:
+    """Scatter the scheduler's free pages: every other page is held, and given back before its pool is checked."""
+    allocator = scheduler.allocator
+    held = allocator.alloc(allocator.num_free)
+    allocator.free(held[::2])
+    still_held = [held[1::2]]
+    pool_is_free = scheduler.kv_pool_is_fully_free
+
+    def give_back_then_check() -> bool:
+        while still_held:
+            allocator.free(still_held.pop())
+        return pool_is_free()
+
+    monkeypatch.setattr(scheduler, "kv_pool_is_fully_free", give_back_then_check)
+
+
 def slots_free(decode) -> bool:
     decode.role.receive.collect()
     return decode.role.receive.arena.bytes_in_use == 0 and not decode.role.receive.slots
@@ -34,18 +50,7 @@ def test_staged_handoffs_equal_colocated_on_scattered_decode_pages(tiny_model, s
     """The decode's free pages are every other page, so each prompt's pages are scattered there; chunked prompts
     (70, 130 tokens) land in their slot in several writes. The checksum is on: the unpacked pages are compared."""
     prefill, decode, port, unpacked = staged_pair
-    allocator = decode.allocator
-    held = allocator.alloc(allocator.num_free)
-    allocator.free(held[::2])
-    still_held = [held[1::2]]
-    pool_is_free = decode.kv_pool_is_fully_free
-
-    def give_back_then_check() -> bool:  # the held pages come back before the decode's pool is checked
-        while still_held:
-            allocator.free(still_held.pop())
-        return pool_is_free()
-
-    monkeypatch.setattr(decode, "kv_pool_is_fully_free", give_back_then_check)
+    hold_every_other_page(decode, monkeypatch)
     check_pd_equals_colocated(tiny_model, (prefill, decode, port), (3, 31, 70, 130), seed=3, first_room=900)
     assert len(unpacked) == 4 and any(b - a != 1 for pages in unpacked for a, b in zip(pages, pages[1:]))
     assert slots_free(decode) and decode.kv_pool_is_fully_free()
@@ -99,3 +104,21 @@ def test_the_prefill_refuses_staging_it_cannot_fill():
     ]:
         with pytest.raises(ValueError, match=error):
             _staged_destinations(msg, decode_tp, prefill_tp)
+
+
+def test_a_prefill_with_scattered_pages_packs_its_writes(tiny_model, monkeypatch):
+    """Without receive staging: the prefill's free pages are every other page, the decode's one run, so every
+    write is packed (one span per layer and K/V instead of one per page); output equals colocated."""
+    prefill, decode, port = make_pair(tiny_model)
+    hold_every_other_page(prefill, monkeypatch)
+    mover = prefill.role.writers.mover
+    packed_writes = []
+    write_packed = mover._write_packed
+    monkeypatch.setattr(mover, "_write_packed", lambda session, parts: (packed_writes.append(parts),
+                                                                        write_packed(session, parts)))
+    try:
+        check_pd_equals_colocated(tiny_model, (prefill, decode, port), (31, 70), seed=5, first_room=970)
+        assert packed_writes and all(part.num_pages > 1 for parts in packed_writes for part in parts)
+    finally:
+        prefill.close()
+        decode.close()
