@@ -340,7 +340,7 @@ class Scheduler:
     def schedule_extend(self) -> list[ExtendItem]:
         """This step's prefill chunks: the chunked prompt first, then admitted waiting requests within the token
         budget, which the TPOT budget sets while requests decode (at most one of them chunked, and last)."""
-        budget = self.tpot_budget.extend_tokens(decoding=bool(self.running))
+        budget = self.tpot_budget.extend_tokens(decoding=bool(self.running), queued_tokens=self.queued_prefill_tokens())
         if budget == 0:
             return []
         items: list[ExtendItem] = []

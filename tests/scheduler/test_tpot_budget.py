@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.scheduler.tpot_budget import CREDIT_CAP_BUDGETS, MIN_CHUNK_TOKENS, MIN_EARN_SHARE, StepCosts, TpotBudget
+from pdserve.scheduler.tpot_budget import (CREDIT_CAP_BUDGETS, MIN_EARN_SHARE, SAVED_CHUNK_TOKENS, StepCosts,
+                                          TpotBudget)
 
 PAGE = 16
 MAX_CHUNK = 8192
@@ -63,26 +64,32 @@ def test_nothing_decoding_means_full_speed_and_a_fresh_credit():
 
 def test_an_extend_waits_for_credit_then_takes_the_largest_page_aligned_chunk_it_pays_for():
     b = budget(ms=20.0)
-    assert b.extend_tokens(decoding=True) == 0  # no credit yet: a decode step first
+    assert b.extend_tokens(decoding=True, queued_tokens=1000) == 0  # no credit yet: a decode step first
     decode_step(b)  # earns 20 - 6 = 14 ms: (14 - 1) ms / 10 us = 1300 tokens, 1296 page-aligned
     assert b.credit_s == pytest.approx(14 * MS)
-    assert b.extend_tokens(decoding=True) == 1296
+    assert b.extend_tokens(decoding=True, queued_tokens=1000) == 1296
 
 
-def test_a_small_credit_still_buys_a_minimum_chunk_which_decode_steps_then_repay():
+def test_an_extend_waits_until_the_credit_pays_for_a_saved_chunk():
     b = budget(ms=7.0)
-    decode_step(b)  # 1 ms of credit pays for no chunk: the minimum runs and takes the credit negative
-    tokens = b.extend_tokens(decoding=True)
-    assert tokens == MIN_CHUNK_TOKENS
+    steps = 0
+    while b.extend_tokens(decoding=True, queued_tokens=500) == 0:
+        decode_step(b)
+        steps += 1
+    assert steps == 7  # 1 ms earned per step; 512 queued tokens (page-aligned) cost 6.12 ms
+    assert b.extend_tokens(decoding=True, queued_tokens=500) >= 512
+    # with more queued than a saved chunk, the credit is saved up for a whole one (1 + 20.48 ms), not spent in bits
+    b = budget(ms=7.0)
+    for _ in range(21):
+        decode_step(b)
+        assert b.extend_tokens(decoding=True, queued_tokens=10_000) == 0
+    decode_step(b)
+    tokens = b.extend_tokens(decoding=True, queued_tokens=10_000)
+    assert tokens == 2096  # 22 ms of credit: (22 - 1) ms / 10 us, page-aligned, at least the saved chunk
     charged = b.extend_started(tokens, decoding=True)
     assert charged == pytest.approx(FIXED_S + PER_TOKEN_S * tokens)
     b.extend_measured(tokens, charged, charged)
-    assert b.credit_s < 0 and b.extend_tokens(decoding=True) == 0
-    steps = 0
-    while b.extend_tokens(decoding=True) == 0:
-        decode_step(b)
-        steps += 1
-    assert steps == 3  # 2.56 ms of debt, 1 ms repaid per step
+    assert b.credit_s >= 0 and b.extend_tokens(decoding=True, queued_tokens=10_000) == 0
 
 
 def test_the_measured_time_settles_what_the_launch_charged():
@@ -108,7 +115,12 @@ def test_the_credit_is_capped_and_an_outlier_leaves_a_bounded_debt():
 def test_decode_steps_slower_than_the_budget_still_let_prefill_through():
     b = budget(ms=5.0)
     decode_step(b)
-    assert b.credit_s == pytest.approx(MIN_EARN_SHARE * 5 * MS) and b.extend_tokens(decoding=True) == 256
+    assert b.credit_s == pytest.approx(MIN_EARN_SHARE * 5 * MS)
+    steps = 1
+    while b.extend_tokens(decoding=True, queued_tokens=256) == 0:
+        decode_step(b)
+        steps += 1
+    assert steps == 8  # 0.5 ms a step buys the 256 queued tokens' 3.56 ms
 
 
 def test_a_decode_step_earns_by_its_learned_time_at_launch_and_by_its_measured_time_once_read():
@@ -149,7 +161,8 @@ def test_the_offered_rate_is_the_full_rate_times_the_budget_share_while_requests
     full = MAX_CHUNK / (FIXED_S + PER_TOKEN_S * MAX_CHUNK)
     assert b.prefill_rate(decoding=False) == pytest.approx(full)
     assert b.prefill_share() == pytest.approx(0.4)  # 4 ms of prefill for every 6 ms decode step
-    assert b.prefill_rate(decoding=True) == pytest.approx(0.4 * 256 / (FIXED_S + PER_TOKEN_S * 256))
+    saved = SAVED_CHUNK_TOKENS
+    assert b.prefill_rate(decoding=True) == pytest.approx(0.4 * saved / (FIXED_S + PER_TOKEN_S * saved))
     assert TpotBudget(0.0, PAGE, MAX_CHUNK, costs()).prefill_rate(decoding=True) == pytest.approx(full)
     assert TpotBudget(10.0, PAGE, MAX_CHUNK).prefill_rate(decoding=False) == 0.0  # nothing measured
 
