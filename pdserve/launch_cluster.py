@@ -338,14 +338,14 @@ def pd_servers(ns: argparse.Namespace, spec: Callable[..., ChildSpec], ports: Po
     """The prefill then decode servers (`spec(name, tp_size, *flags, bootstrap=port)` plans one), and the router's
     flags for them. A -balanced layout's decodes prefill within their TPOT budget and its router picks the path by
     load; in a -roles layout every server may switch role (a decode has a bootstrap port of its own for when it
-    prefills) and the router balances the roles."""
+    prefills, a balanced prefill the TPOT budget for when it decodes) and the router balances the roles."""
     switch = [ROLE_SWITCH_SERVER_FLAG] if ns.switch_roles else []
     budget = [DECODE_TPOT_BUDGET_FLAG, f"{ns.decode_tpot_budget_ms:g}"] if ns.balanced else []
     prefills = []
     for i in range(ns.num_prefill):
         boot = ports.pick()
         prefills.append(spec(f"prefill {i}", ns.prefill_tp_size, *prefill_flags(ns.transfer_backend, boot), *switch,
-                             bootstrap=boot))
+                             *(budget if switch else []), bootstrap=boot))
     decodes = []
     for j in range(ns.num_decode):
         boot = ports.pick() if ns.switch_roles else None

@@ -69,6 +69,8 @@ def test_a_roles_layout_makes_every_server_switchable_and_the_router_balance_the
     assert all(f in plan.router.argv for f in layouts.ROLE_BALANCE_ROUTER_FLAGS)
     assert not any(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
     assert flag_value(plan.router.argv, "--prefill-bootstrap-ports") == boots[0]
+    balanced = planned(tiny_model, 4, "--layout", "2p2d-balanced-roles")  # a prefill that turns decode keeps a budget
+    assert all(flag_value(s.argv, DECODE_TPOT_BUDGET_FLAG) == "10" for s in balanced.servers)
     plain = planned(tiny_model, 4, "--layout", "2p2d")
     assert not any(layouts.ROLE_SWITCH_SERVER_FLAG in s.argv for s in plain.servers)
     assert [s.bootstrap_port is None for s in plain.servers] == [False, False, True, True]
