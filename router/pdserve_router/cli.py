@@ -65,6 +65,8 @@ _HELP: dict[str, tuple[str, str]] = {
                                          "many seconds at its measured rate."),
     "balance_decode_step_ms": (_BALANCE, "A decode is at its threshold when its decode step takes this many ms "
                                          "(or its KV pool is 90%% full)."),
+    "balance_idle_pressure": (_BALANCE, "A side idles at this pressure or below (1: at its threshold; a decode step "
+                                        "never gets far below its threshold: the weights are read at every step)."),
     "balance_window_s": (_BALANCE, "One side must stay at its threshold, the other idle, this many seconds before "
                                    "a switch."),
     "balance_cooldown_s": (_BALANCE, "Seconds after a switch before the next one."),

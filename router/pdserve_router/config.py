@@ -53,10 +53,11 @@ class RouterConfig:
     # automatic P:D balance (pd mode): instances started with --enable-pd-role-switch change role
     balance_roles: bool = False
     balance_interval_s: float = 1.0
-    balance_prefill_wait_s: float = 1.0
+    balance_prefill_wait_s: float = 0.5
     balance_decode_step_ms: float = 10.0
-    balance_window_s: float = 10.0
-    balance_cooldown_s: float = 60.0
+    balance_idle_pressure: float = 0.7
+    balance_window_s: float = 5.0
+    balance_cooldown_s: float = 20.0
     balance_drain_timeout_s: float = 30.0
     # requests
     request_timeout_s: float = 600.0
@@ -125,10 +126,10 @@ class RouterConfig:
         knobs = (self.balance_interval_s, self.balance_prefill_wait_s, self.balance_decode_step_ms,
                  self.balance_drain_timeout_s)
         if not all(0 < k < math.inf for k in knobs) or not 0 <= self.balance_window_s < math.inf \
-                or not 0 <= self.balance_cooldown_s < math.inf:
+                or not 0 <= self.balance_cooldown_s < math.inf or not 0 < self.balance_idle_pressure < 1:
             raise ConfigError("--balance-interval-s, --balance-prefill-wait-s, --balance-decode-step-ms and "
                               "--balance-drain-timeout-s must be > 0, --balance-window-s and --balance-cooldown-s "
-                              ">= 0 (all finite)")
+                              ">= 0 (all finite), --balance-idle-pressure in (0, 1)")
 
     def policy_for(self, role: Role) -> str:
         return {"prefill": self.prefill_policy, "decode": self.decode_policy, "regular": self.policy}[role]

@@ -7,7 +7,8 @@ An instance's pressure, from its `/load` (1.0: at its threshold):
 - a decode's: its decode step time over `--balance-decode-step-ms` while it decodes, or its KV usage over KV_FULL,
   whichever is higher.
 A side's pressure is the mean of its instances'. When one side's pressure stays at 1 or above for
-`--balance-window-s` while the other side's stays at IDLE_PRESSURE or below, and the idle side has more than one
+`--balance-window-s` while the other side's stays at `--balance-idle-pressure` or below (a decode step has a floor,
+the time to read the weights, well above zero: 0.7 by default), and the idle side has more than one
 instance in rotation, its least loaded instance switches to the busy side's role: it leaves routing (its requests
 in flight finish there), is asked to switch (`POST /pd_role_switch`: the server drains and switches, or refuses
 and keeps its role), and re-registers under the role it serves afterwards. At most one switch runs at a time, none
@@ -34,7 +35,6 @@ from .workers import PeriodicPoller, Worker, WorkerRegistry, normalize_url
 
 log = logging.getLogger("pdserve_router")
 PD_ROLES = ("prefill", "decode")
-IDLE_PRESSURE = 0.5  # a side at or below this pressure idles
 KV_FULL = 0.9  # a decode instance using this share of its KV pool is at its threshold
 SWITCH_PATH = "/pd_role_switch"
 SWITCH_SECONDS = 600.0  # beyond the drain: the server warms its new role up before it answers
@@ -77,6 +77,7 @@ class Move:
 class BalancePolicy:
     prefill_wait_s: float
     decode_step_ms: float
+    idle_pressure: float  # a side at or below this pressure idles
 
     def pressure(self, role: str, load: RoleLoad) -> float | None:
         """The instance's pressure in `role`; None when it cannot be told (a queue at an unmeasured rate)."""
@@ -99,10 +100,10 @@ class BalancePolicy:
             pressures[role] = scored
         for busy, idle in (PD_ROLES, PD_ROLES[::-1]):
             busy_mean, idle_mean = mean(pressures[busy]), mean(pressures[idle])
-            if busy_mean >= 1.0 and idle_mean <= IDLE_PRESSURE and len(pressures[idle]) > 1:
+            if busy_mean >= 1.0 and idle_mean <= self.idle_pressure and len(pressures[idle]) > 1:
                 _, url = min(pressures[idle])
                 return Move(url, busy, f"{busy} pressure {busy_mean:.2f} >= 1 while {idle} pressure "
-                                       f"{idle_mean:.2f} <= {IDLE_PRESSURE}")
+                                       f"{idle_mean:.2f} <= {self.idle_pressure:g}")
         return None
 
 
@@ -233,7 +234,8 @@ class RoleBalancer(PeriodicPoller):
         self.headers = switcher.auth
         self.interval_s = config.balance_interval_s
         self.timeout_s = config.health_check_timeout_s
-        self.policy = BalancePolicy(config.balance_prefill_wait_s, config.balance_decode_step_ms)
+        self.policy = BalancePolicy(config.balance_prefill_wait_s, config.balance_decode_step_ms,
+                                    config.balance_idle_pressure)
         self.window = BalanceWindow(config.balance_window_s, config.balance_cooldown_s)
         self.running: asyncio.Task | None = None
 

@@ -14,7 +14,7 @@ from pdserve_router.role_balance import BalancePolicy, BalanceWindow, Move, Role
 from router.conftest import RouterProcess
 from tools.stub import StubHost
 
-POLICY = BalancePolicy(prefill_wait_s=1.0, decode_step_ms=10.0)
+POLICY = BalancePolicy(prefill_wait_s=1.0, decode_step_ms=10.0, idle_pressure=0.5)
 
 
 def load(mode: str, queued: int = 0, rate: float = 1000.0, step_ms: float = 5.0, running: int = 0,
