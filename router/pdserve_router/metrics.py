@@ -66,8 +66,9 @@ class RouterMetrics:
                                        "prefix index) or load (no prefix matched enough, or the load was imbalanced).",
                                        ("role", "source"), registry=registry)
         self.role_switches = Counter(PREFIX + "role_switches", "Role switches asked of PD instances (--balance-roles "
-                                     "or POST /switch_role), by the role asked for and the outcome: switched, or "
-                                     "refused (the instance keeps its role).", ("to_role", "outcome"),
+                                     "or POST /switch_role), by the role asked for and the outcome: switched, "
+                                     "refused (the instance keeps its role), or followed (an instance found "
+                                     "serving another role, registered again under it).", ("to_role", "outcome"),
                                      registry=registry)
         self.retries = Counter(PREFIX + "retries", "Attempts retried with a new pair.", registry=registry)
         self.aborts = Counter(PREFIX + "aborts", "Abort requests sent to the other half of a failed pair, by role.",

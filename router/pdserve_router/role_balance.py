@@ -13,7 +13,9 @@ instance in rotation, its least loaded instance switches to the busy side's role
 in flight finish there), is asked to switch (`POST /pd_role_switch`: the server drains and switches, or refuses
 and keeps its role), and re-registers under the role it serves afterwards. At most one switch runs at a time, none
 within `--balance-cooldown-s` of the last, and never one that takes the last instance of a role. Each decision is
-logged in one line and counted in `pdserve_router_role_switches_total`.
+logged in one line and counted in `pdserve_router_role_switches_total`. An instance whose `/load` names another
+role than it is registered under (switched by someone else, or its answer after a switch was lost) is registered
+again under the role it reports.
 """
 
 from __future__ import annotations
@@ -188,6 +190,22 @@ class RoleSwitcher:
                     time.monotonic() - started, reason, "" if outcome == "switched" else f": {answer['message']}")
         return {"url": worker.url, "from_role": worker.role, "role": role, "outcome": outcome, **answer}
 
+    async def follow(self, worker: Worker) -> None:
+        """Register `worker` again under the role it reports serving now, unless a switch is under way."""
+        if self.busy or self.registry.workers.get(worker.url) is not worker:
+            return
+        self.busy = True
+        try:
+            role, port = await self.role_now(worker)
+            if role != worker.role and self.registry.workers.get(worker.url) is worker:
+                self.registry.remove(worker.url)
+                self.registry.add(worker.url, role, port)
+                self.metrics.role_switches.labels(to_role=role, outcome="followed").inc()
+                log.warning("role switch: %s %s serves as %s now (switched outside this router); registered again",
+                            worker.role, worker.url, role)
+        finally:
+            self.busy = False
+
     async def ask(self, worker: Worker, to_role: str) -> dict:
         body = json.dumps({"role": to_role, "drain_timeout_s": self.config.balance_drain_timeout_s}).encode()
         headers = {"Content-Type": "application/json", **self.auth}
@@ -241,11 +259,15 @@ class RoleBalancer(PeriodicPoller):
 
     async def check_all(self) -> None:
         workers = [w for w in self.registry.workers.values() if w.in_rotation]
-        loads = await asyncio.gather(*(self.get_json(w.url + "/load") for w in workers))
-        sides = {role: [(w.url, parse_role_load(load)) for w, load in zip(workers, loads) if w.role == role]
-                 for role in PD_ROLES}
+        loads = [parse_role_load(body) for body in await asyncio.gather(*(self.get_json(w.url + "/load")
+                                                                         for w in workers))]
         if self.switcher.busy or (self.running is not None and not self.running.done()):
             return
+        stray = next((w for w, load in zip(workers, loads) if load is not None and load.mode != w.role), None)
+        if stray is not None:
+            self.running = asyncio.create_task(self.switcher.follow(stray))
+            return
+        sides = {role: [(w.url, load) for w, load in zip(workers, loads) if w.role == role] for role in PD_ROLES}
         move = self.window.observe(time.monotonic(), self.policy.wanted(sides))
         if move is not None:
             self.running = asyncio.create_task(self.run_move(move))

@@ -130,3 +130,16 @@ def test_a_refused_switch_leaves_the_instance_in_its_role_and_the_last_one_is_ne
         assert router.metric('pdserve_router_role_switches_total{outcome="refused",to_role="prefill"}') == 1
     finally:
         router.close()
+
+
+def test_an_instance_switched_behind_the_routers_back_is_registered_under_its_new_role(stubs):
+    prefill = stubs.add("prefill", load=report("prefill"))
+    decodes = [stubs.add("decode", load=report("decode"), bootstrap_port=9200 + i) for i in range(2)]
+    router = start_router(stubs, [prefill], decodes, "--balance-roles", "--balance-interval-s", "0.05")
+    try:
+        decodes[0].role, decodes[0].load = "prefill", report("prefill")  # as a direct POST /pd_role_switch leaves it
+        router.wait_for(lambda: router.workers()[decodes[0].url]["role"] == "prefill")
+        assert router.workers()[decodes[0].url]["bootstrap_port"] == 9200 and decodes[0].switches == []
+        assert router.metric('pdserve_router_role_switches_total{outcome="followed",to_role="prefill"}') == 1
+    finally:
+        router.close()
