@@ -5,11 +5,13 @@ A step runs either an extend or a decode forward (`Scheduler.step`), so this is 
 by time slicing: while requests decode, every decode step earns the budget minus its own time as credit, and every
 extend spends its time. Over n decode steps and the extends between them, each running request receives n tokens
 in (sum of decode times + sum of extend times) <= n x budget as long as the credit does not stay negative. An extend
-waits until the credit pays for a saved chunk: `SAVED_CHUNK_TOKENS`, or the prompt tokens queued if fewer; it then
-takes as many tokens as the credit pays for (page-aligned). Saving up keeps prefill efficient: an eager forward has a
+runs whenever the credit is positive and takes at least an efficient chunk: `SAVED_CHUNK_TOKENS`, or the prompt
+tokens queued if fewer, more when the credit pays for more (page-aligned). What it costs beyond the credit is a debt
+the next decode steps repay before another extend runs. Large chunks keep prefill efficient: an eager forward has a
 large fixed cost (about 19 ms for llama-3.1-8b on an H200, measured 2026-11-28), so 256-token chunks cost about three
-times as much per token as 2,048-token ones, and the budget buys that much less prefill. The running requests' mean
-inter-token time is what the budget keeps; a saved chunk makes one longer gap. With no request decoding, prefill runs
+times as much per token as 2,048-token ones, and the budget would buy that much less prefill. Borrowing rather than
+saving up first starts a prompt at once (its TTFT) at the same mean inter-token time, which is what the budget keeps;
+a large chunk makes one longer gap. With no request decoding, prefill runs
 at full speed (`max_chunk`) and the credit starts over at zero.
 
 The step costs are learned online from the server's own timings (`StepCosts`): the decode step's time as a decaying
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 MIN_CHUNK_TOKENS = 256  # a smaller prefill chunk wastes the GPU (its fixed cost dominates)
-SAVED_CHUNK_TOKENS = 2048  # while requests decode, an extend waits until the credit pays for this many tokens
+SAVED_CHUNK_TOKENS = 2048  # while requests decode, an extend takes at least this many tokens (or all queued)
 CREDIT_CAP_BUDGETS = 4.0  # credit held at most, in budgets (or one saved chunk's time): no flood after a quiet spell
 MIN_EARN_SHARE = 0.1  # a decode step earns at least this share of the budget: prefill never starves
 DECODE_EWMA = 0.1  # weight of a new decode step's time
@@ -129,13 +131,10 @@ class TpotBudget:
             return self.max_chunk
         if self.credit_s <= 0:
             return 0
-        target = self._saved_target(queued_tokens)
-        if self.credit_s < self.costs.extend_s(target):
-            return 0
-        return max(target, self._tokens_within(self.credit_s))
+        return max(self._saved_target(queued_tokens), self._tokens_within(self.credit_s))
 
     def _saved_target(self, queued_tokens: int | None) -> int:
-        """The chunk the credit is saved up for: a saved chunk, or the queued tokens (page-aligned) if fewer."""
+        """The least an extend takes: a saved chunk, or the queued tokens (page-aligned) if fewer."""
         if queued_tokens is None:
             return self.saved_chunk
         return max(self.page_size, min(self.saved_chunk, _round_up(queued_tokens, self.page_size)))
@@ -208,7 +207,7 @@ class TpotBudget:
         self.credit_s = min(self.credit_s + seconds, cap)
 
     def _debt_limit_s(self) -> float:
-        return max(CREDIT_CAP_BUDGETS * self.budget_s, self.costs.extend_s(self.min_chunk))
+        return max(CREDIT_CAP_BUDGETS * self.budget_s, self.costs.extend_s(self.saved_chunk))
 
     def prefill_share(self) -> float:
         """The share of the GPU's time prefill takes while requests decode within the budget."""
