@@ -58,7 +58,8 @@ def parse_role_load(body: object) -> RoleLoad | None:
     """A `/load` answer, or None when a field is missing, of the wrong type or out of range."""
     if not isinstance(body, dict):
         return None
-    mode, queued, running = body.get("disaggregation_mode"), body.get("queued_prefill_tokens"), body.get("num_running_reqs")
+    mode = body.get("disaggregation_mode")
+    queued, running = body.get("queued_prefill_tokens"), body.get("num_running_reqs")
     rates = [body.get(key) for key in ("prefill_tokens_per_s", "decode_step_ms", "kv_usage")]
     if mode not in PD_ROLES or not all(type(n) is int and 0 <= n < 1 << 40 for n in (queued, running)):
         return None

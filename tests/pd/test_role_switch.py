@@ -111,7 +111,8 @@ def mode(server: Proc) -> str:
 
 
 def generate(server: Proc, ids: list[int], max_new_tokens: int = GREEDY["max_new_tokens"]) -> list[int]:
-    reply = server.post("/generate", {"input_ids": ids, "sampling_params": {**GREEDY, "max_new_tokens": max_new_tokens}})
+    params = {**GREEDY, "max_new_tokens": max_new_tokens}
+    reply = server.post("/generate", {"input_ids": ids, "sampling_params": params})
     assert reply.status == 200, reply.body
     return reply.json()["output_ids"]
 
