@@ -78,8 +78,10 @@ class DecodeRole(Role):
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
         self.dead_peers: set[str] = set()
         staging_mb = args.disaggregation_staging_mb
-        self.receive = self.link.kept("receive_staging", lambda: ReceiveStaging(self.link.engine, runner.pool,
-                                                                                 staging_mb << 20)) if staging_mb else None
+        self.receive = None
+        if staging_mb:
+            self.receive = self.link.kept("receive_staging",
+                                          lambda: ReceiveStaging(self.link.engine, runner.pool, staging_mb << 20))
         self.rank_targets = self._rank_targets()
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None

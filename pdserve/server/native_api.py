@@ -156,7 +156,8 @@ async def get_model_info(request: web.Request) -> web.Response:
 
 async def get_server_info(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
-    server_args = {k: v for k, v in dataclasses.asdict(tm.args).items() if k not in ("api_key", "disaggregation_secret", "ipc_dir")}
+    server_args = {k: v for k, v in dataclasses.asdict(tm.args).items()
+                   if k not in ("api_key", "disaggregation_secret", "ipc_dir")}
     stats = await _scheduler_stats(tm)
     return json_response({**server_args, "model_info": tm.model_info, "scheduler": stats,
                               "requests_in_flight": len(tm.states), "time": time.time()})

@@ -118,7 +118,8 @@ class StubServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({"role": self.role, "name": self.name, "internal_states": [{"name": self.name}],
-                                  "disaggregation_mode": self.role, "disaggregation_bootstrap_port": self.bootstrap_port})
+                                  "disaggregation_mode": self.role,
+                                  "disaggregation_bootstrap_port": self.bootstrap_port})
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response({"model_path": "stub-model", "served_by": self.name})
