@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import socket
 
-from cluster_util import free_port
+import pytest
+from cluster_util import NO_MOONCAKE, free_port, mooncake_available
 from test_pd_schedulers import engine_args, greedy, pd_req, run
 
 from pdserve.config import ServerArgs
@@ -28,12 +29,14 @@ def handoff_equals_colocated(prefill, decode, port: int, room: int, expected: li
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
 
 
-def test_a_decode_becomes_a_prefill_and_back_on_the_same_runner_and_link(tiny_model):
-    boot = free_port()
+@pytest.mark.parametrize("backend", ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not mooncake_available(), reason=NO_MOONCAKE))])
+def test_a_decode_becomes_a_prefill_and_back_on_the_same_runner_and_link(tiny_model, backend):
+    boot, pd_args = free_port(), engine_args(tiny_model, disaggregation_transfer_backend=backend)
     args = ServerArgs(disaggregation_mode="decode", disaggregation_bootstrap_port=boot, port=1,
-                      enable_pd_role_switch=True, skip_server_warmup=True, **engine_args(tiny_model))
+                      enable_pd_role_switch=True, skip_server_warmup=True, **pd_args)
     moving = create_scheduler(args)
-    peer = create_scheduler(ServerArgs(disaggregation_mode="decode", port=2, **engine_args(tiny_model)))
+    peer = create_scheduler(ServerArgs(disaggregation_mode="decode", port=2, **pd_args))
     colocated = create_scheduler(ServerArgs(**engine_args(tiny_model, disaggregation_transfer_backend="auto")))
     prompt = [(i * 13 + 5) % 900 + 3 for i in range(45)]
     colocated.add_request(Req(rid="c", input_ids=prompt, sampling_params=greedy()))
