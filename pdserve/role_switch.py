@@ -16,10 +16,8 @@ import logging
 import time
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.bootstrap import BootstrapError
 from pdserve.disagg.factory import scheduler_for
 from pdserve.disagg.peer_link import PeerLink
-from pdserve.disagg.transfer.base import TransferError
 from pdserve.engine import compile_watch
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.scheduler.role import Role
@@ -31,20 +29,18 @@ PD_ROLES = ("prefill", "decode")
 
 
 def switch_role(scheduler: Scheduler, args: ServerArgs, mode: str) -> tuple[Scheduler, str | None]:
-    """A scheduler of role `mode` and None; or, when that role cannot start (its bootstrap port is taken), one of
-    the old role again and why. `scheduler` (idle, every page free) is closed unless `mode` is no other PD role;
+    """A scheduler of role `mode` and None; or, when that role cannot start (its bootstrap port is taken, its
+    warm-up fails), one of the old role again and why. `scheduler` (idle, every page free) is closed unless `mode` is no other PD role;
     `args`: the server's flags as launched."""
     old_mode = scheduler.args.disaggregation_mode
     if mode not in PD_ROLES or mode == old_mode:
         return scheduler, f"cannot switch from {old_mode} to {mode!r}: the roles are {', '.join(PD_ROLES)}"
     started = time.monotonic()
-    runner, link = scheduler.runner, scheduler.role.detach_link()
-    scheduler.role = Role()  # the old role's threads have stopped: closing the scheduler must not close the link
-    scheduler.close()
+    runner, link = scheduler.runner, _close_keeping_link(scheduler)
     try:
         switched = _start_role(args.replace(disaggregation_mode=mode), runner, link)
-    except (BootstrapError, TransferError, OSError) as exc:
-        logger.error("the switch from %s to %s failed (%s); staying %s", old_mode, mode, exc, old_mode)
+    except Exception as exc:  # whatever stopped the new role, the server goes on in its old one (or exits if not)
+        logger.exception("the switch from %s to %s failed; staying %s", old_mode, mode, old_mode)
         return _start_role(args.replace(disaggregation_mode=old_mode), runner, link), f"{type(exc).__name__}: {exc}"
     logger.info("switched role from %s to %s in %.2f s", old_mode, mode, time.monotonic() - started)
     return switched, None
@@ -53,7 +49,20 @@ def switch_role(scheduler: Scheduler, args: ServerArgs, mode: str) -> tuple[Sche
 def _start_role(args: ServerArgs, runner: ModelRunner, link: PeerLink) -> Scheduler:
     link.serve_role(args)
     scheduler = scheduler_for(args, runner, link)
-    if not args.skip_server_warmup:
+    if args.skip_server_warmup:
+        return scheduler
+    try:
         with compile_watch.warming_up():
             warm_up(scheduler)  # a server that started as decode has compiled no prefill kernel yet
+    except BaseException:
+        _close_keeping_link(scheduler)  # its bootstrap port free again for the old role
+        raise
     return scheduler
+
+
+def _close_keeping_link(scheduler: Scheduler) -> PeerLink:
+    """Close an idle PD scheduler but for its peer link, which the next role takes over."""
+    link = scheduler.role.detach_link()
+    scheduler.role = Role()  # the old role's threads have stopped: closing the scheduler must not close the link
+    scheduler.close()
+    return link

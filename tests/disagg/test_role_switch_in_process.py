@@ -1,6 +1,7 @@
 """`pdserve/role_switch.py` in one process over the tcp backend: a decode scheduler becomes a prefill on the same
 runner and peer link, opens its bootstrap server, and a decode peer that cached its route while it was a prefill
-hands off through it again after a switch to decode and back; a role that cannot start leaves the old one."""
+hands off through it again after a switch to decode and back; a role that cannot start (its port taken, its warm-up
+failing) leaves the old one serving."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_pd_schedulers import engine_args, greedy, pd_req, run
 
 from pdserve.config import ServerArgs
 from pdserve.disagg.factory import create_scheduler
+from pdserve import role_switch
 from pdserve.role_switch import switch_role
 from pdserve.scheduler.request import Req
 
@@ -77,5 +79,28 @@ def test_a_prefill_role_that_cannot_open_its_bootstrap_port_leaves_the_decode_ro
         assert moving.args.disaggregation_mode == "decode" and moving.kv_pool_is_fully_free()
         moving.add_request(Req(rid="local", input_ids=[5, 6, 7, 8], sampling_params=greedy()))
         assert len(run([moving])[(0, "local")]["ids"]) == 8  # a decode serving its own prompt again
+    finally:
+        moving.close()
+
+
+def test_a_new_role_whose_warm_up_fails_closes_and_the_old_role_serves(tiny_model, monkeypatch):
+    boot = free_port()
+    args = ServerArgs(disaggregation_mode="decode", disaggregation_bootstrap_port=boot, port=1,
+                      enable_pd_role_switch=True, **engine_args(tiny_model))
+    moving = create_scheduler(args)
+    real_warm_up = role_switch.warm_up
+
+    def warm_up_failing_as_prefill(scheduler):
+        if scheduler.args.disaggregation_mode == "prefill":
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return real_warm_up(scheduler)
+
+    monkeypatch.setattr(role_switch, "warm_up", warm_up_failing_as_prefill)
+    try:
+        moving, error = switch_role(moving, args, "prefill")
+        assert error == "RuntimeError: CUDA out of memory (a test's)"
+        assert moving.args.disaggregation_mode == "decode" and not port_open(boot)  # the prefill's port closed
+        moving.add_request(Req(rid="local", input_ids=[5, 6, 7, 8], sampling_params=greedy()))
+        assert len(run([moving])[(0, "local")]["ids"]) == 8
     finally:
         moving.close()
