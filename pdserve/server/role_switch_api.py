@@ -1,6 +1,6 @@
 """`POST /pd_role_switch` (`--enable-pd-role-switch`, SGLang's route): a PD server changes role without a restart.
 
-Body: {"role": "prefill" | "decode", "drain_timeout_s": 30}. The server answers new generation requests 503 (the
+Body: {"new_role": "prefill" | "decode", "drain_timeout_s": 30} (SGLang's field name). The server answers new generation requests 503 (the
 router retries them on another instance), waits for those in flight, then asks the scheduler process to switch,
 again and again until nothing is in flight there either (KV writes, handoffs, quarantined pages). Once the timeout
 has passed the switch is refused (409) and the server goes on serving its old role. The switch itself swaps the
@@ -26,7 +26,7 @@ BUSY_RETRY_S = 0.05  # between the scheduler's "still in flight" and the next as
 
 class RoleSwitchInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["prefill", "decode"]
+    new_role: Literal["prefill", "decode"]
     drain_timeout_s: float = Field(30.0, gt=0, le=3600)
 
 
@@ -44,7 +44,7 @@ class RoleSwitcher:
         if self.lock.locked():
             raise ApiError(409, "a role switch is already under way")
         async with self.lock:
-            return json_response(await self.switch(body.role, body.drain_timeout_s))
+            return json_response(await self.switch(body.new_role, body.drain_timeout_s))
 
     async def switch(self, mode: str, timeout_s: float) -> dict:
         old = self.tm.args.disaggregation_mode
@@ -56,7 +56,8 @@ class RoleSwitcher:
             finally:
                 self.drain.paused = None
         args = self.tm.args
-        return {"success": True, "role": mode, "previous_role": old, "switched": mode != old,
+        return {"success": True, "message": "switched" if mode != old else "already in target role",
+                "old_role": old, "new_role": mode,
                 "bootstrap_port": args.disaggregation_bootstrap_port if mode == "prefill" else None,
                 "seconds": round(time.monotonic() - started, 3)}
 

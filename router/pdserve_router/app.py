@@ -231,16 +231,19 @@ class Router:
         worker.healthy = worker.ready = await self.health.probe(worker)
         return web.json_response(worker.describe(), status=201)
 
-    async def switch_role(self, request: web.Request) -> web.Response:
-        """`POST /switch_role {"url": ..., "role": "prefill" | "decode"}`: the balance's switch, asked by hand."""
+    async def pd_role_switch(self, request: web.Request) -> web.Response:
+        """`POST /pd_role_switch {"worker_url": ..., "new_role": "prefill" | "decode"}` (SGLang mini_lb's): the
+        balance's switch, asked by hand."""
         try:
             spec = await json_body(request)
         except ValueError as exc:
             return error_response(400, str(exc))
-        if not isinstance(spec, dict) or not isinstance(spec.get("url"), str) or not isinstance(spec.get("role"), str):
-            return error_response(400, 'expected a JSON object {"url": ..., "role": "prefill" | "decode"}')
+        if not isinstance(spec, dict) or not isinstance(spec.get("worker_url"), str) \
+                or not isinstance(spec.get("new_role"), str):
+            return error_response(400, 'expected a JSON object {"worker_url": ..., "new_role": "prefill" | "decode"}')
         try:
-            outcome = await self.role_switcher.switch(spec["url"], spec["role"], "asked by POST /switch_role")
+            outcome = await self.role_switcher.switch(spec["worker_url"], spec["new_role"],
+                                                      "asked by POST /pd_role_switch")
         except SwitchRefused as exc:
             return error_response(exc.status, str(exc))
         except ConfigError as exc:  # an URL that is not one
@@ -335,7 +338,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/workers", router.list_workers)
     app.router.add_post("/workers", router.add_worker)
     app.router.add_delete("/workers", router.remove_worker)
-    app.router.add_post("/switch_role", router.switch_role)
+    app.router.add_post("/pd_role_switch", router.pd_role_switch)
     add_dashboard(app, router.registry, router.config, router.policy_names)
     return app
 

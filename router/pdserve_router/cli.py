@@ -71,7 +71,7 @@ _HELP: dict[str, tuple[str, str]] = {
                                    "a switch."),
     "balance_cooldown_s": (_BALANCE, "Seconds after a switch before the next one."),
     "balance_drain_timeout_s": (_BALANCE, "Seconds a switching instance has to finish its requests; past them it "
-                                          "refuses the switch and keeps its role (also for POST /switch_role)."),
+                                          "refuses the switch and keeps its role (also for POST /pd_role_switch)."),
     "request_timeout_s": (_REQUESTS, "Whole-request deadline in seconds (504 when hit)."),
     "request_body_timeout_s": (_REQUESTS, "Seconds a client may take to send a request body; a slower one gets "
                                           "408 and its connection is closed."),

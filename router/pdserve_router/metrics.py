@@ -66,7 +66,7 @@ class RouterMetrics:
                                        "prefix index) or load (no prefix matched enough, or the load was imbalanced).",
                                        ("role", "source"), registry=registry)
         self.role_switches = Counter(PREFIX + "role_switches", "Role switches asked of PD instances (--balance-roles "
-                                     "or POST /switch_role), by the role asked for and the outcome: switched, "
+                                     "or POST /pd_role_switch), by the role asked for and the outcome: switched, "
                                      "refused (the instance keeps its role), or followed (an instance found "
                                      "serving another role, registered again under it).", ("to_role", "outcome"),
                                      registry=registry)

@@ -1,4 +1,4 @@
-"""Automatic P:D balance (`--balance-roles`) and the admin route `POST /switch_role`: a PD server started with
+"""Automatic P:D balance (`--balance-roles`) and the admin route `POST /pd_role_switch` (SGLang mini_lb's): a PD server started with
 `--enable-pd-role-switch` changes role, without a restart, when one side's queue stays long while the other idles.
 
 An instance's pressure, from its `/load` (1.0: at its threshold):
@@ -189,7 +189,7 @@ class RoleSwitcher:
         self.metrics.role_switches.labels(to_role=to_role, outcome=outcome).inc()
         log.warning("role switch: %s %s -> %s %s in %.1f s (%s)%s", worker.role, worker.url, to_role, outcome,
                     time.monotonic() - started, reason, "" if outcome == "switched" else f": {answer['message']}")
-        return {"url": worker.url, "from_role": worker.role, "role": role, "outcome": outcome, **answer}
+        return {"worker_url": worker.url, "old_role": worker.role, "role": role, "outcome": outcome, **answer}
 
     async def follow(self, worker: Worker) -> None:
         """Register `worker` again under the role it reports serving now, unless a switch is under way."""
@@ -208,7 +208,7 @@ class RoleSwitcher:
             self.busy = False
 
     async def ask(self, worker: Worker, to_role: str) -> dict:
-        body = json.dumps({"role": to_role, "drain_timeout_s": self.config.balance_drain_timeout_s}).encode()
+        body = json.dumps({"new_role": to_role, "drain_timeout_s": self.config.balance_drain_timeout_s}).encode()
         headers = {"Content-Type": "application/json", **self.auth}
         if self.signer is not None:
             headers[HEADER] = self.signer.token(SWITCH_PATH, body)

@@ -134,14 +134,14 @@ class StubServer:
         return web.json_response(self.load) if self.load is not None else web.json_response({}, status=404)
 
     async def switch_role(self, request: web.Request) -> web.Response:
-        role = (await request.json())["role"]
+        role = (await request.json())["new_role"]
         self.switches.append(role)
         if self.switch_status != 200:
             return web.json_response({"error": {"message": "stub refuses the switch"}}, status=self.switch_status)
         self.role = role
         if self.load is not None:
             self.load = {**self.load, "disaggregation_mode": role}
-        return web.json_response({"success": True, "role": role, "bootstrap_port": self.bootstrap_port})
+        return web.json_response({"success": True, "new_role": role, "bootstrap_port": self.bootstrap_port})
 
     async def abort(self, request: web.Request) -> web.Response:
         rid = (await request.json()).get("rid")

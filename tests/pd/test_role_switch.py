@@ -1,5 +1,5 @@
 """A PD server changes role without a restart (`--enable-pd-role-switch`, asked through the router's
-`POST /switch_role`): under a steady stream of requests through the router, a decode server becomes a prefill and
+`POST /pd_role_switch`): under a steady stream of requests through the router, a decode server becomes a prefill and
 then a decode again; no request is lost and every greedy output equals a colocated server's, before, during and
 after the switches. A switch whose drain times out is refused and the server goes on serving its old role. The
 cluster has a cluster secret, as every launcher sets one."""
@@ -92,7 +92,7 @@ class Load:
 
 
 def switch(front: Proc, server: Proc, role: str) -> dict:
-    reply = front.post("/switch_role", {"url": server.url, "role": role}, timeout=300)
+    reply = front.post("/pd_role_switch", {"worker_url": server.url, "new_role": role}, timeout=300)
     assert reply.status == 200, reply.body
     return reply.json()
 
@@ -127,7 +127,7 @@ def test_switching_under_load_loses_no_request_and_keeps_greedy_outputs(cluster,
         load.wait_for(LOAD_THREADS, after=started)
         to_prefill_at = time.monotonic()
         outcome = switch(front, moving, "prefill")
-        assert outcome["outcome"] == "switched" and outcome["from_role"] == "decode", outcome
+        assert outcome["outcome"] == "switched" and outcome["old_role"] == "decode", outcome
         assert mode(moving) == "prefill" and roles_in_router(front)[moving.url] == "prefill"
         served_before = received(moving)
         load.wait_for(2 * LOAD_THREADS, after=time.monotonic())  # prefilled on either prefill server now
@@ -162,7 +162,7 @@ def test_a_role_that_cannot_start_leaves_the_server_in_its_old_role(cluster, col
     with socket.socket() as taken:  # the bootstrap port the prefill role would open
         taken.bind(("127.0.0.1", port))
         taken.listen()
-        reply = signed_post(steady, "/pd_role_switch", {"role": "prefill"})
+        reply = signed_post(steady, "/pd_role_switch", {"new_role": "prefill"})
     assert reply.status == 409 and "BootstrapError" in reply.json()["error"]["message"], reply.body
     assert mode(steady) == "decode"
     assert cluster["router"].post("/generate", {"input_ids": PROMPTS[4], "sampling_params": GREEDY}).json()[
@@ -171,7 +171,7 @@ def test_a_role_that_cannot_start_leaves_the_server_in_its_old_role(cluster, col
 
 def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(cluster, colocated):
     front, steady = cluster["router"], cluster["steady"]
-    refused = front.post("/switch_role", {"url": cluster["prefill"].url, "role": "decode"})
+    refused = front.post("/pd_role_switch", {"worker_url": cluster["prefill"].url, "new_role": "decode"})
     assert refused.status == 409 and "last prefill" in refused.json()["error"]["message"], refused.body
     long_body = {"input_ids": PROMPTS[1], "sampling_params": {**GREEDY, "max_new_tokens": LONG_OUTPUT}}
     result: dict = {}
@@ -181,7 +181,7 @@ def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(
     while steady.get("/load").json()["num_running_reqs"] == 0:  # decoding: seconds of steps still to come
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.02)
-    switch_body = {"role": "prefill", "drain_timeout_s": 1.0}
+    switch_body = {"new_role": "prefill", "drain_timeout_s": 1.0}
     switching: dict = {}
     switcher = threading.Thread(target=lambda: switching.update(reply=signed_post(steady, "/pd_role_switch",
                                                                                    switch_body)))
@@ -200,8 +200,8 @@ def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(
     assert result["reply"].json()["output_ids"] == generate(colocated, PROMPTS[1], LONG_OUTPUT)
     assert mode(steady) == "decode" and roles_in_router(front)[steady.url] == "decode"
     assert generate(front, PROMPTS[2]) == generate(colocated, PROMPTS[2])
-    assert signed_post(steady, "/pd_role_switch", {"role": "colocated"}).status == 400
-    not_enabled = colocated.post("/pd_role_switch", {"role": "prefill"})
+    assert signed_post(steady, "/pd_role_switch", {"new_role": "colocated"}).status == 400
+    not_enabled = colocated.post("/pd_role_switch", {"new_role": "prefill"})
     assert not_enabled.status == 400 and "--enable-pd-role-switch" in not_enabled.json()["error"]["message"]
     wait_kv_free([cluster["prefill"], steady, cluster["moving"]])
 

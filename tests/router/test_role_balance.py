@@ -119,14 +119,15 @@ def test_a_refused_switch_leaves_the_instance_in_its_role_and_the_last_one_is_ne
     decodes = [stubs.add("decode", load=report("decode"), switch_status=409) for _ in range(2)]
     router = start_router(stubs, [prefill], decodes)
     try:
-        refused = router.post("/switch_role", {"url": decodes[0].url, "role": "prefill"})
+        refused = router.post("/pd_role_switch", {"worker_url": decodes[0].url, "new_role": "prefill"})
         assert refused.status == 409 and refused.json()["outcome"] == "refused", refused.body
         assert router.workers()[decodes[0].url]["role"] == "decode" and decodes[0].switches == ["prefill"]
-        last = router.post("/switch_role", {"url": prefill.url, "role": "decode"})
+        last = router.post("/pd_role_switch", {"worker_url": prefill.url, "new_role": "decode"})
         assert last.status == 409 and "last prefill" in last.json()["error"]["message"]
         assert prefill.switches == []
-        assert router.post("/switch_role", {"url": prefill.url, "role": "colocated"}).status == 400
-        assert router.post("/switch_role", {"url": "http://127.0.0.1:1", "role": "decode"}).status == 404
+        assert router.post("/pd_role_switch", {"worker_url": prefill.url, "new_role": "colocated"}).status == 400
+        assert router.post("/pd_role_switch", {"worker_url": "http://127.0.0.1:1", "new_role": "decode"}).status == 404
+        assert router.post("/pd_role_switch", {"url": prefill.url, "role": "decode"}).status == 400
         assert router.metric('pdserve_router_role_switches_total{outcome="refused",to_role="prefill"}') == 1
     finally:
         router.close()
