@@ -40,5 +40,6 @@ def test_on_a_gpu_the_stage_is_when_the_kernels_ran_not_when_they_were_launched(
     synced = time.monotonic()
     stamps.settle()
     stamped = marks.take()[PREFILL_CHUNK_END]
-    assert launched + 0.1 < stamped <= synced
+    # the helper thread wakes on the event's completion a scheduling delay after the host's own sync may return
+    assert launched + 0.1 < stamped <= synced + 0.005
     stamps.close()
