@@ -31,20 +31,22 @@ class RoleSwitchInput(BaseModel):
 
 
 class RoleSwitcher:
-    """One switch at a time; a second request meanwhile is refused (409)."""
+    """One switch at a time; a second request meanwhile is refused (409). A switch runs to its end even when its
+    client goes away: the HTTP side must learn the role the scheduler took."""
 
     def __init__(self, tm: TokenizerManager, drain: Drain):
         self.tm, self.drain = tm, drain
-        self.lock = asyncio.Lock()
+        self.running: asyncio.Task | None = None
 
     async def handle(self, request: web.Request) -> web.Response:
         if not self.tm.args.enable_pd_role_switch:
             raise ApiError(400, "this server was not started with --enable-pd-role-switch")
         body = await parse_body(request, RoleSwitchInput)
-        if self.lock.locked():
+        if self.running is not None and not self.running.done():
             raise ApiError(409, "a role switch is already under way")
-        async with self.lock:
-            return json_response(await self.switch(body.new_role, body.drain_timeout_s))
+        self.running = asyncio.ensure_future(self.switch(body.new_role, body.drain_timeout_s))
+        self.running.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved if abandoned
+        return json_response(await asyncio.shield(self.running))
 
     async def switch(self, mode: str, timeout_s: float) -> dict:
         old = self.tm.args.disaggregation_mode

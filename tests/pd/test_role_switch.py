@@ -181,7 +181,7 @@ def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(
     while steady.get("/load").json()["num_running_reqs"] == 0:  # decoding: seconds of steps still to come
         assert time.monotonic() < deadline, "the long request never started decoding"
         time.sleep(0.02)
-    switch_body = {"new_role": "prefill", "drain_timeout_s": 1.0}
+    switch_body = {"new_role": "prefill", "drain_timeout_s": 2.0}
     switching: dict = {}
     switcher = threading.Thread(target=lambda: switching.update(reply=signed_post(steady, "/pd_role_switch",
                                                                                    switch_body)))
@@ -190,6 +190,8 @@ def test_a_switch_whose_drain_times_out_is_refused_and_the_server_keeps_serving(
     while (paused := signed_post(steady, "/generate", short_body)).status == 200:  # until the drain has begun
         assert switcher.is_alive(), "no request was refused while the server drained"
     assert paused.status == 503 and "switching its role" in paused.json()["error"]["message"], paused.body
+    second = signed_post(steady, "/pd_role_switch", switch_body)
+    assert second.status == 409 and "already under way" in second.json()["error"]["message"], second.body
     switcher.join(60)
     reply = switching["reply"]
     assert reply.status == 409 and "keeps its role" in reply.json()["error"]["message"], reply.body
