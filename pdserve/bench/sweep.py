@@ -9,8 +9,8 @@ by side in a JSON and a PNG grid.
     python -m pdserve.bench.sweep merge CALL1/sweep.json CALL2/sweep.json --out DIR   # repeats from several calls
 
 Layouts (`pdserve.layouts`): `colocated` (one server per GPU behind the regular router), `XpYd` (PD behind the PD
-router), `XpYd-balanced` (PD, the decode servers prefilling within --decode-tpot-budget-ms, by default the TPOT
-SLO). The repeats interleave the layouts (A, B, C, A, B, C), each start a fresh cluster. In a layout's run the rates
+router), `XpYd-balanced` (PD, the decode servers prefilling within --decode-tpot-budget-ms, by default 0.85 x the
+TPOT SLO). The repeats interleave the layouts (A, B, C, A, B, C), each start a fresh cluster. In a layout's run the rates
 go up from the lowest; after a rate whose attainment falls below --stop-below the higher ones are skipped (counted
 as failing); with --time-limit, a layout run or a rate starts only while the longest one so far still fits, so
 the sweep ends with every cluster stopped (a goodput cut short is a lower bound). Every rate sends `rate x
@@ -54,6 +54,7 @@ KV_FREE_TIMEOUT_S = 30.0
 ROUTER_COUNTERS = ("pdserve_router_prefill_total", "pdserve_router_local_prefill_decisions_total",
                    "pdserve_router_role_switches_total")
 SHUTDOWN_DRAIN_S = 5.0
+BUDGET_SHARE_OF_SLO = 0.85  # the decode budget's margin under the TPOT SLO (a request's TPOT varies around the mean)
 STOP_MARGIN_S = 30.0  # a cluster's stop, and the summary, after the last run the time limit lets start
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--transfer-backend", choices=launch_cluster.BACKENDS, default="auto",
                         help="KV transfer backend of the PD layouts")
     parser.add_argument("--decode-tpot-budget-ms", type=float,
-                        help="-balanced layouts' decode budget (default: --slo-tpot-ms)")
+                        help="-balanced layouts' decode budget (default: 0.85 x --slo-tpot-ms)")
     parser.add_argument("--router-args", default="", help="extra router flags in one string, every layout")
     parser.add_argument("--bench-args", default="",
                         help="extra pdserve.bench.serving flags in one string, e.g. \"--mix-input-scale 0.5\"")
@@ -132,7 +133,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         except ValueError:
             parser.error(f"--gpus takes comma-separated GPU ids, got {args.gpus!r}")
         args.num_gpus = args.num_gpus or len(gpu_ids)
-    args.decode_tpot_budget_ms = args.decode_tpot_budget_ms or args.slo_tpot_ms
+    args.decode_tpot_budget_ms = args.decode_tpot_budget_ms or BUDGET_SHARE_OF_SLO * args.slo_tpot_ms
     try:  # a bad engine flag or model path fails here, not in every layout's start
         launch_cluster.parse_args(cluster_argv(args, args.layouts[0], args.out / "logs", engine_args))
     except launch_cluster.LaunchConfigError as exc:

@@ -32,13 +32,13 @@ def router_urls(argv, name: str) -> list[str]:
 def test_auto_on_two_gpus_starts_one_balanced_prefill_decode_pair_and_says_why_in_one_line(tiny_model):
     plan = planned(tiny_model, 2)
     assert plan.layout_line.startswith("--layout auto on 2 GPUs for the mix workload: 1p1d-balanced (")
-    assert "not measured yet" in plan.layout_line and "\n" not in plan.layout_line
+    assert "measured best: goodput 10.3 req/s" in plan.layout_line and "\n" not in plan.layout_line
     assert [(s.name, s.gpu) for s in plan.servers] == [("prefill 0", 0), ("decode 0", 1)]
     prefill, decode = plan.servers
     assert flag_value(prefill.argv, "--disaggregation-mode") == "prefill"
     assert flag_value(prefill.argv, DECODE_TPOT_BUDGET_FLAG) is None
     assert flag_value(decode.argv, "--disaggregation-mode") == "decode"
-    assert flag_value(decode.argv, DECODE_TPOT_BUDGET_FLAG) == "10"
+    assert flag_value(decode.argv, DECODE_TPOT_BUDGET_FLAG) == "8.5"
     assert all(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
     assert router_urls(plan.router.argv, "--prefill") == [prefill.url]
     assert router_urls(plan.router.argv, "--decode") == [decode.url]
@@ -70,7 +70,7 @@ def test_a_roles_layout_makes_every_server_switchable_and_the_router_balance_the
     assert not any(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
     assert flag_value(plan.router.argv, "--prefill-bootstrap-ports") == boots[0]
     balanced = planned(tiny_model, 4, "--layout", "2p2d-balanced-roles")  # a prefill that turns decode keeps a budget
-    assert all(flag_value(s.argv, DECODE_TPOT_BUDGET_FLAG) == "10" for s in balanced.servers)
+    assert all(flag_value(s.argv, DECODE_TPOT_BUDGET_FLAG) == "8.5" for s in balanced.servers)
     plain = planned(tiny_model, 4, "--layout", "2p2d")
     assert not any(layouts.ROLE_SWITCH_SERVER_FLAG in s.argv for s in plain.servers)
     assert [s.bootstrap_port is None for s in plain.servers] == [False, False, True, True]
@@ -107,7 +107,7 @@ def test_the_cpu_and_one_gpu_keep_the_default_pair_and_counts_given_override_the
 def test_auto_with_servers_of_several_ranks_counts_servers_and_starts_the_plain_layout(tiny_model):
     ns, engine_args = parse_args(["--model-path", tiny_model, "--", "--tp-size", "2"])
     plan = plan_layout(ns, engine_args, 4)
-    assert "for the mix workload: 1p1d (1 prefill + 1 decode); not measured yet" in plan.layout_line
+    assert "for the mix workload: 1p1d (1 prefill + 1 decode); measured best" in plan.layout_line
     assert plan.layout_line.endswith("plain, as servers of 2 ranks take no TPOT budget or role switch")
     assert [(s.name, s.gpu, s.tp_size) for s in plan.servers] == [("prefill 0", 0, 2), ("decode 0", 2, 2)]
     assert not any(f in plan.router.argv for f in BALANCED_ROUTER_FLAGS)
