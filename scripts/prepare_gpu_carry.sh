@@ -23,6 +23,11 @@ WHEELS=(
   typing-extensions==4.16.0
   httptools==0.9.0
   prometheus-client==0.26.0
+  jsonschema==4.26.0  # the structured-output test modules import it at collection (`pytest -m gpu` collects them)
+  jsonschema-specifications==2025.9.1
+  referencing==0.37.0
+  rpds-py==0.30.0
+  attrs==26.1.0
 )
 if [ "${1:-}" = structured ]; then
   WHEELS+=(xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 py-spy==0.4.1)
