@@ -70,6 +70,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False
     skip_server_warmup: bool = False
+    kernel_tuning_cache_dir: str | None = None  # None: env PDSERVE_TUNING_CACHE_DIR, else ~/.cache
     # structured output
     grammar_backend: Literal["xgrammar", "none"] = "xgrammar"
     grammar_compile_timeout_s: float = 30.0
@@ -391,6 +392,7 @@ _HELP: dict[str, tuple[str, str]] = {
                                        "else qwen25."),
     "disable_overlap_schedule": ("kernels", "Do not prepare the next batch while the GPU runs the current one."),
     "skip_server_warmup": ("kernels", "Report ready without the warm-up pass that compiles (or loads from the on-disk cache) the kernels of the prompt-length buckets and the samplers."),
+    "kernel_tuning_cache_dir": ("kernels", "Directory where the skinny-GEMM and FP8 tuners keep their choices across starts (JSON, one file per GPU name, driver, CUDA, torch and Triton version; entries by shape and rows), and Triton its compiled kernels (triton/, unless TRITON_CACHE_DIR is set). Unset: env PDSERVE_TUNING_CACHE_DIR, else $XDG_CACHE_HOME/pdserve/tuning (~/.cache/pdserve/tuning); none: off."),
     "tp_size": ("parallelism", "Tensor-parallel size (alias --tensor-parallel-size)."),
     "base_gpu_id": ("parallelism", "First GPU index this server uses; rank r of --tp-size uses base + r."),
     "nccl_port": ("parallelism", "Port on 127.0.0.1 where the tensor-parallel ranks meet (default: a free one)."),

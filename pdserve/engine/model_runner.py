@@ -17,6 +17,7 @@ from pdserve.distributed.tensor_parallel import init_tp_group, kv_heads_per_rank
 from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
+from pdserve.kernels import tuning_cache
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, GateUpLinear, ParallelLMHead, QKVLinear, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
@@ -52,6 +53,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             use_compute_stream(self.device)
+            tuning_cache.configure(args.kernel_tuning_cache_dir)  # before any compile: it sets TRITON_CACHE_DIR
         self.tp = init_tp_group(args.tp_size, args.tp_rank, args.nccl_port, self.device)
         self.dtype = resolve_dtype(args.dtype, model_config.checkpoint_dtype, self.device)
         self.context_len = model_config.context_len(args.context_length)

@@ -9,11 +9,16 @@ weight read from memory (`cold_weights`: a weight that fits L2 is cycled through
 routes each call by the recorded choice (cuBLAS for any shape not tuned). From 32 rows on cuBLAS's tiles win
 (pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS. FP8 weights have their own kernel
 (`pdserve.quantization.fp8.fp8_rows_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
+A server start looks each choice up in `pdserve.kernels.tuning_cache` before timing it and stores it after, so a
+restart on the same machine skips the timing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
+import math
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import tuning_cache
 from pdserve.kernels.fp8_rows import Fp8Rows
 from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 
@@ -129,6 +135,16 @@ def cold_weights(w: torch.Tensor) -> Callable[[], torch.Tensor]:
     return itertools.cycle([w] + [w.clone() for _ in range(copies - 1)]).__next__
 
 
+def _tunable(w: torch.Tensor) -> bool:
+    """A weight the tuner times: a matrix on a GPU."""
+    return w.is_cuda and w.dim() == 2
+
+
+def _finite(us: float) -> float | None:
+    """A time as JSON takes it (no infinity: a shape with no candidate that runs)."""
+    return us if math.isfinite(us) else None
+
+
 class SkinnyTuner:
     """Times a baseline and every candidate config on each weight shape for each row count up to max_rows; records
     the fastest for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned
@@ -150,24 +166,68 @@ class SkinnyTuner:
         """baseline(x, w) and candidate(x, w, cfg) compute x @ w.T; x is x_dtype (None: the weight's), or what
         prepare makes of it outside the timing (`Fp8Rows`: the choice is then recorded for such rows)."""
         start = time.perf_counter()
-        shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if w.is_cuda and w.dim() == 2}
+        shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if _tunable(w)}
         report = {}
+        caches, cached = {}, 0
         for (n, k, dtype), w in shapes.items():
-            weight = cold_weights(w)
+            cache = tuning_cache.for_device(w.device)  # None: off
+            if cache is not None:
+                caches[id(cache)] = cache
+            weight = None  # the cold copies, made on the first miss only
             for m in self.rows:
                 x = torch.randn(m, k, device=w.device, dtype=x_dtype or dtype)
                 x = prepare(x) if prepare else x
-                reference = _graph_us(lambda: baseline(x, weight()))
-                best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
-                                    default=(float("inf"), None))
-                _choice[(m, n, k, dtype, input_kind(x), self.epilogue)] = best if best_us < reference else None
-                report[(m, n, k)] = (reference, best_us)
+                entry = self._entry(m, n, k, dtype, x_dtype or dtype, input_kind(x))
+                hit = self._cached(cache, entry, m)
+                if hit is not None:
+                    choice, times = hit
+                    cached += 1
+                else:
+                    weight = weight or cold_weights(w)
+                    reference = _graph_us(lambda: baseline(x, weight()))
+                    best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
+                                        default=(float("inf"), None))
+                    choice, times = (best if best_us < reference else None), (reference, best_us)
+                    if cache is not None:
+                        cache.put(entry, {"config": None if choice is None else dataclasses.asdict(choice),
+                                          "baseline_us": _finite(reference), "best_us": _finite(best_us)})
+                _choice[(m, n, k, dtype, input_kind(x), self.epilogue)] = choice
+                report[(m, n, k)] = times
+        for cache in caches.values():
+            cache.save()
         faster = [key for key, (reference, best) in report.items() if best < reference]
-        logger.info("%s tuned %d shapes x rows %s in %.1f s; faster than the baseline on %d of %d: %s", self.label,
-                    len(shapes), self.rows, time.perf_counter() - start, len(faster), len(report),
+        logger.info("%s tuned %d shapes x rows %s in %.1f s (%d of %d from the tuning cache); faster than the "
+                    "baseline on %d of %d: %s", self.label, len(shapes), self.rows, time.perf_counter() - start,
+                    cached, len(report), len(faster), len(report),
                     ", ".join(f"{m}x{n}x{k} {report[(m, n, k)][0]:.1f}->{report[(m, n, k)][1]:.1f} us"
                               for m, n, k in faster))
         return report
+
+    def _entry(self, m: int, n: int, k: int, dtype: torch.dtype, x_dtype: torch.dtype,
+               kind: torch.dtype | str) -> str:
+        """The tuning cache's key of one choice: this tuner, the shape and rows, the weight's and the rows' dtypes,
+        the kind of rows, the epilogue, and a digest of the candidates it chooses from."""
+        return json.dumps([self.label, self.epilogue, m, n, k, str(dtype), str(x_dtype), str(kind),
+                           tuning_cache.digest(tuple(self.candidates(m)))])
+
+    def _cached(self, cache: tuning_cache.TuningCache | None, entry: str, m: int
+                ) -> tuple[object, tuple[float, float]] | None:
+        """(the choice, (baseline us, best us)) stored for entry, or None: not stored, or not a known candidate
+        (what comes from disk is checked, never trusted)."""
+        value = cache.get(entry) if cache is not None else None
+        if not isinstance(value, dict) or "config" not in value:
+            return None
+        times = tuple(float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else float("inf")
+                      for t in (value.get("baseline_us"), value.get("best_us")))
+        if value["config"] is None:
+            return None, times
+        if not isinstance(value["config"], dict):
+            return None
+        for cfg in self.candidates(m):
+            if dataclasses.is_dataclass(cfg) and dataclasses.asdict(cfg) == value["config"]:
+                return cfg, times
+        logger.debug("tuning cache entry %s names no candidate config: %r", entry, value["config"])
+        return None
 
     def _timings(self, x: torch.Tensor | Fp8Rows, weight: Callable[[], torch.Tensor], candidate: Callable
                  ) -> list[tuple[float, object]]:
