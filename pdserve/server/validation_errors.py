@@ -2,8 +2,8 @@
 pydantic's internals (the union members it tried, `list[SamplingFields]`, ...).
 
 Pydantic reports a value that fits no member of a union once per member, each under a location step naming the
-member. Here a member whose errors lie deeper than the union's own field fitted the value's shape: only its
-errors count (those of the member with the fewest, when several fitted). Where no member fitted, the field gets
+member. Here a member whose errors lie deeper than the union's own field, or only break a bound of the right type
+(a string too long), fitted the value's shape: only its errors count (those of the member with the fewest, when several fitted). Where no member fitted, the field gets
 one line naming the shapes it may take.
 """
 
@@ -55,12 +55,19 @@ def _union_problems(group: list[tuple[tuple, dict]], field: tuple, member_step: 
     for loc, error in group:
         members.setdefault(loc[member_step], []).append((loc[member_step + 1:], error))
     fitted = {name: errs for name, errs in members.items()
-              if all(any(not _is_member(step) for step in loc) for loc, _ in errs)}
+              if all(any(not _is_member(step) for step in loc) or not _wrong_shape(e) for loc, e in errs)}
     if fitted:
         best = min(fitted.values(), key=len)
         return _problems(best, field)
     shapes = [_shape(name, errs[0][1]) for name, errs in members.items()]
     return [f"{_where(field)}: must be {_either(shapes)}"]
+
+
+def _wrong_shape(error: dict) -> bool:
+    """The value is not of the member's type (a string for a list, ...), as opposed to a value of the right type that
+    breaks a bound (a string too long), which means the member fitted."""
+    kind = error["type"]
+    return kind.endswith(("_type", "_parsing")) or kind in ("literal_error", "is_instance_of", "union_tag_invalid")
 
 
 def _shape(member: str, error: dict) -> str:
