@@ -340,7 +340,9 @@ class Scheduler:
     def schedule_extend(self) -> list[ExtendItem]:
         """This step's prefill chunks: the chunked prompt first, then admitted waiting requests within the token
         budget, which the TPOT budget sets while requests decode (at most one of them chunked, and last)."""
-        budget = self.tpot_budget.extend_tokens(decoding=bool(self.running), queued_tokens=self.queued_prefill_tokens())
+        decoding = bool(self.running)
+        queued = self.queued_prefill_tokens() if decoding and self.tpot_budget.enabled else None  # only read then
+        budget = self.tpot_budget.extend_tokens(decoding=decoding, queued_tokens=queued)
         if budget == 0:
             return []
         items: list[ExtendItem] = []
