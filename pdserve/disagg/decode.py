@@ -44,7 +44,7 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
                                              PeerGone, RouteResolved, TransferRequest)
 from pdserve.disagg.early_requests import ExpiringRooms
 from pdserve.disagg.peer_link import PeerLink
-from pdserve.disagg.transfer.receive_staging import ReceiveStaging
+from pdserve.disagg.transfer.receive_staging import open_receive_staging
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
                                      peer_status, validate_pd_request)
 from pdserve.engine.model_runner import ModelRunner
@@ -77,12 +77,11 @@ class DecodeRole(Role):
         self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
         self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
         self.dead_peers: set[str] = set()
-        staging_mb = args.disaggregation_staging_mb
-        self.receive = None
-        if staging_mb:
-            self.receive = self.link.kept("receive_staging",
-                                          lambda: ReceiveStaging(self.link.engine, runner.pool, staging_mb << 20))
+        self.receive = self.link.kept("receive_staging", lambda: open_receive_staging(
+            self.link.engine, runner.pool, args.disaggregation_staging_mb))
         self.rank_targets = self._rank_targets()
+        if not all(staging for _, _, staging in self.rank_targets):
+            self.receive = None  # a rank without staging (it could not have its automatic size): no rank stages
         self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None
         if self.link.tp.is_leader:
@@ -435,7 +434,8 @@ class DecodeRole(Role):
         return bool(self.quarantine)
 
     def stats(self) -> dict:
-        return {"kv_transfer": self.link.transfer_snapshot(), "num_local_prefills": self.num_local_prefills}
+        return {"kv_transfer": self.link.transfer_snapshot(), "num_local_prefills": self.num_local_prefills,
+                "receive_staging": self.receive.snapshot() if self.receive is not None else None}
 
     def offered_prefill_rate(self, rate: float) -> float:
         """Local prompts only within a TPOT budget: without one they would flood the running requests' TPOT."""

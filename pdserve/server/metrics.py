@@ -66,6 +66,7 @@ class _ScrapeState:
             *_grammar_metrics(stats),
             *_hicache_counters(stats.get("hicache", {})),
             *_kv_transfer_metrics(stats.get("kv_transfer")),
+            *_receive_staging_metrics(stats.get("receive_staging")),
         ]
 
 
@@ -143,6 +144,24 @@ def _link_metrics(role: list[str], transfer: dict) -> list[Metric]:
         labels=["role"])
     efficiency.add_metric(role, transfer["link_efficiency"])
     return [write_time, efficiency]
+
+
+def _receive_staging_metrics(staging: dict | None) -> list[Metric]:
+    """A decode's receive staging (`--disaggregation-staging-mb`): none without one."""
+    if staging is None:
+        return []
+    return [
+        CounterMetricFamily(PREFIX + "kv_receive_staged", "Handoffs whose KV landed in the decode's receive staging "
+                            "and was unpacked into their pages.", staging["staged"]),
+        CounterMetricFamily(PREFIX + "kv_receive_staged_scattered", "Staged handoffs whose pages on the decode were "
+                            "not one run (each run would have cost a span per layer and K/V unstaged).",
+                            staging["scattered"]),
+        CounterMetricFamily(PREFIX + "kv_receive_staging_missed", "Handoffs that found no room in the receive staging "
+                            "and were written into their pages.", staging["missed"]),
+        _gauge("kv_receive_staging_slots", "Receive-staging slots held by handoffs in flight or fenced.",
+               staging["slots"]),
+        _gauge("kv_receive_staging_bytes", "Size of the decode's receive staging.", staging["bytes"]),
+    ]
 
 
 class _SglangView:

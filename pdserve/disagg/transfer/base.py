@@ -56,6 +56,11 @@ class RegionTable:
         self._regions.insert(i, region)
         return region
 
+    def remove(self, region: MemoryRegion) -> None:
+        """Forget a region whose registration with the engine itself failed."""
+        i = self._regions.index(region)
+        del self._starts[i], self._regions[i]
+
     def find(self, ptr: int, length: int) -> MemoryRegion:
         """The region that holds all of [ptr, ptr + length); lengths must be positive."""
         if not isinstance(ptr, int) or not isinstance(length, int) or length <= 0:

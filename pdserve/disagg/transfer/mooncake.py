@@ -150,8 +150,9 @@ class MooncakeTransferEngine(TransferEngine):
         return self._transport
 
     def register(self, ptr: int, length: int, device: str = "cpu") -> None:
-        self.regions.add(ptr, length, device)
+        region = self.regions.add(ptr, length, device)
         if self._engine.register_memory(ptr, length) != 0:
+            self.regions.remove(region)
             raise TransferError(f"mooncake register_memory({ptr:#x}, {length}) on {device} failed ({self._transport})")
 
     def write(self, peer_session: str, src_ptrs: list[int], dst_ptrs: list[int], lengths: list[int]) -> None:

@@ -13,15 +13,51 @@ same order, so the leader's one `transfer_request` names it for all ranks. A slo
 back with them when the handoff fails (after the fence, if the prefill may still write), and after its unpack once
 that unpack has run on the device (`collect`, at the next pre-allocation), never sooner: a prefill could otherwise
 write the next request's KV into bytes the unpack has yet to read.
+
+On by default (`open_receive_staging`): an eighth of the KV pool, within [1 MiB, 2 GiB], on every backend that
+moves bytes (the fake one moves none). The automatic size gives way to direct writes when the buffer cannot be
+allocated or registered; a size the user gave fails the server instead.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from pdserve.disagg.transfer.base import StagedDestination, TransferEngine
+from pdserve.disagg.transfer.base import StagedDestination, TransferEngine, TransferError
 from pdserve.disagg.transfer.packing import StagingArena, kv_words
 from pdserve.mem_cache.kv_pool import KVPool
+
+logger = logging.getLogger(__name__)
+
+AUTO_MIN_BYTES = 1 << 20
+AUTO_MAX_BYTES = 2 << 30  # sixteen 1k-token or two 8k-token llama-3.1-8b handoffs in flight
+
+
+def receive_staging_bytes(staging_mb: int | None, pool_bytes: int) -> int:
+    """`--disaggregation-staging-mb` in bytes; None (the default) sizes it from the pool: an eighth, at least
+    AUTO_MIN_BYTES, at most AUTO_MAX_BYTES."""
+    if staging_mb is not None:
+        return staging_mb << 20
+    return min(AUTO_MAX_BYTES, max(AUTO_MIN_BYTES, pool_bytes // 8))
+
+
+def open_receive_staging(engine: TransferEngine, pool: KVPool, staging_mb: int | None) -> "ReceiveStaging | None":
+    """The decode's receive staging as `--disaggregation-staging-mb` asks (None: the automatic size); None when it
+    is 0, when the engine moves no bytes, or when the automatic size cannot be had (every handoff then writes its
+    pages, as without staging)."""
+    nbytes = receive_staging_bytes(staging_mb, pool.nbytes)
+    if not nbytes or engine.name == "fake":
+        return None
+    try:
+        return ReceiveStaging(engine, pool, nbytes)
+    except (torch.OutOfMemoryError, TransferError) as exc:
+        if staging_mb is not None:
+            raise
+        logger.warning("no receive staging (%d MiB on %s): %s; handoffs write their pages directly", nbytes >> 20,
+                       pool.buffer.device, exc)
+        return None
 
 
 class ReceiveStaging:
@@ -32,6 +68,7 @@ class ReceiveStaging:
         self.arena = StagingArena(self.buffer.numel(), timeout_s=0.0)  # never waits: no slot, pages in place
         engine.register(self.buffer.data_ptr(), self.buffer.numel(), str(self.buffer.device))
         self.slots: dict[int, tuple[int, int]] = {}  # room -> (offset, pages)
+        self.staged = self.scattered = self.missed = 0  # handoffs unpacked (into scattered pages), found no room
         self._unpacked: list[tuple[int, torch.cuda.Event | None]] = []  # (offset, event after its unpack)
         self._pool_words = kv_words(pool.buffer.view(torch.uint8).view(-1), self.layout)
 
@@ -44,6 +81,8 @@ class ReceiveStaging:
         offset = self.arena.try_acquire(self._slot_bytes(num_pages)) if num_pages else None
         if offset is not None:
             self.slots[room] = (offset, num_pages)
+        elif num_pages:
+            self.missed += 1
         return offset
 
     def destination(self, room: int, rank_base: int) -> StagedDestination:
@@ -60,6 +99,8 @@ class ReceiveStaging:
         raw = self.buffer[offset : offset + self._slot_bytes(num_pages)]
         index = torch.tensor(pages, dtype=torch.long, device=self.buffer.device)
         self._pool_words.index_copy_(2, index, kv_words(raw, self.layout, num_pages))
+        self.staged += 1
+        self.scattered += any(b != a + 1 for a, b in zip(pages, pages[1:]))
         event = None
         if self.buffer.is_cuda:
             event = torch.cuda.Event()
@@ -80,6 +121,13 @@ class ReceiveStaging:
                 event.synchronize()
             self.arena.release(offset)
         self._unpacked.clear()
+
+    def snapshot(self) -> dict:
+        """For the decode's stats and /metrics: the arena's size, the slots handoffs hold (in flight or fenced), and
+        since the staging was made the handoffs staged, those of them whose pages were not one run, and those that
+        found no room."""
+        return {"bytes": self.buffer.numel(), "slots": len(self.slots), "staged": self.staged,
+                "scattered": self.scattered, "missed": self.missed}
 
     def _slot_bytes(self, num_pages: int) -> int:
         return 2 * self.layout.num_layers * num_pages * self.layout.page_bytes
