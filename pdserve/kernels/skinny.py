@@ -10,7 +10,8 @@ routes each call by the recorded choice (cuBLAS for any shape not tuned). From 3
 (pdserve.bench.skinny_sweep --rows 16 32 64, same day), hence MAX_ROWS. FP8 weights have their own kernel
 (`pdserve.quantization.fp8.fp8_rows_linear`, tuned against quantize + `torch._scaled_mm` with the same tuner).
 A server start looks each choice up in `pdserve.kernels.tuning_cache` before timing it and stores it after, so a
-restart on the same machine skips the timing.
+restart on the same machine skips the timing; where that cache has none, in the table shipped for this GPU (a
+shipped choice is run once before it is taken, so a config this Triton cannot build is timed like a miss).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import json
 import math
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +141,19 @@ def _tunable(w: torch.Tensor) -> bool:
     return w.is_cuda and w.dim() == 2
 
 
+def _runs(cfg: object, run: Callable[[object], object]) -> bool:
+    """Whether a shipped choice runs here: the baseline (None) always; a config where run(cfg) raises nothing (a
+    Triton that cannot build it, e.g. for want of shared memory, raises at the launch)."""
+    if cfg is None:
+        return True
+    try:
+        run(cfg)
+    except Exception as e:
+        logger.warning("shipped tuned config %s does not run here (%r); timing the shape instead", cfg, e)
+        return False
+    return True
+
+
 def _finite(us: float) -> float | None:
     """A time as JSON takes it (no infinity: a shape with no candidate that runs)."""
     return us if math.isfinite(us) else None
@@ -168,20 +182,21 @@ class SkinnyTuner:
         start = time.perf_counter()
         shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if _tunable(w)}
         report = {}
-        caches, cached = {}, 0
+        caches, sources = {}, {"cache": 0, "table": 0}
         for (n, k, dtype), w in shapes.items():
             cache = tuning_cache.for_device(w.device)  # None: off
             if cache is not None:
                 caches[id(cache)] = cache
+            table = tuning_cache.shipped_entries(w.device)
             weight = None  # the cold copies, made on the first miss only
             for m in self.rows:
                 x = torch.randn(m, k, device=w.device, dtype=x_dtype or dtype)
                 x = prepare(x) if prepare else x
                 entry = self._entry(m, n, k, dtype, x_dtype or dtype, input_kind(x))
-                hit = self._cached(cache, entry, m)
+                hit, source = self._lookup(cache, table, entry, m, lambda cfg: candidate(x, w, cfg))
                 if hit is not None:
                     choice, times = hit
-                    cached += 1
+                    sources[source] += 1
                 else:
                     weight = weight or cold_weights(w)
                     reference = _graph_us(lambda: baseline(x, weight()))
@@ -196,9 +211,10 @@ class SkinnyTuner:
         for cache in caches.values():
             cache.save()
         faster = [key for key, (reference, best) in report.items() if best < reference]
-        logger.info("%s tuned %d shapes x rows %s in %.1f s (%d of %d from the tuning cache); faster than the "
-                    "baseline on %d of %d: %s", self.label, len(shapes), self.rows, time.perf_counter() - start,
-                    cached, len(report), len(faster), len(report),
+        logger.info("%s tuned %d shapes x rows %s in %.1f s (%d of %d from the tuning cache, %d from the shipped "
+                    "table); faster than the baseline on %d of %d: %s", self.label, len(shapes), self.rows,
+                    time.perf_counter() - start, sources["cache"], len(report), sources["table"], len(faster),
+                    len(report),
                     ", ".join(f"{m}x{n}x{k} {report[(m, n, k)][0]:.1f}->{report[(m, n, k)][1]:.1f} us"
                               for m, n, k in faster))
         return report
@@ -210,11 +226,20 @@ class SkinnyTuner:
         return json.dumps([self.label, self.epilogue, m, n, k, str(dtype), str(x_dtype), str(kind),
                            tuning_cache.digest(tuple(self.candidates(m)))])
 
-    def _cached(self, cache: tuning_cache.TuningCache | None, entry: str, m: int
-                ) -> tuple[object, tuple[float, float]] | None:
-        """(the choice, (baseline us, best us)) stored for entry, or None: not stored, or not a known candidate
-        (what comes from disk is checked, never trusted)."""
-        value = cache.get(entry) if cache is not None else None
+    def _lookup(self, cache: tuning_cache.TuningCache | None, table: Mapping[str, object], entry: str, m: int,
+                run: Callable[[object], object]) -> tuple[tuple[object, tuple[float, float]] | None, str]:
+        """(the choice, (baseline us, best us)) stored for entry and where it came from: this machine's tuning cache
+        ("cache"), else the shipped table ("table") where its config runs here (run(cfg) launches it once);
+        (None, "") where neither has a usable one."""
+        if cache is not None and (hit := self._stored(cache.get(entry), m)) is not None:
+            return hit, "cache"
+        if (hit := self._stored(table.get(entry), m)) is not None and _runs(hit[0], run):
+            return hit, "table"
+        return None, ""
+
+    def _stored(self, value: object, m: int) -> tuple[object, tuple[float, float]] | None:
+        """(the choice, (baseline us, best us)) a stored value names, or None: nothing stored, or not a known
+        candidate for m rows (what comes from disk is checked, never trusted)."""
         if not isinstance(value, dict) or "config" not in value:
             return None
         times = tuple(float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else float("inf")
@@ -226,7 +251,7 @@ class SkinnyTuner:
         for cfg in self.candidates(m):
             if dataclasses.is_dataclass(cfg) and dataclasses.asdict(cfg) == value["config"]:
                 return cfg, times
-        logger.debug("tuning cache entry %s names no candidate config: %r", entry, value["config"])
+        logger.debug("stored tuning value names no candidate config for %d rows: %r", m, value["config"])
         return None
 
     def _timings(self, x: torch.Tensor | Fp8Rows, weight: Callable[[], torch.Tensor], candidate: Callable

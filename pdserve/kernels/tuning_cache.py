@@ -16,6 +16,15 @@ oldest go first) and MAX_FILE_BYTES read.
 
 `configure` also points Triton's own compiled-kernel cache (TRITON_CACHE_DIR) at DIR/triton when the user set none,
 so the compiled kernels persist beside the choices.
+
+Where the cache has no entry, the tuner reads the shipped table of this GPU: pdserve/kernels/tuned/<GPU name>.json
+(`table_name`; env PDSERVE_TUNED_TABLES names another folder, `none` turns them off), made from a filled cache by
+`python -m pdserve.tools.export_tuned_table`. A table matches on the GPU name, its compute capability and
+TUNER_VERSION only, not on the driver, CUDA, torch or Triton (it lists those it was measured with, for the reader):
+its entries carry the same keys as the cache's, so a shipped choice is used only for the same tuner, shape, rows,
+dtypes, epilogue and candidate list, and only if it is one of the tuner's current candidates for that row count and
+runs here (the tuner checks both); a Triton or driver of other speeds may then make it a slower choice, never a
+wrong one. A table is never written at run time; one that is corrupt or names another GPU is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -26,12 +35,18 @@ import logging
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 logger = logging.getLogger(__name__)
 
 ENV = "PDSERVE_TUNING_CACHE_DIR"
+TABLES_ENV = "PDSERVE_TUNED_TABLES"
 SCHEMA = "pdserve-tuning-cache/1"
+TABLE_SCHEMA = "pdserve-tuned-table/1"
+PACKAGE_TABLES = Path(__file__).with_name("tuned")
+TABLE_KEY = ("gpu", "capability", "tuner")  # the fields of a device key a shipped table must match
 TUNER_VERSION = 1  # bump when what a tuner measures changes in a way the candidate digest does not show
 MAX_ENTRIES = 20_000
 MAX_FILE_BYTES = 8 << 20
@@ -39,6 +54,11 @@ OFF = ("", "none")
 
 _directory: Path | None = None  # set by `configure`; None: the cache is off (the default outside a server)
 _caches: dict[tuple[Path, str], TuningCache] = {}
+_tables: dict[tuple[Path, str], Mapping[str, object]] = {}
+
+
+class Unusable(ValueError):
+    """A cache or table file that cannot be used (what is wrong with it is the message)."""
 
 
 def resolve_dir(setting: str | None, environ: dict | None = None) -> Path | None:
@@ -129,6 +149,65 @@ def for_device(device) -> TuningCache | None:
     return _caches[(_directory, ident)]
 
 
+def tables_dir(environ: dict | None = None) -> Path | None:
+    """The folder of the shipped tables: env PDSERVE_TUNED_TABLES, else the package's tuned/; None where `none`."""
+    setting = (os.environ if environ is None else environ).get(TABLES_ENV)
+    if setting is None:
+        return PACKAGE_TABLES
+    return None if setting.strip().lower() in OFF else Path(setting).expanduser()
+
+
+def table_name(gpu: str) -> str:
+    """The file name of a GPU's shipped table: its name in lower case, each run of other characters one dash
+    ("NVIDIA H100 80GB HBM3" -> nvidia-h100-80gb-hbm3.json)."""
+    return (re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "device") + ".json"
+
+
+def shipped_entries(device) -> Mapping[str, object]:
+    """The entries of the shipped table of this device's GPU (read-only, read once per process); empty where there
+    is none, the tables are off, or the file is unusable (then with one warning)."""
+    directory = tables_dir()
+    if directory is None:
+        return MappingProxyType({})
+    expected = {field: device_key(device)[field] for field in TABLE_KEY}
+    path = directory / table_name(expected["gpu"])
+    ident = (path, _key_digest(expected))
+    if ident not in _tables:
+        try:
+            entries = read_file(path, TABLE_SCHEMA, expected)["entries"]
+        except Unusable as e:
+            logger.warning("kernel tuning: ignoring the shipped table %s (%s)", path, e)
+            entries = {}
+        _tables[ident] = MappingProxyType(entries)
+        if entries:
+            logger.info("kernel tuning: %d entries shipped for %s in %s", len(entries), expected["gpu"], path)
+    return _tables[ident]
+
+
+def read_file(path: Path, schema: str, expected: dict) -> dict:
+    """The JSON object of a cache file or table, with its string-keyed entries only; {"entries": {}} where there is
+    no file. Unusable where it is too large, not JSON, of another schema, has a field other than `expected` gives,
+    or no entries."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return {"entries": {}}
+    if size > MAX_FILE_BYTES:
+        raise Unusable(f"{size} bytes, over {MAX_FILE_BYTES}")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise Unusable(f"not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        raise Unusable("another schema")
+    for field, value in expected.items():
+        if data.get(field) != value:
+            raise Unusable(f"another {field}: {data.get(field)!r}")
+    if not isinstance(data.get("entries"), dict):
+        raise Unusable("no entries")
+    return {**data, "entries": {k: v for k, v in data["entries"].items() if isinstance(k, str)}}
+
+
 def _key_digest(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -197,28 +276,8 @@ class TuningCache:
         """The file's entries; {} (with a warning if warn) where it is missing, too large, corrupt, of another
         schema or of another device key. Such a file is replaced at the next save."""
         try:
-            size = self.path.stat().st_size
-        except OSError:
-            return {}
-        problem = None
-        data = None
-        if size > MAX_FILE_BYTES:
-            problem = f"{size} bytes, over {MAX_FILE_BYTES}"
-        else:
-            try:
-                data = json.loads(self.path.read_text())
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                problem = f"not JSON ({e})"
-        if problem is None:
-            if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-                problem = "another schema"
-            elif data.get("key") != self.key:
-                problem = "another device key"
-            elif not isinstance(data.get("entries"), dict):
-                problem = "no entries"
-        if problem is not None:
+            return read_file(self.path, SCHEMA, {"key": self.key})["entries"]
+        except Unusable as e:
             if warn:
-                logger.warning("kernel tuning cache: ignoring %s (%s); it is rewritten after tuning", self.path,
-                               problem)
+                logger.warning("kernel tuning cache: ignoring %s (%s); it is rewritten after tuning", self.path, e)
             return {}
-        return {k: v for k, v in data["entries"].items() if isinstance(k, str)}

@@ -1,7 +1,9 @@
 """The kernel tuning cache (issue 38) on CPU: a stored choice comes back for the same device key and shape; another
 GPU name, driver, Triton version or shape misses it; a corrupt or foreign file is ignored with a warning and
 rewritten; a value that names no candidate config is ignored; `none` writes nothing; and the tuner looks the cache
-up before timing, so a warm cache skips the timing."""
+up before timing, so a warm cache skips the timing. The shipped tables: exported from a filled cache, used where
+the cache has no entry (across drivers and Triton versions, for the same GPU name, capability and tuner version,
+where the config runs), never over the cache's own entry; a corrupt table is ignored with a warning."""
 
 from __future__ import annotations
 
@@ -18,6 +20,15 @@ from pdserve.kernels import skinny, tuning_cache
 
 KEY = {"gpu": "NVIDIA H200", "capability": "9.0", "driver": "550.54.15", "cuda": "12.8", "torch": "2.9.0",
        "triton": "3.6.0", "tuner": str(tuning_cache.TUNER_VERSION)}
+
+
+@pytest.fixture(autouse=True)
+def no_package_tables(tmp_path, monkeypatch):
+    """The shipped tables read from an empty folder of this test's (never the package's), none loaded before."""
+    tables = tmp_path / "tables"
+    monkeypatch.setenv(tuning_cache.TABLES_ENV, str(tables))
+    monkeypatch.setattr(tuning_cache, "_tables", {})
+    return tables
 
 
 @pytest.fixture
@@ -222,8 +233,175 @@ def test_fp8_rows_configs_round_trip(cache_dir):
             entry = tuner._entry(m, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16)
             cache.put(entry, json.loads(json.dumps({"config": skinny.dataclasses.asdict(cfg), "baseline_us": 2.0,
                                                     "best_us": 1.0})))
-            assert tuner._cached(cache, entry, m) == (cfg, (2.0, 1.0))
+            assert tuner._stored(cache.get(entry), m) == (cfg, (2.0, 1.0))
     in_kernel = next(c for c in fp8_candidates(1) if c.quantize_in_kernel)
     entry = tuner._entry(64, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16, torch.bfloat16)
     cache.put(entry, {"config": skinny.dataclasses.asdict(in_kernel), "baseline_us": 2.0, "best_us": 1.0})
-    assert tuner._cached(cache, entry, 64) is None  # a config valid at 1 row only is not served at 64
+    assert tuner._stored(cache.get(entry), 64) is None  # a config valid at 1 row only is not served at 64
+
+
+# the shipped tables
+def test_table_names_and_folder(tmp_path):
+    assert tuning_cache.table_name("NVIDIA H200") == "nvidia-h200.json"
+    assert tuning_cache.table_name("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3.json"
+    assert tuning_cache.tables_dir({}) == tuning_cache.PACKAGE_TABLES
+    assert tuning_cache.PACKAGE_TABLES.is_dir()  # shipped with the package (pyproject.toml package-data)
+    assert tuning_cache.tables_dir({tuning_cache.TABLES_ENV: str(tmp_path)}) == tmp_path
+    assert tuning_cache.tables_dir({tuning_cache.TABLES_ENV: "none"}) is None
+
+
+def shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, weights, rows=(1, 2)) -> dict:
+    """Tunes weights into the cache, exports it as the shipped tables, then empties the cache as on a fresh
+    machine (another directory, a new process); returns the choices the timing made."""
+    from pdserve.tools import export_tuned_table
+
+    tune(weights, rows)
+    assert export_tuned_table.main([str(cache_dir), "--out", str(no_package_tables)]) == 0
+    chosen = dict(skinny._choice)
+    skinny._choice.clear()
+    tuning_cache.configure(str(tmp_path / "fresh"))
+    monkeypatch.setattr(tuning_cache, "_tables", {})
+    return chosen
+
+
+def test_shipped_entry_used_when_the_cache_is_empty(tmp_path, cache_dir, no_package_tables, fake_timing, caplog,
+                                                    monkeypatch):
+    w = torch.randn(48, 32)
+    chosen = shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w])
+    assert (no_package_tables / "nvidia-h200.json").is_file()
+    timed = len(fake_timing)
+    ran = []
+    with caplog.at_level(logging.INFO, logger="pdserve.kernels.skinny"):
+        skinny.SkinnyTuner((1, 2)).tune([w], candidate=lambda x, w_, cfg: ran.append(cfg) or F.linear(x, w_))
+    assert len(fake_timing) == timed and skinny._choice == chosen  # nothing timed, the same choices
+    assert ran == [cfg for cfg in chosen.values() if cfg is not None]  # each shipped config run once first
+    assert any("0 of 2 from the tuning cache, 2 from the shipped table" in r.getMessage() for r in caplog.records)
+    assert not list((tmp_path / "fresh").glob("*.json"))  # shipped choices are not copied into the cache
+    tuning_cache.configure("none")  # the cache off: the table still answers
+    skinny._choice.clear()
+    tune([w])
+    assert len(fake_timing) == timed and skinny._choice == chosen
+    tune([torch.randn(64, 32)])  # a shape the table lacks is timed
+    assert len(fake_timing) > timed
+
+
+def test_the_cache_overrides_the_shipped_table(tmp_path, cache_dir, no_package_tables, fake_timing, monkeypatch):
+    w = torch.randn(48, 32)
+    shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w], rows=(1,))
+    cache = tuning_cache.for_device("cpu")
+    tuner = skinny.SkinnyTuner((1,))
+    entry = tuner._entry(1, 48, 32, w.dtype, w.dtype, w.dtype)
+    table_choice = tuner._stored(tuning_cache.shipped_entries("cpu")[entry], 1)[0]
+    own = next(cfg for cfg in skinny.CANDIDATES if cfg != table_choice)
+    cache.put(entry, {"config": skinny.dataclasses.asdict(own), "baseline_us": 9.0, "best_us": 3.0})
+    cache.save()
+    tuning_cache._caches.clear()
+    timed = len(fake_timing)
+    tune([w], rows=(1,))
+    assert len(fake_timing) == timed and skinny._choice[(1, 48, 32, w.dtype, w.dtype, None)] == own
+
+
+@pytest.mark.parametrize("field, other, used", [("gpu", "NVIDIA H100 80GB HBM3", False), ("capability", "8.0", False),
+                                                ("tuner", "999", False), ("driver", "999.1", True),
+                                                ("triton", "9.9.9", True), ("torch", "9.0", True),
+                                                ("cuda", "99.0", True)])
+def test_a_shipped_table_matches_gpu_capability_and_tuner_only(tmp_path, cache_dir, no_package_tables, fake_timing,
+                                                                monkeypatch, field, other, used):
+    w = torch.randn(48, 32)
+    chosen = shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w])
+    monkeypatch.setattr(tuning_cache, "device_key", lambda device: {**KEY, field: other})
+    timed = len(fake_timing)
+    tune([w])
+    assert (len(fake_timing) == timed) == used, field
+    assert not used or skinny._choice == chosen
+
+
+def test_a_table_naming_another_gpu_is_ignored_with_a_warning(tmp_path, cache_dir, no_package_tables, fake_timing,
+                                                              monkeypatch, caplog):
+    w = torch.randn(48, 32)
+    shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w])
+    path = no_package_tables / "nvidia-h200.json"
+    path.write_text(path.read_text().replace('"NVIDIA H200"', '"NVIDIA H200 NVL"'))  # H200's file, another GPU's
+    timed = len(fake_timing)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.tuning_cache"):
+        tune([w])
+    assert len(fake_timing) > timed
+    assert [r.getMessage() for r in caplog.records if "shipped table" in r.getMessage() and "another gpu" in
+            r.getMessage()]
+
+
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"schema": "pdserve-tuning-cache/1", "entries": {}}',
+                                     "\x00\xff", "entries"])
+def test_a_corrupt_shipped_table_is_ignored_with_a_warning(tmp_path, cache_dir, no_package_tables, fake_timing,
+                                                           monkeypatch, caplog, content):
+    w = torch.randn(48, 32)
+    shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w])
+    path = no_package_tables / "nvidia-h200.json"
+    if content == "entries":  # well-formed, but each entry names no candidate config
+        data = json.loads(path.read_text())
+        data["entries"] = {k: {"config": {"block_n": 7}} for k in data["entries"]}
+        path.write_text(json.dumps(data))
+    else:
+        path.write_bytes(content.encode("latin-1"))
+    before = path.read_bytes()
+    timed = len(fake_timing)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.tuning_cache"):
+        tune([w])
+        tune([w], rows=(3,))  # read once per process: one warning
+    assert len(fake_timing) == timed + 3 * (1 + len(skinny.CANDIDATES))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == (content != "entries")
+    assert path.read_bytes() == before  # a table is never written at run time
+
+
+def test_a_shipped_config_that_does_not_run_here_is_timed(tmp_path, cache_dir, no_package_tables, fake_timing,
+                                                          monkeypatch, caplog):
+    w = torch.randn(48, 32)
+    chosen = shipped(tmp_path, cache_dir, no_package_tables, monkeypatch, [w], rows=(1,))
+    assert list(chosen.values())[0] is not None  # fake_timing makes a candidate win
+
+    def candidate(x, w_, cfg):
+        if len(fake_timing) == timed:  # the check before any timing: as a Triton lacking shared memory raises
+            raise RuntimeError("out of resource: shared memory")
+        return F.linear(x, w_)
+
+    timed = len(fake_timing)
+    with caplog.at_level(logging.WARNING, logger="pdserve.kernels.skinny"):
+        skinny.SkinnyTuner((1,)).tune([w], candidate=candidate)
+    assert len(fake_timing) == timed + 1 + len(skinny.CANDIDATES)
+    assert any("does not run here" in r.getMessage() for r in caplog.records)
+
+
+def test_export_merges_replaces_and_skips(tmp_path, cache_dir, capsys):
+    from pdserve.tools import export_tuned_table
+
+    old = tuning_cache.TuningCache(cache_dir, KEY)
+    old.put("a", {"config": None})
+    old.put("b", {"config": None, "best_us": 1.0})
+    old.save()
+    newer = tuning_cache.TuningCache(tmp_path / "second", {**KEY, "triton": "3.7.0"})
+    newer.put("b", {"config": None, "best_us": 2.0})
+    newer.save()
+    os.utime(newer.path, (old.path.stat().st_mtime + 10,) * 2)
+    stale = tuning_cache.TuningCache(tmp_path / "second", {**KEY, "tuner": "0"})
+    stale.put("c", {"config": None})
+    stale.save()
+    (tmp_path / "second" / "junk.json").write_text("{")
+    out = tmp_path / "out"
+    assert export_tuned_table.main([str(cache_dir), str(tmp_path / "second"), "--out", str(out)]) == 0
+    text = (out / "nvidia-h200.json").read_text()
+    table = tuning_cache.read_file(out / "nvidia-h200.json", tuning_cache.TABLE_SCHEMA,
+                                   {"gpu": "NVIDIA H200", "capability": "9.0", "tuner": KEY["tuner"]})
+    assert table["entries"] == {"a": {"config": None}, "b": {"config": None, "best_us": 2.0}}  # the newer file's b
+    assert sorted(m["triton"] for m in table["measured_with"]) == ["3.6.0", "3.7.0"]
+    assert sum(line.startswith('  "') for line in text.splitlines()) == 2  # one entry a line
+    assert "skipped" in capsys.readouterr().err  # the stale tuner's file and the junk
+    third = tuning_cache.TuningCache(tmp_path / "third", KEY)
+    third.put("d", {"config": None})
+    third.save()
+    export_tuned_table.main([str(tmp_path / "third"), "--out", str(out)])
+    merged = json.loads((out / "nvidia-h200.json").read_text())["entries"]
+    assert sorted(merged) == ["a", "b", "d"]
+    export_tuned_table.main([str(tmp_path / "third"), "--out", str(out), "--replace"])
+    assert sorted(json.loads((out / "nvidia-h200.json").read_text())["entries"]) == ["d"]
+    assert export_tuned_table.main([str(tmp_path / "empty"), "--out", str(out)]) == 1
