@@ -75,8 +75,7 @@ class Scheduler:
         self.token_bitmask = TokenBitmask(args.max_running_requests)
         self.prefill_meter = PrefillRateMeter()
         self.device_stamps = DeviceStamps(self.device)  # a forward's stages as the device ran it
-        self.tpot_budget = TpotBudget(args.decode_tpot_budget_ms, self.page_size,
-                                      min(args.max_prefill_tokens, args.chunked_prefill_size))
+        self.tpot_budget = TpotBudget.from_args(args, self.page_size, lambda: (r.rid for r in self.running))
         self.step_timer = StepTimer(self.device)  # the tests give theirs a clock their forwards advance
         self.role = role or Role()
         self.role.bind(self)
@@ -257,6 +256,7 @@ class Scheduler:
             "num_running_reqs": len(self.running),
             "kv_usage": round(held / self.allocator.capacity, 4),
             "tpot_budget_ms": self.args.decode_tpot_budget_ms,
+            **self.tpot_budget.load_report(),
         }
 
     def _new_prompt_rate(self) -> float:

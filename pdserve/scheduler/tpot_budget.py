@@ -14,6 +14,20 @@ saving up first starts a prompt at once (its TTFT) at the same mean inter-token 
 a large chunk makes one longer gap. With no request decoding, prefill runs
 at full speed (`max_chunk`) and the credit starts over at zero.
 
+Saved credit (`--decode-tpot-burst-ms`): the credit is held up to the steady cap (CREDIT_CAP_BUDGETS budgets, or one
+saved chunk's time), or up to the burst if that is more, so a lightly loaded server saves enough to prefill a long
+prompt at full speed in one gap. The SLO is a request's mean inter-token time, and a burst must not push it over
+the budget, so a request may only ever meet as much credit as without bursts plus what it banked itself: the
+controller keeps a ledger (the credit without its cap) and each running request's ledger value when it joined, and
+an extend spends at most min(credit, steady cap + the least any running request has banked since it joined)
+(`_spendable_s`). The invariant, per request: its inter-token times sum to at most its tokens x budget + the steady
+cap (the credit it may meet on joining) + the debt limit (what an extend may borrow, repaid after); without a
+burst the spendable credit is the credit and this is the bound the controller always kept. A request that joins a
+server with saved credit meets a steady cap's worth, not the burst; requests that ran through the saving spend it.
+The default burst, 250 ms, is one full-speed prefill of the longest prompts of the mix this was built for (6-8k
+tokens take 190-250 ms for llama-3.1-8b on an H200, measured 2026-11-28), which at low load the decode earns back in
+about half a second; a longer burst would only lengthen one gap (a stall in each stream) for prompts that rarely come.
+
 The step costs are learned online from the server's own timings (`StepCosts`): the decode step's time as a decaying
 average, and an extend's time as a line (fixed cost + cost per token) fitted over recent extends. The warm-up seeds
 both (`warmup.py`), so they are known before the first request.
@@ -23,13 +37,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 MIN_CHUNK_TOKENS = 256  # a smaller prefill chunk wastes the GPU (its fixed cost dominates)
 SAVED_CHUNK_TOKENS = 2048  # while requests decode, an extend takes at least this many tokens (or all queued)
-CREDIT_CAP_BUDGETS = 4.0  # credit held at most, in budgets (or one saved chunk's time): no flood after a quiet spell
+CREDIT_CAP_BUDGETS = 4.0  # steady cap, in budgets (or one saved chunk's time): no flood after a quiet spell
 MIN_EARN_SHARE = 0.1  # a decode step earns at least this share of the budget: prefill never starves
 DECODE_EWMA = 0.1  # weight of a new decode step's time
 EXTEND_DECAY = 0.9  # weight of the history at each new extend
@@ -103,13 +118,16 @@ class StepCosts:
 class TpotBudget:
     """The credit controller the scheduler asks before each extend (`extend_tokens`) and tells about each forward.
     A budget of 0 is off: every extend may take `max_chunk` tokens (the costs are learned all the same, for
-    `/load`)."""
+    `/load`). `burst_ms` > 0 saves credit up to that much; `running_ids` then names the running requests (whose
+    joins the ledger dates)."""
 
-    __slots__ = ("budget_s", "max_chunk", "min_chunk", "saved_chunk", "page_size", "costs", "credit_s", "counters",
-                 "window")
+    __slots__ = ("budget_s", "burst_s", "max_chunk", "min_chunk", "saved_chunk", "page_size", "costs", "credit_s",
+                 "counters", "window", "running_ids", "ledger_s", "joined_at", "newest_join_s")
 
-    def __init__(self, budget_ms: float, page_size: int, max_chunk: int, costs: StepCosts | None = None):
+    def __init__(self, budget_ms: float, page_size: int, max_chunk: int, costs: StepCosts | None = None,
+                 burst_ms: float = 0.0, running_ids: Callable[[], Iterable[str]] = tuple):
         self.budget_s = budget_ms / 1e3
+        self.burst_s = burst_ms / 1e3
         self.page_size = page_size
         self.max_chunk = max_chunk
         self.min_chunk = min(max_chunk, _round_up(MIN_CHUNK_TOKENS, page_size))
@@ -118,10 +136,25 @@ class TpotBudget:
         self.credit_s = 0.0
         self.counters = BudgetCounters()
         self.window = BudgetCounters()  # since the last log line
+        self.running_ids = running_ids
+        self.ledger_s = 0.0  # the credit without its cap (bursts only): what a request banked is its change
+        self.joined_at: dict[str, float] = {}  # running request -> the ledger when it joined
+        self.newest_join_s = 0.0  # the largest of joined_at: the least banked is ledger_s minus this
+
+    @classmethod
+    def from_args(cls, args, page_size: int, running_ids: Callable[[], Iterable[str]]) -> TpotBudget:
+        """The server's budget: `--decode-tpot-budget-ms`, `--decode-tpot-burst-ms`, and extends of at most one
+        prefill batch or chunk."""
+        return cls(args.decode_tpot_budget_ms, page_size, min(args.max_prefill_tokens, args.chunked_prefill_size),
+                   burst_ms=args.decode_tpot_burst_ms, running_ids=running_ids)
 
     @property
     def enabled(self) -> bool:
         return self.budget_s > 0
+
+    @property
+    def bursts(self) -> bool:
+        return self.enabled and self.burst_s > 0
 
     def extend_tokens(self, decoding: bool, queued_tokens: int | None = None) -> int:
         """The most prompt tokens the next extend may take; 0: run a decode step first. `decoding`: requests are
@@ -129,9 +162,26 @@ class TpotBudget:
         least a saved chunk's)."""
         if not self.enabled or not decoding:
             return self.max_chunk
-        if self.credit_s <= 0:
+        spendable = self._spendable_s()
+        if spendable <= 0:
             return 0
-        return max(self._saved_target(queued_tokens), self._tokens_within(self.credit_s))
+        return max(self._saved_target(queued_tokens), self._tokens_within(spendable))
+
+    def _spendable_s(self) -> float:
+        """The credit the next extend may spend: all of it without bursts, else no more than the steady cap plus
+        what every running request has banked since it joined."""
+        if not self.bursts:
+            return self.credit_s
+        self._date_joins()
+        return min(self.credit_s, self._steady_cap_s() + self.ledger_s - self.newest_join_s)
+
+    def _date_joins(self) -> None:
+        """Notes the ledger at each new running request's join and forgets those that left. Called before the
+        ledger moves (a decode step, an extend), so a join is dated no earlier than it happened: between two such
+        calls the ledger stands still."""
+        before, ledger = self.joined_at, self.ledger_s
+        self.joined_at = {rid: before.get(rid, ledger) for rid in self.running_ids()}
+        self.newest_join_s = max(self.joined_at.values(), default=ledger)
 
     def _saved_target(self, queued_tokens: int | None) -> int:
         """The least an extend takes: a saved chunk, or the queued tokens (page-aligned) if fewer."""
@@ -152,19 +202,29 @@ class TpotBudget:
         charge, `extend_measured`). Returns the charge, None when no request was decoding (nothing charged: the
         credit starts over)."""
         if not self.enabled or not decoding:
-            self.credit_s = 0.0
+            self._start_over()
             return None
+        if self.bursts:
+            self._date_joins()
         charge = self.costs.extend_s(tokens)
         self.credit_s -= charge
+        self.ledger_s -= charge
         return charge
+
+    def _start_over(self) -> None:
+        self.credit_s = self.ledger_s = self.newest_join_s = 0.0
+        self.joined_at = {}
 
     def extend_measured(self, tokens: int, seconds: float, charged: float | None) -> None:
         """An extend's measured time, for the cost model and, when it was charged, the credit. One outlier (a host
-        pause) leaves at most one minimum chunk's debt, or the cap's."""
+        pause) leaves at most the debt limit (one saved chunk's time, or the steady cap), on the credit and on what
+        the running requests banked."""
         if charged is not None:
             self.counters.extend(tokens, seconds)
             self.window.extend(tokens, seconds)
-            self.credit_s = max(self.credit_s + charged - seconds, -self._debt_limit_s())
+            steady = self._steady_cap_s()  # also the debt limit
+            self.credit_s = max(self.credit_s + charged - seconds, -steady)
+            self.ledger_s = max(self.ledger_s + charged - seconds, self.newest_join_s - 2 * steady)
         self.costs.record_extend(tokens, seconds)
 
     def decode_started(self) -> float | None:
@@ -172,6 +232,8 @@ class TpotBudget:
         settles that, `decode_measured`). Returns the credit added, None without a budget."""
         if not self.enabled:
             return None
+        if self.bursts:
+            self._date_joins()
         before = self.credit_s
         self._add_credit(self._earned(self.costs.decode_s or self.budget_s))  # unmeasured: the least it may earn
         return self.credit_s - before
@@ -203,10 +265,11 @@ class TpotBudget:
         return max(self.budget_s - decode_s, MIN_EARN_SHARE * self.budget_s)
 
     def _add_credit(self, seconds: float) -> None:
-        cap = max(CREDIT_CAP_BUDGETS * self.budget_s, self.costs.extend_s(self.saved_chunk))
-        self.credit_s = min(self.credit_s + seconds, cap)
+        self.credit_s = min(self.credit_s + seconds, max(self._steady_cap_s(), self.burst_s))
+        self.ledger_s += seconds
 
-    def _debt_limit_s(self) -> float:
+    def _steady_cap_s(self) -> float:
+        """The credit held without bursts, and the debt limit."""
         return max(CREDIT_CAP_BUDGETS * self.budget_s, self.costs.extend_s(self.saved_chunk))
 
     def prefill_share(self) -> float:
@@ -224,15 +287,31 @@ class TpotBudget:
             return self.costs.prefill_rate(self.max_chunk)
         return self.costs.prefill_rate(self.saved_chunk) * self.prefill_share()
 
+    def burst_s_now(self) -> float:
+        """Seconds of full-speed prefill the next extend may spend from saved credit (0.0 without bursts, or with no
+        request decoding: a prompt then goes at full speed anyway)."""
+        if not self.bursts:
+            return 0.0
+        spendable = self._spendable_s()
+        return max(spendable, 0.0) if self.joined_at else 0.0
+
+    def load_report(self) -> dict:
+        """`/load`'s part of the budget: the saved credit a new prompt may use at full speed, and the extend line
+        that converts it to tokens (the router predicts a local prefill's time from them)."""
+        fixed, per_token = self.costs.extend_line()
+        return {"local_prefill_burst_s": round(self.burst_s_now(), 6), "extend_fixed_ms": round(fixed * 1e3, 3),
+                "extend_us_per_token": round(per_token * 1e6, 4)}
+
     def reset(self) -> None:
         """The credit and counters start over; the learned costs stay (they describe the hardware)."""
-        self.credit_s = 0.0
+        self._start_over()
         self.counters = BudgetCounters()
         self.window = BudgetCounters()
 
     def stats(self) -> dict:
         fixed, per_token = self.costs.extend_line()
-        return {"credit_ms": round(self.credit_s * 1e3, 3), "extend_fixed_ms": round(fixed * 1e3, 3),
+        return {"credit_ms": round(self.credit_s * 1e3, 3), "burst_ms": round(self.burst_s_now() * 1e3, 3),
+                "extend_fixed_ms": round(fixed * 1e3, 3),
                 "extend_us_per_token": round(per_token * 1e6, 4), **self.counters.stats()}
 
 

@@ -24,8 +24,9 @@ from pdserve.server.schemas import AbortRequestInput, GenerateReqInput, bootstra
 from pdserve.server.tokenizer_manager import GenerateRequest, OutputDelta, TokenizerManager, merge_streams
 
 HEALTH_GENERATE_TIMEOUT_SECONDS = 60.0
-LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "local_prefill_tokens_per_s", "decode_step_ms",
-             "num_running_reqs", "kv_usage", "tpot_budget_ms", "num_waiting", "num_running")
+LOAD_KEYS = ("queued_prefill_tokens", "prefill_tokens_per_s", "local_prefill_tokens_per_s", "local_prefill_burst_s",
+             "extend_fixed_ms", "extend_us_per_token", "decode_step_ms", "num_running_reqs", "kv_usage",
+             "tpot_budget_ms", "num_waiting", "num_running")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
