@@ -405,3 +405,30 @@ def test_export_merges_replaces_and_skips(tmp_path, cache_dir, capsys):
     export_tuned_table.main([str(tmp_path / "third"), "--out", str(out), "--replace"])
     assert sorted(json.loads((out / "nvidia-h200.json").read_text())["entries"]) == ["d"]
     assert export_tuned_table.main([str(tmp_path / "empty"), "--out", str(out)]) == 1
+
+
+def test_the_start_script_parses_and_its_flags_exist(monkeypatch):
+    """scripts/fp8_start.sh (run on a GPU only): bash parses it, and the flags it gives the server and the export
+    tool are theirs."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from pdserve.tools import export_tuned_table
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "fp8_start.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    commands = [line for line in script.read_text().replace("\\\n", " ").splitlines()
+                if not line.lstrip().startswith("#")]
+    launch = next(line for line in commands if "-m pdserve.launch_server" in line)
+    starts = [line for line in commands if re.match(r"(\w+=\S+ )?start \w+ ", line)]
+    assert len(starts) == 5
+    server_options = build_arg_parser()._option_string_actions
+    for flag in re.findall(r" (--[a-z0-9-]+)", " ".join([launch, *starts])):
+        assert flag in server_options, flag
+    export = next(line for line in commands if "-m pdserve.tools.export_tuned_table" in line)
+    args = [arg.strip('"') for arg in export.split("-m pdserve.tools.export_tuned_table", 1)[1].split()]
+    called = []
+    monkeypatch.setattr(export_tuned_table, "export", lambda *a: called.append(a) or {Path("t.json"): 1})
+    assert export_tuned_table.main(args) == 0
+    assert called == [([Path("$CACHES/bf16"), Path("$CACHES/fp8")], Path("$OUT/tuned"), True)]
