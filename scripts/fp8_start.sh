@@ -25,9 +25,9 @@ PORT=30300
 declare -A SECONDS_TO_READY
 
 # start NAME LIMIT CACHE [FLAGS...]: launches a server on CACHE, records the seconds from launch to its first
-# /health 200 (or "failed" after LIMIT s, or when it exits), stops it and waits until the GPU has no process left
+# /health 200 (or "failed" after LIMIT s, or when it exits), stops it and waits until its GPU memory is freed
 start() {
-  local name=$1 limit=$2 cache=$3 began server ready=failed
+  local name=$1 limit=$2 cache=$3 began server used ready=failed
   shift 3
   echo "=== $name"
   began=$(date +%s.%N)
@@ -49,8 +49,9 @@ start() {
     | sed 's/ x rows \[[^]]*\]//' | tee "$OUT/tuners_$name.txt"
   kill $server 2> /dev/null
   wait $server
-  for _ in $(seq 60); do
-    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && break
+  for _ in $(seq 30); do  # the children's GPU memory freed (a reading that is no number counts as free)
+    used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+    [[ "$used" =~ ^[0-9]+$ ]] && [ "$used" -gt 2048 ] || break
     sleep 1
   done
   PORT=$((PORT + 1))
