@@ -229,14 +229,14 @@ class TpotBudget:
 
     def decode_started(self) -> float | None:
         """A decode step is launched: it earns what its learned time leaves of the budget now (its measured time
-        settles that, `decode_measured`). Returns the credit added, None without a budget."""
+        settles that, `decode_measured`). Returns what it earned (before the cap), None without a budget."""
         if not self.enabled:
             return None
         if self.bursts:
             self._date_joins()
-        before = self.credit_s
-        self._add_credit(self._earned(self.costs.decode_s or self.budget_s))  # unmeasured: the least it may earn
-        return self.credit_s - before
+        earned = self._earned(self.costs.decode_s or self.budget_s)  # unmeasured: the least it may earn
+        self._add_credit(earned)
+        return earned
 
     def decode_measured(self, seconds: float, credited: float | None) -> None:
         """A decode step's measured time (step to step), for the cost model and the credit it earned."""

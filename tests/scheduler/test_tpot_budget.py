@@ -1,5 +1,6 @@
 """The TPOT budget's credit controller and step-cost model, with step times given by the test: chunk sizing,
-credit accounting (earn, spend, settle, cap, debt), full speed with nothing decoding, and the rates `/load` offers."""
+credit accounting (earn, spend, settle, cap, debt), full speed with nothing decoding, the rates `/load` offers, and
+saved credit (bursts) guarded per running request, down to a simulated mix of joins, leaves and prompts."""
 
 from __future__ import annotations
 
@@ -171,9 +172,10 @@ def test_an_outlier_step_moves_the_learned_costs_by_a_bounded_amount():
 
 
 @pytest.mark.parametrize("bad", [dict(decode_tpot_budget_ms=-1.0), dict(decode_tpot_budget_ms=float("nan")),
-                                 dict(decode_tpot_budget_ms=10.0, tp_size=2)])
+                                 dict(decode_tpot_budget_ms=10.0, tp_size=2), dict(decode_tpot_burst_ms=-1.0),
+                                 dict(decode_tpot_burst_ms=float("inf"))])
 def test_a_budget_that_cannot_hold_is_refused_at_start(bad):
-    with pytest.raises(ConfigError, match="--decode-tpot-budget-ms"):
+    with pytest.raises(ConfigError, match="--decode-tpot-bu"):
         ServerArgs(model_path="m", **bad)
 
 
@@ -190,3 +192,129 @@ def test_a_log_line_sums_up_each_window_in_which_the_budget_let_prompts_through(
     assert [r.getMessage() for r in caplog.records] == [
         "TPOT budget 10 ms: 4 decode steps, 4 prefill chunks (1024 tokens) beside them, mean inter-token time "
         "9.56 ms; learned: decode step 6.00 ms, chunk 1.00 ms + 10.00 us per token"]
+
+
+# ---- saved credit (--decode-tpot-burst-ms) ----------------------------------------------------------------------
+
+STEADY_S = CREDIT_CAP_BUDGETS * 10 * MS  # the steady cap of a 10 ms budget here (above a saved chunk's 21.48 ms)
+
+
+def bursting(burst_ms: float, running: dict, max_chunk: int = MAX_CHUNK) -> TpotBudget:
+    return TpotBudget(10.0, PAGE, max_chunk, costs(), burst_ms=burst_ms, running_ids=running.keys)
+
+
+def test_saved_credit_lets_one_extend_take_a_long_prompt_at_full_speed():
+    running = {"a": None}
+    b = bursting(60.0, running)
+    for _ in range(100):
+        decode_step(b)  # 4 ms a step, saved up to the burst
+    assert b.credit_s == pytest.approx(60 * MS)
+    assert b.extend_tokens(decoding=True, queued_tokens=7000) == 5888  # (60 - 1) ms / 10 us, page-aligned
+    assert b.load_report()["local_prefill_burst_s"] == pytest.approx(0.06)
+
+
+def test_without_a_burst_the_credit_stops_at_the_steady_cap_as_before():
+    running = {"a": None}
+    b = bursting(0.0, running)
+    for _ in range(100):
+        decode_step(b)
+    assert b.credit_s == pytest.approx(STEADY_S) and b.extend_tokens(decoding=True, queued_tokens=7000) == 3888
+    assert b.load_report() == {"local_prefill_burst_s": 0.0, "extend_fixed_ms": 1.0, "extend_us_per_token": 10.0}
+
+
+def test_a_request_that_joins_meets_the_steady_cap_until_it_has_banked_more():
+    running = {"a": None}
+    b = bursting(250.0, running)
+    for _ in range(100):
+        decode_step(b)
+    running["b"] = None  # joins a server that saved 250 ms: it may meet 40 ms, as without bursts
+    assert b.extend_tokens(decoding=True, queued_tokens=30_000) == 3888
+    for _ in range(5):
+        decode_step(b)  # banks 4 ms a step
+    assert b.extend_tokens(decoding=True, queued_tokens=30_000) == 5888  # (40 + 20 - 1) ms
+    del running["b"]  # left: "a" banked the whole burst
+    assert b.extend_tokens(decoding=True, queued_tokens=30_000) == MAX_CHUNK
+
+
+def test_after_a_burst_the_requests_that_paid_it_repay_before_the_next():
+    running = {"a": None}
+    b = bursting(250.0, running, max_chunk=32768)
+    for _ in range(100):
+        decode_step(b)
+    tokens = b.extend_tokens(decoding=True, queued_tokens=30_000)
+    assert tokens == 24896  # (250 - 1) ms
+    b.extend_measured(tokens, FIXED_S + PER_TOKEN_S * tokens, b.extend_started(tokens, decoding=True))
+    assert b.load_report()["local_prefill_burst_s"] == pytest.approx(0.04 * MS)  # the page rounding's rest
+    assert b.extend_tokens(decoding=True, queued_tokens=30_000) == SAVED_CHUNK_TOKENS  # borrowed, as before
+    b.extend_measured(2048, 21.48 * MS, b.extend_started(2048, decoding=True))
+    steps = 0
+    while b.extend_tokens(decoding=True, queued_tokens=30_000) == 0:
+        decode_step(b)
+        steps += 1
+    assert steps == 6  # 21.44 ms of debt, 4 ms repaid per step
+
+
+def test_an_outlier_during_a_burst_leaves_at_most_the_debt_limit():
+    running = {"a": None}
+    b = bursting(250.0, running)
+    for _ in range(100):
+        decode_step(b)
+    running["b"] = None
+    tokens = b.extend_tokens(decoding=True, queued_tokens=30_000)
+    b.extend_measured(tokens, 5.0, b.extend_started(tokens, decoding=True))  # a 5 s pause inside the extend
+    assert b.credit_s == pytest.approx(-STEADY_S) and b._spendable_s() == pytest.approx(-STEADY_S)
+
+
+def test_nothing_decoding_forgets_the_joins_and_reports_no_burst():
+    running = {"a": None}
+    b = bursting(250.0, running)
+    for _ in range(10):
+        decode_step(b)
+    running.clear()
+    assert b.load_report()["local_prefill_burst_s"] == 0.0  # a prompt goes at full speed anyway
+    assert b.extend_started(512, decoding=False) is None and (b.credit_s, b.joined_at) == (0.0, {})
+
+
+def simulate_mix(burst_ms: float, join_every: int, steps: int = 20_000):
+    """Requests join every `join_every` steps and decode 50 to 300 tokens; an 800-token prompt comes every 20 steps
+    and a 20,000-token one every 300. Each step runs what the budget allows, at the learned costs exactly. Returns
+    the budget, each finished request's (tokens, seconds from join to its last token) and the longest extend."""
+    running: dict[str, list] = {}
+    b = bursting(burst_ms, running, max_chunk=32768)
+    finished, queued, joined, longest = [], 0, 0, 0.0
+    for step in range(steps):
+        if step % join_every == 0:
+            joined += 1
+            running[f"r{joined}"] = [0, 0.0, 50 + joined * 53 % 250]  # tokens, seconds, tokens to decode
+        queued += (20_000 if step % 300 == 0 else 0) + (800 if step % 20 == 0 else 0)
+        tokens = min(queued, b.extend_tokens(decoding=bool(running), queued_tokens=queued))
+        if tokens:
+            seconds = FIXED_S + PER_TOKEN_S * tokens
+            b.extend_measured(tokens, seconds, b.extend_started(tokens, decoding=bool(running)))
+            queued -= tokens
+            longest = max(longest, seconds) if running else longest
+            for req in running.values():
+                req[1] += seconds
+            continue
+        decode_step(b)
+        for rid, req in list(running.items()):
+            req[0] += 1
+            req[1] += DECODE_S
+            if req[0] == req[2]:
+                finished.append((req[0], req[1]))
+                del running[rid]
+    return b, finished, longest
+
+
+@pytest.mark.parametrize("join_every", [15, 80])
+@pytest.mark.parametrize("burst_ms", [0.0, 250.0])
+def test_a_simulated_mix_keeps_each_request_within_the_controllers_bound(burst_ms, join_every):
+    b, finished, longest = simulate_mix(burst_ms, join_every)
+    assert len(finished) > 100
+    assert b.stats()["mean_itl_ms"] <= 10.0  # the long-run mean inter-token time
+    for tokens, seconds in finished:  # budget x tokens + what it may meet on joining + what it may owe on leaving
+        assert seconds <= tokens * 10 * MS + 2 * STEADY_S + 1e-9
+    if burst_ms and join_every == 80:
+        assert longest > 5 * STEADY_S  # bursts ran, one long prompt in one gap
+    if not burst_ms:
+        assert longest < STEADY_S  # never more than the steady cap with requests decoding
