@@ -432,3 +432,31 @@ def test_the_start_script_parses_and_its_flags_exist(monkeypatch):
     monkeypatch.setattr(export_tuned_table, "export", lambda *a: called.append(a) or {Path("t.json"): 1})
     assert export_tuned_table.main(args) == 0
     assert called == [([Path("$CACHES/bf16"), Path("$CACHES/fp8")], Path("$OUT/tuned"), True)]
+
+
+@pytest.mark.gpu
+def test_shipped_table_on_the_gpu(tmp_path, monkeypatch, no_package_tables):
+    """On a GPU: the skinny tuner's choices exported as a table are taken on an empty cache without any timing (each
+    shipped config launched once), and the layer through them equals F.linear."""
+    from pdserve.tools import export_tuned_table
+
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setattr(skinny, "_choice", {})
+    try:
+        tuning_cache.configure(str(tmp_path / "measured"))
+        weights = [torch.randn(n, 4096, device="cuda", dtype=torch.bfloat16) / 64 for n in (1024, 6144)]
+        skinny.SkinnyTuner((1, 4)).tune(weights)
+        chosen = dict(skinny._choice)
+        assert export_tuned_table.main([str(tmp_path / "measured"), "--out", str(no_package_tables)]) == 0
+        skinny._choice.clear()
+        tuning_cache.configure(str(tmp_path / "fresh"))
+        monkeypatch.setattr(skinny, "_graph_us", lambda *a, **k: pytest.fail("timed despite the shipped table"))
+        skinny.SkinnyTuner((1, 4)).tune(weights)
+        assert skinny._choice == chosen
+        for w in weights:
+            x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+            torch.testing.assert_close(skinny.linear(x, w), F.linear(x, w), rtol=2e-2, atol=2e-2)
+    finally:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+        monkeypatch.setattr(tuning_cache, "_directory", None)
+        tuning_cache._caches.clear()
