@@ -102,6 +102,9 @@ class Measured:
 MEASURED_BEST: dict[tuple[str, int], Measured] = {
     ("mix", 2): Measured("1p1d-balanced", "goodput 10.3 req/s (interpolated, mean of 2 repeats); colocated 5.9 req/s; "
                          "TTFT <= 1000 ms, TPOT <= 10 ms, NVIDIA H200, 2026-11-28"),
+    ("mix", 4): Measured("3p1d", "goodput 22.0 req/s (interpolated); colocated 14.3 req/s, 2p2d-balanced 20.7 req/s, "
+                         "2p2d-balanced-roles 20.7 req/s, 1p3d-balanced 15.3 req/s; TTFT <= 1000 ms, TPOT <= 10 ms, "
+                         "NVIDIA H200, 2026-11-28"),
 }
 
 

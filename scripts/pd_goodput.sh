@@ -2,8 +2,8 @@
 # Issue 35's goodput comparison, one device call (carry .whl .deb; see scripts/prepare_gpu_carry.sh):
 #   bash scripts/pd_goodput.sh 2    # nvidia-h200-x2: 1p1d-balanced, colocated x2, 1p1d, two repeats (about 9.5
 #                                   # minutes; or REPEATS=1 DURATION=15 in two calls, LABEL=_a / _b, and merge)
-#   bash scripts/pd_goodput.sh 4    # nvidia-h200-x4: colocated x4, 1p3d, 2p2d, 3p1d, auto at twice the rates
-#                                   # (one repeat, about 8.5 minutes; run it twice and merge, see below)
+#   bash scripts/pd_goodput.sh 4    # nvidia-h200-x4: colocated x4, 3p1d, 2p2d-balanced, 2p2d-balanced-roles at
+#                                   # 14-32 req/s (one repeat, about 4 minutes on a warm machine; twice and merge)
 # `python -m pdserve.bench.sweep` on the mix (70% chat 512-2,048 in / 128-384 out, 30% documents 6-8k in / 64-128
 # out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
 # Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
@@ -20,7 +20,10 @@ case $GPUS in
   # the pair the target compares first: if the time limit cuts the second repeat short, plain 1p1d loses it
   # 4, 8 and 12 req/s: issue 35's own measured points (a layout run: ~30 s start, ~15 s a rate, ~10 s stop)
   2) : "${LAYOUTS:=1p1d-balanced,colocated,1p1d}" "${RATES:=4,8,12}" "${REPEATS:=2}" "${DURATION:=6}" ;;
-  4) : "${LAYOUTS:=colocated,1p3d,2p2d,3p1d,auto}" "${RATES:=8,16,24}" "${REPEATS:=1}" "${DURATION:=8}" ;;
+  # 14-32 req/s: colocated x4 saturates near 14, the PD layouts between 20 and 26 (measured 2026-11-28); auto is
+  # the measured best (3p1d) for the mix, so the adaptive layout is named as itself
+  4) : "${LAYOUTS:=colocated,3p1d,2p2d-balanced,2p2d-balanced-roles}" "${RATES:=14,20,26,32}" "${REPEATS:=1}" \
+       "${DURATION:=8}" ;;
   *) echo "usage: $0 2|4" >&2; exit 2 ;;
 esac
 source scripts/gpu_env.sh || exit 1
