@@ -8,10 +8,11 @@
 # out), llama-3.1-8b preset, bf16, context 16,384, mooncake, SLO TTFT <= 1,000 ms and TPOT <= 10 ms, open-loop
 # Poisson, streamed, ignore_eos. Layouts interleave across repeats; each start is a fresh cluster.
 # Knobs (environment): RATES (comma-separated), DURATION (s of arrivals per rate), REPEATS, LAYOUTS, LABEL,
-# TPOT_BUDGET_MS (the balanced layouts' decode budget; default the sweep's: the TPOT SLO, 10 ms),
+# TPOT_BUDGET_MS (the balanced layouts' decode budget; default the sweep's: the TPOT SLO, 10 ms), SERVER_ARGS (more
+# flags for every server, e.g. "--decode-tpot-burst-ms 0" for an A/B of two sweeps in one call),
 # CALL_SECONDS (560: when the sweep must be done, counted from the script's start; the runs it leaves no room for
 # are not started, and the JSON says time_limit_reached).
-# Results in $OUT: sweep.json, sweep.png, logs.tgz (every server's and router's log), the steps' logs.
+# Results in $OUT: sweep$LABEL.json, sweep$LABEL.png, logs$LABEL.tgz (every server's and router's log), the steps' logs.
 # Repeats from two calls merge into one comparison (spread included) on this machine:
 #   python -m pdserve.bench.sweep merge call1/sweep.json call2/sweep.json --out benchmarks/results/DATE/x4
 set -u
@@ -40,7 +41,8 @@ finish() {  # a sweep killed at the step's limit leaves its clusters running and
   [ -f "$RUN/sweep.json" ] && [ ! -f "$RUN/sweep.png" ] &&
     python3 -m pdserve.bench.sweep plot "$RUN/sweep.json" -o "$RUN/sweep.png" > /dev/null
   tar czf "$OUT/logs${LABEL:-}.tgz" -C "$RUN" logs 2>/dev/null
-  cp "$RUN"/sweep.json "$RUN"/sweep.png "$OUT/" 2>/dev/null
+  cp "$RUN"/sweep.json "$OUT/sweep${LABEL:-}.json" 2>/dev/null
+  cp "$RUN"/sweep.png "$OUT/sweep${LABEL:-}.png" 2>/dev/null
   rm -rf "$RUN"
 }
 trap finish EXIT
@@ -51,5 +53,5 @@ TAILN=34 step $((LIMIT + 20)) "sweep${LABEL:-}" python3 -m pdserve.bench.sweep -
   --gpus "$(seq -s, 0 $((GPUS - 1)))" --layouts "$LAYOUTS" --rates "$RATES" --duration "$DURATION" \
   --repeats "$REPEATS" --workload mix --slo-ttft-ms 1000 --slo-tpot-ms 10 --transfer-backend mooncake \
   ${TPOT_BUDGET_MS:+--decode-tpot-budget-ms "$TPOT_BUDGET_MS"} --time-limit "$LIMIT" --out "$RUN" -- \
-  --context-length 16384
+  --context-length 16384 ${SERVER_ARGS:-}
 grep -h "ready after\|layout" "$OUT/sweep${LABEL:-}.log" | head -40
