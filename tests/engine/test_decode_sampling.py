@@ -121,8 +121,10 @@ def test_bf16_logits_stay_bf16_until_penalties_or_logprobs(tiny_model):
 @pytest.mark.gpu
 def test_graph_tokens_equal_eager_tokens(tiny_models):
     path = tiny_models["qwen3-0.6b"]
-    graphed = LLM(path, device="cuda", page_size=16, max_total_tokens=65536, cuda_graph_max_bs=16).scheduler.runner
-    eager = LLM(path, device="cuda", page_size=16, max_total_tokens=65536, disable_cuda_graph=True).scheduler.runner
+    # graphs of 1, 2, 4 and 8 rows and no warm-up: what the test replays (a GPU engine's start is seconds a graph size)
+    lean = dict(device="cuda", page_size=16, max_total_tokens=65536, skip_server_warmup=True)
+    graphed = LLM(path, cuda_graph_max_bs=8, **lean).scheduler.runner
+    eager = LLM(path, disable_cuda_graph=True, **lean).scheduler.runner
     assert graphed.graph_runner is not None and eager.graph_runner is None
     for temperatures in ([0.0] * 5, [0.6, 1.0, 0.0, 0.6, 1.4]):  # 5 rows: replayed as the padded 8-row graph
         state = decode_state(temperatures, page_size=16, device="cuda")

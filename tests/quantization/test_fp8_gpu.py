@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from fp8_kinds import one_candidate_of_each_kind
 
 pytestmark = pytest.mark.fp8_gpu
 
@@ -21,6 +22,16 @@ MEAN_LOGPROB_GAP = 0.5
 @pytest.fixture(scope="module")
 def qwen3_06b(tiny_models):
     return tiny_models["qwen3-0.6b"]
+
+
+@pytest.fixture(autouse=True)
+def lean_fp8_tuner(monkeypatch):
+    """The engines' FP8 tuner times one candidate of each kind: every candidate of each epilogue, a compile apiece
+    on a cold Triton cache, took the FP8 engine's start past a minute; the sweep of all is `-m tuner_sweep`'s (the
+    tuning cache keys its choices by the candidate list, so these are never taken for the full tuner's)."""
+    from pdserve.quantization import fp8
+
+    monkeypatch.setattr(fp8, "fp8_candidates", one_candidate_of_each_kind)
 
 
 def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
@@ -37,7 +48,8 @@ def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
 
     # graphs of one row: the FP8 tuner compiles its candidates for that row count alone (each row count it tunes
     # costs a cold start tens of seconds); each prompt decodes alone, in the graph
-    llm = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1)
+    llm = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1,
+              skip_server_warmup=True)
     assert llm.scheduler.runner.graph_runner is not None
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = [llm.generate([prompt], greedy, use_tqdm=False)[0] for prompt in prompts]
@@ -45,7 +57,8 @@ def test_scaled_mm_engine_agrees_with_the_fallback(qwen3_06b, monkeypatch):
     fast = prompt_logprobs(llm, sequences)
     llm.shutdown()
     monkeypatch.setattr(fp8, "has_fp8_gemm", lambda device: False)
-    fallback = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1)
+    fallback = LLM(qwen3_06b, device="cuda", quantization="fp8", max_total_tokens=65536, cuda_graph_max_bs=1,
+                   skip_server_warmup=True)
     slow = prompt_logprobs(fallback, sequences)
     fallback.shutdown()
     assert fast.shape == slow.shape == (sum(len(s) - 1 for s in sequences),)
@@ -56,7 +69,8 @@ def _kv_tokens_and_linear_bytes(path: str, quantization: str | None) -> tuple[in
     from pdserve import LLM
 
     # one graph of one row rather than eager (which tunes FP8 rows 1 to 8): the KV budget is set before either
-    llm = LLM(path, device="cuda", quantization=quantization, mem_fraction_static=0.5, cuda_graph_max_bs=1)
+    llm = LLM(path, device="cuda", quantization=quantization, mem_fraction_static=0.5, cuda_graph_max_bs=1,
+              skip_server_warmup=True)
     try:
         linear_bytes = sum(p.numel() * p.element_size() for n, p in llm.scheduler.runner.model.named_parameters()
                            if "proj" in n)
