@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
-from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.distributed.tensor_parallel import CLOSE_TIMEOUT, TPGroup, abort_group
 from pdserve.engine.model_runner import load_runner
 from pdserve.hub import with_local_model
 from pdserve.server_processes import free_port
@@ -55,6 +55,7 @@ class LLM:
             self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
             self.scheduler.runner.tp.barrier()
         except BaseException:
+            abort_group()  # a follower may be gone: leave without waiting for it
             stop_children(followers)
             raise
         self._shutdown = weakref.finalize(self, _stop_ranks, followers, self.scheduler.runner.tp)
@@ -127,8 +128,13 @@ class LLM:
 
 
 def _stop_ranks(followers: list[BaseProcess], tp: TPGroup) -> None:
-    stop_children(followers)
-    tp.destroy()
+    """Close the group with the followers (they leave it and exit), then stop any that did not exit in time."""
+    try:
+        tp.close()
+    finally:
+        for process in followers:
+            process.join(CLOSE_TIMEOUT.total_seconds())
+        stop_children(followers)
 
 
 def _spawn_followers(args: ServerArgs) -> list[BaseProcess]:

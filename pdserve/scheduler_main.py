@@ -11,7 +11,7 @@ import logging
 import sys
 
 from pdserve.config import ConfigError, ServerArgs
-from pdserve.process_setup import child_setup
+from pdserve.process_setup import child_setup, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +23,7 @@ def run_scheduler_process(args: ServerArgs) -> None:
     ranks after 0 by the offline `LLM`)."""
     child_setup(scheduler_process_name(args.tp_rank), args.log_level)
     from pdserve.disagg.factory import create_scheduler  # the engine loads in the child only, not where it is spawned
+    from pdserve.distributed.tensor_parallel import GroupClosed
     from pdserve.scheduler.process import SchedulerProcess
     from pdserve.role_switch import switch_role
     from pdserve.scheduler.warmup import warm_up
@@ -33,7 +34,10 @@ def run_scheduler_process(args: ServerArgs) -> None:
         logger.error("%s", exc)
         sys.exit(EXIT_CONFIG_ERROR)
     warmup = None if args.skip_server_warmup else warm_up(scheduler)  # before ready: /health answers after it
-    SchedulerProcess(args, scheduler, switch_role if args.enable_pd_role_switch else None).run_forever(warmup)
+    try:
+        SchedulerProcess(args, scheduler, switch_role if args.enable_pd_role_switch else None).run_forever(warmup)
+    except GroupClosed:  # a follower rank of the offline LLM, which closed the group on shutdown
+        exit_now(0)
 
 
 def scheduler_process_name(tp_rank: int) -> str:

@@ -1,9 +1,16 @@
 """The tensor-parallel group of one server: collectives through torch.distributed, NCCL on GPUs and gloo on
 CPU (one code path). Rank 0 also broadcasts the scheduler's messages to the other ranks over a gloo group,
-so every rank runs the same scheduler on the same input and forms the same batches."""
+so every rank runs the same scheduler on the same input and forms the same batches.
+
+Leaving the group is collective: NCCL's teardown waits for every rank of the communicator, so a rank that destroys
+it while a peer is gone, or still waits in a collective, hangs. The leader closes the group (`close`); the
+followers learn it from the message broadcast they wait in, and all ranks finish their device work, meet within
+CLOSE_TIMEOUT and destroy together. A rank that cannot meet the others aborts the group instead, which needs no
+peer. A server's ranks never leave: they exit without interpreter teardown (`process_setup.exit_now`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -12,8 +19,21 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-# A rank waits this long in a collective before it gives up: longer than any forward pass or idle poll.
+logger = logging.getLogger(__name__)
+
+# A rank waits this long in a collective before it gives up: longer than any forward pass, idle poll or a peer's
+# model load and warm-up between two collectives.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+# The ranks all join within this long of each other: each joins before it loads its shard.
+RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
+# Closing the group: the followers see the leader's close and meet it within this long, or it aborts the group.
+CLOSE_TIMEOUT = timedelta(seconds=60)
+_CLOSE = -1  # the length `broadcast_bytes` sends to close the group instead of a payload's
+
+
+class GroupClosed(Exception):
+    """Raised on a follower rank, by the broadcast it waited in, once the leader has closed the group and this rank
+    has left it: the follower's work is over."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +65,9 @@ class TPGroup:
             return payload or b""
         length = torch.tensor([len(payload) if self.is_leader else 0], dtype=torch.int64)
         dist.broadcast(length, src=0, group=self.cpu_group)
+        if length.item() == _CLOSE:
+            self._leave()
+            raise GroupClosed(f"tensor-parallel rank {self.rank}: the leader closed the group")
         if length.item() == 0:
             return b""
         if self.is_leader:
@@ -89,21 +112,61 @@ class TPGroup:
         if self.size > 1:
             dist.barrier(group=self.cpu_group)
 
-    def destroy(self) -> None:
-        """Leave the group, so that this process can form another one."""
-        if self.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self) -> None:
+        """Leader: end the followers' broadcast wait with a close, then leave the group with them, so that this
+        process can form another one. Does nothing once the group is gone; aborts it if a follower does not
+        answer within CLOSE_TIMEOUT."""
+        if self.size == 1 or not dist.is_initialized():
+            return
+        assert self.is_leader, "only the leader closes the group; the followers leave when they see it"
+        try:
+            close = torch.tensor([_CLOSE], dtype=torch.int64)
+            dist.broadcast(close, src=0, group=self.cpu_group, async_op=True).wait(timeout=CLOSE_TIMEOUT)
+        except RuntimeError as exc:  # gloo's errors and timeouts, DistBackendError among them
+            logger.error("tensor-parallel group: a follower did not take the close (%s); aborting the group", exc)
+            abort_group()
+            return
+        self._leave()
+
+    def _leave(self) -> None:
+        """Every rank at once: no collective left on the device, meet, destroy; abort if the others do not come."""
+        if self.device_group is not self.cpu_group:
+            torch.cuda.synchronize()  # NCCL's kernels of this rank all done before its communicator goes
+        try:
+            dist.monitored_barrier(group=self.cpu_group, timeout=CLOSE_TIMEOUT, wait_all_ranks=True)
+        except RuntimeError as exc:
+            logger.error("tensor-parallel rank %d: the group did not meet to close (%s); aborting it", self.rank, exc)
+            abort_group()
+            return
+        dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """Drop the process group without its peers (NCCL's abort, where destroy would wait for every rank)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except (RuntimeError, NotImplementedError) as exc:  # a backend without abort (gloo): its teardown needs no peer
+        logger.warning("tensor-parallel group: abort unsupported (%s); destroying it", exc)
+        dist.destroy_process_group()
 
 
 def init_tp_group(size: int, rank: int, port: int | None, device: torch.device) -> TPGroup:
-    """Join the group of `size` ranks rendezvousing on 127.0.0.1:`port`; size 1 needs no group."""
+    """Join the group of `size` ranks rendezvousing on 127.0.0.1:`port` within RENDEZVOUS_TIMEOUT; size 1 needs no
+    group."""
     if size == 1:
         return TPGroup()
     if port is None:
         raise ValueError("tensor parallelism needs the rendezvous port (--nccl-port); the launcher sets it")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=size, rank=rank,
-                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
+                              wait_for_workers=True)
+    except (RuntimeError, TimeoutError) as exc:  # DistStoreError: a peer never came, or the port is taken
+        raise RuntimeError(f"tensor-parallel rank {rank} of {size}: the group did not form on 127.0.0.1:{port} "
+                           f"within {RENDEZVOUS_TIMEOUT} (a rank failed to start?): {exc}") from exc
+    dist.init_process_group(backend, store=store, world_size=size, rank=rank, timeout=COLLECTIVE_TIMEOUT)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return TPGroup(rank, size, world, cpu_group)

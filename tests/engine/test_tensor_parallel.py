@@ -1,18 +1,27 @@
 """Tensor parallelism on the CPU (gloo, fp32): the offline API with two ranks generates what HF does, for each
-architecture and with a KV head replicated on both ranks; a model that cannot be split is refused."""
+architecture and with a KV head replicated on both ranks; a model that cannot be split is refused; the group closes
+in order with its followers, aborts when one is gone, and a rendezvous without peers fails in bounded time."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 from test_hf_equivalence import greedy, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import ConfigError
-from pdserve.distributed.tensor_parallel import TPGroup
+from pdserve.distributed import tensor_parallel
+from pdserve.distributed.tensor_parallel import GroupClosed, TPGroup, init_tp_group
 from pdserve.layers.linear import Shard
 from pdserve.models.model_config import ModelConfig
+from pdserve.server_processes import free_port
 
 MAX_NEW = 8
 
@@ -60,3 +69,54 @@ def test_kv_heads_that_cannot_be_replicated_evenly_are_refused(tiny_model):
                          "intermediate_size": 192})
     with pytest.raises(ConfigError, match="num_key_value_heads 3"):
         odd.check_tp_size(4)
+
+
+def _followers(llm: LLM) -> list:
+    return llm._shutdown.peek()[2][0]  # _stop_ranks's arguments: the follower processes, the group
+
+
+def test_shutdown_closes_the_group_with_the_followers_and_a_new_one_forms(tiny_model):
+    """The leader's close reaches the followers waiting in the message broadcast: they leave the group with it and
+    exit 0 on their own (not terminated or killed), and this process can form the next group."""
+    for _ in range(2):
+        llm = LLM(tiny_model, tp_size=2, device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+              skip_server_warmup=True)
+        followers = _followers(llm)
+        assert llm.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].token_ids
+        llm.shutdown()
+        assert [p.exitcode for p in followers] == [0]
+        assert not dist.is_initialized()
+
+
+def test_shutdown_with_a_dead_follower_aborts_the_group_in_bounded_time(tiny_model, monkeypatch):
+    monkeypatch.setattr(tensor_parallel, "CLOSE_TIMEOUT", timedelta(seconds=5))
+    llm = LLM(tiny_model, tp_size=2, device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+              skip_server_warmup=True)
+    follower = _followers(llm)[0]
+    os.kill(follower.pid, signal.SIGKILL)
+    follower.join(30)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 60  # the close's wait, bounded, then abort: no peer needed
+    assert not dist.is_initialized()
+
+
+def test_rendezvous_without_the_other_ranks_fails_in_bounded_time(monkeypatch):
+    monkeypatch.setattr(tensor_parallel, "RENDEZVOUS_TIMEOUT", timedelta(seconds=2))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the group did not form on 127.0.0.1"):
+        init_tp_group(2, 0, free_port(), torch.device("cpu"))
+    assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+
+
+def test_a_follower_leaves_on_the_leaders_close(monkeypatch):
+    """Two ranks in threads of one process cannot share torch's default group, so the follower's side is checked on
+    its own: the close length ends its wait in the broadcast with GroupClosed, after it has left the group."""
+    left = []
+    follower = TPGroup(1, 2)
+    monkeypatch.setattr(TPGroup, "_leave", lambda self: left.append(self.rank))
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src, group: tensor.fill_(tensor_parallel._CLOSE))
+    with pytest.raises(GroupClosed):
+        follower.broadcast_messages(None)
+    assert left == [1]
