@@ -9,9 +9,11 @@ Two rules, one at a time:
 - Load-aware (`LoadAwareRule`, `--local-prefill-by-load`): per request, a predicted time to first token on each
   path. Remote: the best prefill instance's wait (its queued prompt tokens, plus those the router sent it that its
   last report cannot show yet, plus this prompt, at its measured rate) plus the handoff overhead the router learns
-  from its own remote requests (`LearnedOverhead`). Local, per decode instance: the same sum over its queue at the
-  rate it reports it can prefill while its running decodes stay within its TPOT budget, plus the local path's own
-  learned overhead. Local wins on the decode instance with the lowest prediction when that instance reports a
+  from its own remote requests (`LearnedOverhead`). Local, per decode instance: the same sum over its queue, of
+  which the tokens its saved credit pays for (`local_prefill_burst_s`, at its full-speed extend line) go at full
+  speed and the rest at the rate it reports it can prefill while its running decodes stay within its TPOT budget,
+  plus the local path's own learned overhead. Booked tokens count in the sum, so prompts sent between two polls
+  share one burst. Local wins on the decode instance with the lowest prediction when that instance reports a
   budget, its KV usage is below the gate, and its prediction is below alpha times the remote one.
 
 The load-aware rule sizes a text prompt at the bytes per token the servers' answers show (`PromptSizer`), the
@@ -43,18 +45,38 @@ MAX_PROMPT_TOKENS = 1 << 30  # a larger reported prompt is not believed
 class InstanceLoad:
     """An instance's `/load` answer: prompt tokens queued, its measured full-speed prefill rate (0.0: not measured
     yet), the rate at which it can prefill prompts of its own right now within its TPOT budget (a decode
-    instance; 0.0: it takes none now) and the fraction of its KV pool in use."""
+    instance; 0.0: it takes none now) and the fraction of its KV pool in use; a decode instance's saved credit
+    (seconds of full-speed prefill it may spend now) and its full-speed extend line (fixed seconds, seconds per
+    token)."""
 
     queued_tokens: int
     tokens_per_s: float
     local_tokens_per_s: float = 0.0
     kv_usage: float = 1.0
+    burst_s: float = 0.0
+    extend_fixed_s: float = 0.0
+    extend_s_per_token: float = 0.0
 
     def wait_s(self, prompt_tokens: int) -> float | None:
         """Seconds until this instance has prefilled the queue and the prompt; None without a measured rate."""
         if self.tokens_per_s <= 0:
             return None
         return (self.queued_tokens + prompt_tokens) / self.tokens_per_s
+
+    def local_wait_s(self, tokens: int) -> float | None:
+        """Seconds until this decode instance has prefilled `tokens` of its own: those its saved credit pays for at
+        full speed (in one extend), the rest at its budgeted rate; None when it takes no local prefill now."""
+        if self.local_tokens_per_s <= 0:
+            return None
+        at_full_speed = self.burst_tokens(tokens)
+        burst_s = self.extend_fixed_s + self.extend_s_per_token * at_full_speed if at_full_speed else 0.0
+        return burst_s + (tokens - at_full_speed) / self.local_tokens_per_s
+
+    def burst_tokens(self, tokens: int) -> int:
+        """How many of `tokens` one full-speed extend within the saved credit takes (0: no credit or no line)."""
+        if self.extend_s_per_token <= 0 or self.burst_s <= self.extend_fixed_s:
+            return 0
+        return int(min(tokens, (self.burst_s - self.extend_fixed_s) / self.extend_s_per_token))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +114,11 @@ class Option:
         return None if self.load is None else self.load.wait_s(self.booked_tokens + prompt_tokens)
 
     def local_wait_s(self, prompt_tokens: int) -> float | None:
-        """As a decode instance: the same at its budgeted local rate; None when it takes no local prefill now."""
-        if self.load is None or self.load.local_tokens_per_s <= 0:
+        """As a decode instance: the same on its own (its saved credit first, then its budgeted rate); None when it
+        takes no local prefill now."""
+        if self.load is None:
             return None
-        return (self.load.queued_tokens + self.booked_tokens + prompt_tokens) / self.load.local_tokens_per_s
+        return self.load.local_wait_s(self.load.queued_tokens + self.booked_tokens + prompt_tokens)
 
 
 # why a load-aware choice went the way it did (the reason label of its metric)
@@ -249,7 +272,8 @@ def reported_prompt_tokens(answer: bytes, stream: bool) -> int | None:
 
 def parse_load(body: object) -> InstanceLoad | None:
     """A `/load` answer, or None when it does not look like one. An answer without a valid local prefill rate and
-    KV usage (a prefill instance, an older server) takes no local prefill."""
+    KV usage (a prefill instance, an older server) takes no local prefill; one without a valid saved credit and
+    extend line has none."""
     if not isinstance(body, dict):
         return None
     queued, rate = _count(body.get("queued_prefill_tokens")), _non_negative(body.get("prefill_tokens_per_s"))
@@ -258,7 +282,12 @@ def parse_load(body: object) -> InstanceLoad | None:
     local_rate, kv_usage = _non_negative(body.get("local_prefill_tokens_per_s")), _non_negative(body.get("kv_usage"))
     if local_rate is None or kv_usage is None or kv_usage > 1:
         return InstanceLoad(queued, rate)
-    return InstanceLoad(queued, rate, local_rate, kv_usage)
+    burst = [_non_negative(body.get(key))
+             for key in ("local_prefill_burst_s", "extend_fixed_ms", "extend_us_per_token")]
+    if None in burst:
+        return InstanceLoad(queued, rate, local_rate, kv_usage)
+    burst_s, fixed_ms, us_per_token = burst
+    return InstanceLoad(queued, rate, local_rate, kv_usage, burst_s, fixed_ms / 1e3, us_per_token / 1e6)
 
 
 def _count(value: object) -> int | None:

@@ -101,6 +101,7 @@ class Worker:
             info["load"] = {"queued_prefill_tokens": self.load.queued_tokens,
                             "prefill_tokens_per_s": self.load.tokens_per_s,
                             "local_prefill_tokens_per_s": self.load.local_tokens_per_s,
+                            "local_prefill_burst_s": self.load.burst_s,
                             "kv_usage": self.load.kv_usage, "booked_tokens": self.option().booked_tokens}
         if self.cache_report is not None:
             report = self.cache_report

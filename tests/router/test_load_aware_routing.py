@@ -2,7 +2,8 @@
 keeps the remote prefill while the prefill queue is short, moves prompts to a decode instance when the queue is
 long and the decode reports a budget, never to one without a budget or above the KV gate, books the prompts it
 sends so that a burst between two polls stops going local once the decode's predicted wait passes the remote one,
-and learns each path's overhead (remote: the handoff) from its own streamed requests."""
+sends a long document that collides with a busy prefill to a decode whose saved credit prefills it at full speed
+(never two on one credit), and learns each path's overhead (remote: the handoff) from its own streamed requests."""
 
 from __future__ import annotations
 
@@ -101,6 +102,37 @@ def test_bookings_stop_a_burst_between_two_polls_at_the_decodes_budget(stubs, st
     local = sum("bootstrap_room" not in request["body"] for request in decode.requests)
     assert local == 4 and len(prefill.requests) == burst - 4
     assert router.metric('pdserve_router_prefill_total{path="local"}') == 4
+
+
+DOC = {"text": "x" * 28_000}  # 7,000 tokens
+COLLIDING_PREFILL = {"queued_prefill_tokens": 7_000, "prefill_tokens_per_s": 30_000.0}  # 0.467 s for the document
+SAVED_CREDIT = {**BUDGETED_DECODE, "local_prefill_tokens_per_s": 10_000.0, "local_prefill_burst_s": 0.25,
+                "extend_fixed_ms": 19.0, "extend_us_per_token": 30.0}  # the document in 0.229 s, else 0.7 s
+
+
+def test_saved_credit_takes_a_colliding_document_local_and_none_leaves_it_remote(stubs, start_router):
+    prefill, decode, router = start(stubs, start_router, COLLIDING_PREFILL, SAVED_CREDIT)
+    reported(router, decode, "local_prefill_burst_s", 0.25)
+    assert went_local(router, prefill, decode, DOC)
+    decode.load = {**SAVED_CREDIT, "local_prefill_burst_s": 0.0}
+    reported(router, decode, "local_prefill_burst_s", 0.0)
+    assert not went_local(router, prefill, decode, DOC)
+
+
+def test_two_documents_together_do_not_both_go_local_on_one_credit(stubs, start_router):
+    prefill = stubs.add("prefill", held=True, load=COLLIDING_PREFILL)
+    decode = stubs.add("decode", held=True, load=SAVED_CREDIT)
+    router = start_router("--prefill", prefill.url, "--decode", decode.url,
+                          *by_load("--load-poll-interval-s", "600"))  # one poll, at the start: both are between
+    reported(router, decode, "local_prefill_burst_s", 0.25)
+    with ThreadPoolExecutor(2) as pool:
+        replies = [pool.submit(router.post, "/generate", DOC) for _ in range(2)]
+        router.wait_for(lambda: len(decode.requests) == 2, timeout=20)  # both dispatched, none answered yet
+        stubs.release(prefill)
+        stubs.release(decode)
+        assert all(reply.result(timeout=30).status == 200 for reply in replies)
+    local = sum("bootstrap_room" not in request["body"] for request in decode.requests)
+    assert local == 1 and len(prefill.requests) == 1
 
 
 def test_the_remote_paths_handoff_is_learned_from_streamed_requests(stubs, start_router):

@@ -1,7 +1,9 @@
 """The load-aware local-prefill rule (`--local-prefill-by-load`) as a function of the reported loads: predicted time
 to first token on the best prefill (queue, booked tokens and prompt at its measured rate, plus the learned handoff)
 against the best decode instance's (the same at its budgeted local rate, plus its learned overhead), gated by
-budget and KV usage; a learned overhead's moving average; bookings that a later report shows stop counting; `/load` parsed defensively."""
+budget and KV usage; a decode's saved credit (burst) prefilling at full speed the tokens it pays for, shared by the
+bookings; a learned overhead's moving average; bookings that a later report shows stop counting; `/load` parsed
+defensively."""
 
 from __future__ import annotations
 
@@ -111,10 +113,54 @@ def test_a_booking_counts_until_released_or_shown_by_a_later_report():
     assert booked.unseen(report_asked_at=0.0) == 40
 
 
+# the mix's collision: a 7,000-token document while the prefill instance computes another (30,000 tok/s there)
+DOC = 7000
+COLLIDING_PREFILL = Option(InstanceLoad(7000, 30_000.0))  # 0.467 s
+EXTEND_LINE = dict(extend_fixed_s=0.019, extend_s_per_token=30e-6)  # 7,000 tokens in 0.229 s at full speed
+
+
+def decode_with_credit(burst_s: float) -> InstanceLoad:
+    return InstanceLoad(0, 30_000.0, local_tokens_per_s=10_000.0, kv_usage=0.1, burst_s=burst_s, **EXTEND_LINE)
+
+
+def test_saved_credit_takes_a_colliding_document_local_and_no_credit_leaves_it_remote():
+    decision = RULE.decide(DOC, [COLLIDING_PREFILL], [Option(decode_with_credit(0.25))], 0.0)
+    assert decision.decode == 0 and decision.local_s == pytest.approx(0.019 + 0.21)
+    decision = RULE.decide(DOC, [COLLIDING_PREFILL], [Option(decode_with_credit(0.0))], 0.0)
+    assert decision.decode is None and decision.local_s == pytest.approx(0.7)  # all at the budgeted rate
+
+
+def test_the_tokens_beyond_the_credit_go_at_the_budgeted_rate():
+    load = decode_with_credit(0.1)  # (0.1 - 0.019) / 30 us = 2,700 tokens at full speed
+    assert load.burst_tokens(DOC) == 2700 and load.burst_tokens(1000) == 1000
+    assert load.local_wait_s(DOC) == pytest.approx(0.1 + 4300 / 10_000)
+    assert decode_with_credit(0.01).local_wait_s(DOC) == pytest.approx(0.7)  # credit below the fixed cost: none
+
+
+def test_bookings_share_one_burst():
+    """The first document books 7,000 tokens on the decode; the second one's local wait counts them first, so the
+    credit pays for them and the second waits at the budgeted rate: remote wins."""
+    decode = decode_with_credit(0.25)
+    assert RULE.decide(DOC, [COLLIDING_PREFILL], [Option(decode)], 0.0).decode == 0
+    decision = RULE.decide(DOC, [COLLIDING_PREFILL], [Option(decode, booked_tokens=DOC)], 0.0)
+    assert decision.decode is None and decision.local_s == pytest.approx(0.25 + 6300 / 10_000)
+
+
 def test_full_load_answer_parsed():
     body = {"queued_prefill_tokens": 12, "prefill_tokens_per_s": 300.0, "local_prefill_tokens_per_s": 150,
             "decode_step_ms": 6.1, "num_running_reqs": 3, "kv_usage": 0.25, "tpot_budget_ms": 10.0}
     assert parse_load(body) == InstanceLoad(12, 300.0, 150.0, 0.25)
+    burst = {"local_prefill_burst_s": 0.2, "extend_fixed_ms": 19.0, "extend_us_per_token": 30.0}
+    assert parse_load({**body, **burst}) == InstanceLoad(12, 300.0, 150.0, 0.25, 0.2, 0.019, 30e-6)
+
+
+@pytest.mark.parametrize("bad", [{"local_prefill_burst_s": -0.1}, {"local_prefill_burst_s": float("nan")},
+                                 {"extend_fixed_ms": None}, {"extend_us_per_token": "30"}])
+def test_a_load_without_a_valid_burst_has_none(bad):
+    burst = {"local_prefill_burst_s": 0.2, "extend_fixed_ms": 19.0, "extend_us_per_token": 30.0, **bad}
+    load = parse_load({"queued_prefill_tokens": 5, "prefill_tokens_per_s": 300.0, "local_prefill_tokens_per_s": 100.0,
+                       "kv_usage": 0.1, **burst})
+    assert load == InstanceLoad(5, 300.0, 100.0, 0.1) and load.burst_tokens(1000) == 0
 
 
 @pytest.mark.parametrize("extra", [{}, {"local_prefill_tokens_per_s": 100.0},  # no kv_usage: no local prefill
