@@ -19,10 +19,10 @@ With tensor parallelism every rank pre-allocates the same pages in its own pool 
 looks the route up, sends one `transfer_request` listing every rank's transfer session and KV buffer, and
 receives `kv_done`, which reaches every rank as a step event (see peer_link.py).
 
-`DecodeRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
-queues, in SGLang's words: the bootstrap queue (handoffs whose route is being looked up), the pre-alloc queue
-(routes known, waiting for pages: `_preallocate`), the transfer queue (pages sent, waiting for `kv_done`), then
-the scheduler's running batch (`_commit`).
+`DecodeRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts). A
+handoff's phases, in SGLang's words the bootstrap, pre-alloc and transfer queues, are listed in `decode_phases.py`,
+with the objects that hold their state (`Routes`, `Fence`). Peers' messages (`peer_handlers`) and this process's
+helper threads' results (`completion_handlers`) reach it apart, each when it became known (`control_channel.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
                                       check_compatible, fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
                                              PeerGone, RouteResolved, TransferRequest)
+from pdserve.disagg.decode_phases import Fence, FencedPages, Routes
 from pdserve.disagg.early_requests import ExpiringRooms
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.transfer.receive_staging import open_receive_staging
@@ -74,19 +75,17 @@ class DecodeRole(Role):
         self.link = link or PeerLink(args, runner)
         self.num_local_prefills = 0
         self._extended_last_step = False
-        self.routes: dict[str, RouteResolved] = {}  # bootstrap address -> how its lookup ended
-        self.quarantine: dict[int, tuple[list[int], float, str]] = {}  # room -> (pages, fence deadline, prefill)
-        self.dead_peers: set[str] = set()
+        self.routes = Routes()  # waiting for the bootstrap
+        self.quarantine = Fence()  # fenced
         self.receive = self.link.kept("receive_staging", lambda: open_receive_staging(
             self.link.engine, runner.pool, args.disaggregation_staging_mb))
         self.rank_targets = self._rank_targets()
         if not all(staging for _, _, staging in self.rank_targets):
             self.receive = None  # a rank without staging (it could not have its automatic size): no rank stages
-        self.lookups: dict[str, Future] = {}  # the leader's lookups under way, by bootstrap address
         self.route_pool = self.heartbeat = None
         if self.link.tp.is_leader:
             self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
-            self.heartbeat = Heartbeat(args, self.link.channel.post)
+            self.heartbeat = Heartbeat(args, self.link.channel.complete)
         self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
         self.fake_queue: deque[Handoff] = deque()  # fake-transfer requests waiting for their pages, oldest first
         # aborts of requests refused before their handoff began, waiting for their prefill's route: room -> (addr, abort)
@@ -95,8 +94,9 @@ class DecodeRole(Role):
             logger.warning("fake transfer backend: this decode server serves every request alone; it allocates each "
                            "prompt's pages without prefilling them, so the prompt KV is not computed and the output "
                            "is not meaningful (for benchmarking the decode role)")
-        self.handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, PeerDead: self._on_peer_dead,
-                         PeerGone: self._on_peer_gone, RouteResolved: self._on_route_resolved}
+        self.peer_handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed}
+        self.completion_handlers = {PeerDead: self._on_peer_dead, PeerGone: self._on_peer_gone,
+                                    RouteResolved: self._on_route_resolved}
 
     def _rank_targets(self) -> list[tuple[str, int, int]]:
         """Every rank's (transfer session, KV buffer address, receive staging address or 0), in rank order (one
@@ -137,18 +137,16 @@ class DecodeRole(Role):
 
     def _resolve(self, addr: str) -> None:
         """Look the route to `addr` up unless it is known and sound (a dead peer's, or a failed lookup's, again)."""
-        if addr in self.dead_peers or (addr in self.routes and self.routes[addr].error is not None):
-            self.routes.pop(addr, None)
-            self.dead_peers.discard(addr)
-        if addr not in self.routes:
+        if self.routes.need(addr):
             self._look_up(addr)
 
     def _send_refusals(self, addr: str) -> None:
         """The refusals waiting for `addr`'s route, once its lookup ended: sent if the route names the prefill's
         control endpoint, else dropped (the prefill half then ends at its own bootstrap timeout)."""
-        if addr not in self.routes:
+        route = self.routes.get(addr)
+        if route is None:
             return
-        endpoint = _control_endpoint(self.routes[addr])
+        endpoint = _control_endpoint(route)
         for room, (refused_addr, abort) in self.refusals.items():
             if refused_addr == addr:
                 self.refusals.take(room)
@@ -157,12 +155,12 @@ class DecodeRole(Role):
 
     def _look_up(self, addr: str) -> None:
         """The leader looks the route up off the scheduler thread; its end reaches every rank as RouteResolved."""
-        if not self.link.tp.is_leader or addr in self.lookups:
+        if not self.link.tp.is_leader:
             return
         lookup = self.route_pool.submit(fetch_prefill_route, addr, self.args.disaggregation_bootstrap_timeout,
                                         auth=self.link.auth)
-        self.lookups[addr] = lookup
-        lookup.add_done_callback(lambda done: self.link.channel.post(route_resolved(addr, done)))
+        self.routes.started(addr)
+        lookup.add_done_callback(lambda done: self.link.channel.complete(route_resolved(addr, done)))
         self.heartbeat.watch(addr)
 
     def _accept_fake(self, req: Req) -> None:
@@ -182,10 +180,10 @@ class DecodeRole(Role):
         return bool(self.fake_queue) or any(self._route_ready(h) for h in self.link.bootstrap_queue())
 
     def _route_ready(self, h: Handoff) -> bool:
-        return bootstrap_addr(h.req) in self.routes
+        return self.routes.get(bootstrap_addr(h.req)) is not None
 
     def prepare_step(self) -> bool:
-        self.link.handle_events(self.handlers)
+        self.link.handle_events(self.peer_handlers, self.completion_handlers)
         self._expire()
         self._preallocate()
         return not self.scheduler.has_new_outputs()  # first tokens just committed: report them before decoding
@@ -222,7 +220,7 @@ class DecodeRole(Role):
         for h in self.link.bootstrap_queue():
             if not self._route_ready(h):
                 continue
-            route = self.routes[bootstrap_addr(h.req)]
+            route = self.routes.get(bootstrap_addr(h.req))
             try:
                 info = self._check_route(route)
             except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
@@ -312,11 +310,11 @@ class DecodeRole(Role):
     # ---- control messages ---------------------------------------------------------------------------------
 
     def _on_route_resolved(self, msg: RouteResolved) -> None:
-        self.lookups.pop(msg.addr, None)
-        self.routes[msg.addr] = msg
+        self.routes.resolved(msg)
         self._send_refusals(msg.addr)
 
-    def _on_kv_done(self, msg: KVDone) -> None:
+    def _on_kv_done(self, msg: KVDone, arrived_at: float) -> None:
+        """The prefill's last write landed before it sent this: the KV is here since `arrived_at`."""
         room = msg.room
         if room in self.quarantine:
             self._release_quarantine(room)
@@ -324,7 +322,7 @@ class DecodeRole(Role):
         h = self.link.handoffs.get(room)
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
-        h.req.stage_marks.mark(KV_LANDED)
+        h.req.stage_marks.mark(KV_LANDED, arrived_at)
         if self.receive is not None and h.room in self.receive.slots:
             self.receive.unpack(h.room, h.dst_pages[h.cached_pages :])  # before the checksum and forwards read them
         try:
@@ -362,7 +360,7 @@ class DecodeRole(Role):
         if not req.finished:
             self.scheduler.start_decoding(req)
 
-    def _on_peer_failed(self, msg: Failed) -> None:
+    def _on_peer_failed(self, msg: Failed, _arrived_at: float) -> None:
         room = msg.room
         if room in self.quarantine:
             self._release_quarantine(room)
@@ -373,14 +371,14 @@ class DecodeRole(Role):
 
     def _on_peer_dead(self, msg: PeerDead) -> None:
         addr = msg.addr
-        self.dead_peers.add(addr)
+        self.routes.peer_dead(addr)
         for h in [h for h in self.link.handoffs.values() if bootstrap_addr(h.req) == addr]:
             # told, and its pages fenced: a frozen prefill resumes, writes what it had queued, then confirms
             self._fail(h, f"prefill server at {addr} stopped answering its heartbeat", reason="peer_dead",
                        tell_prefill=True)
 
     def _on_peer_gone(self, msg: PeerGone) -> None:
-        for room in [room for room, (_, _, prefill) in self.quarantine.items() if prefill == msg.addr]:
+        for room in self.quarantine.rooms_of(msg.addr):
             self._release_quarantine(room)  # its process exited: it writes nothing more
 
     def _expire(self) -> None:
@@ -393,9 +391,8 @@ class DecodeRole(Role):
                 self._fail(h, f"prefill {what} timed out for bootstrap_room {h.room}",
                            reason="handshake_timeout" if handshaking else "transfer_timeout", tell_prefill=True,
                            status=PEER_TIMEOUT)
-        for room, (_, deadline, _) in list(self.quarantine.items()):
-            if t > deadline:
-                self._release_quarantine(room)
+        for room in self.quarantine.expired(t):
+            self._release_quarantine(room)
         self.refusals.expire(t)
 
     def _fail(self, h: Handoff, error: str, reason: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
@@ -410,15 +407,14 @@ class DecodeRole(Role):
             self.link.send_control(h.peer_control, Abort(h.room, error))
         if may_write and h.req.pages:
             fence_deadline = self.link.clock() + self.args.disaggregation_fence_timeout
-            self.quarantine[h.room] = (h.req.pages, fence_deadline, bootstrap_addr(h.req))
+            self.quarantine.hold(h.room, FencedPages(h.req.pages, fence_deadline, bootstrap_addr(h.req)))
             h.req.pages = []
         if self.receive is not None and h.room not in self.quarantine:
             self.receive.drop(h.room)  # a quarantined room's slot stays fenced with its pages
         self.scheduler.finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:
-        pages, _, _ = self.quarantine.pop(room)
-        self.scheduler.allocator.free(pages)
+        self.scheduler.allocator.free(self.quarantine.release(room))
         if self.receive is not None:
             self.receive.drop(room)
 
@@ -487,14 +483,14 @@ def bootstrap_addr(req: Req) -> str:
 
 
 class Heartbeat:
-    """Pings each prefill bootstrap server; after N misses in a row posts `peer_dead` to the control inbox. A dead
+    """Pings each prefill bootstrap server; after N misses in a row completes with `peer_dead`. A dead
     peer is then probed until its bootstrap port refuses connections (`peer_gone`: its fenced pages come back) or
     it is watched again."""
 
-    def __init__(self, args: ServerArgs, post: Callable[[Message], None]):
+    def __init__(self, args: ServerArgs, complete: Callable[[Message], None]):
         self.interval = args.disaggregation_heartbeat_interval
         self.max_failures = args.disaggregation_heartbeat_failures
-        self.post = post
+        self.complete = complete
         self.failures: dict[str, int] = {}
         self.dead: set[str] = set()
         self.lock = threading.Lock()
@@ -527,7 +523,7 @@ class Heartbeat:
                 del self.failures[addr]
                 self.dead.add(addr)
         if dead:
-            self.post(PeerDead(addr))
+            self.complete(PeerDead(addr))
 
     def _probe_gone(self, addr: str) -> None:
         gone = bootstrap_gone(addr, timeout_s=min(self.interval, 2.0))
@@ -536,7 +532,7 @@ class Heartbeat:
             if gone:
                 self.dead.discard(addr)
         if gone:
-            self.post(PeerGone(addr))
+            self.complete(PeerGone(addr))
 
     def close(self) -> None:
         self.stop.set()

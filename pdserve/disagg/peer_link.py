@@ -4,8 +4,8 @@
 With tensor parallelism every rank runs its role's scheduler on its own KV heads, and all ranks must form the same
 batches and free the same pages. The invariant, enforced by `step_events`: every control event (a peer's message,
 a route lookup's end, a heartbeat verdict, a KV write's result on any rank) reaches every rank's handlers in the
-same order at the same step, and every deadline is read against the same clock (the leader's). Only the leader
-listens for peers, looks routes up, runs the heartbeat and sends control messages; each rank runs its own
+same order at the same step, with the same time it became known, and every deadline is read against the same
+clock (the leader's). Only the leader listens for peers, looks routes up, runs the heartbeat and sends control messages; each rank runs its own
 transfer engine, which moves its own heads.
 """
 
@@ -19,7 +19,7 @@ import msgpack
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import announced_host
 from pdserve.cluster_auth import make_auth
-from pdserve.disagg.control_channel import ControlChannel
+from pdserve.disagg.control_channel import ControlChannel, Known
 from pdserve.disagg.control_messages import Message, WriteDone, WriteFailed, from_wire, to_wire
 from pdserve.disagg.kv_checksum import combined_checksum, head_checksums
 from pdserve.disagg.handoff import Handoff, KVPoll, now
@@ -103,29 +103,36 @@ class PeerLink:
             return WRITES_IN_FLIGHT_POLL_MS
         return IDLE_POLL_MS
 
-    def handle_events(self, handlers: dict[type[Message], Callable]) -> None:
-        """Runs this step's control events (`step_events`) through the role's handler of each message type."""
-        for msg in self.step_events():
-            handler = handlers.get(type(msg))
+    def handle_events(self, peer_handlers: dict[type[Message], Callable[[Message, float], None]],
+                      completion_handlers: dict[type[Message], Callable[[Message], None]]) -> None:
+        """Runs this step's control events (`step_events`) in the order they became known: a peer's message through
+        the role's peer handler of its type, with the time it arrived (a stage it ends is marked then); a helper
+        thread's result through the completion handler of its type."""
+        for known in self.step_events():
+            msg = known.msg
+            handler = (peer_handlers if msg.remote else completion_handlers).get(type(msg))
             if handler is None:
                 logger.warning("ignoring control message %s: this role does not handle it", msg.tag)
-                continue
-            handler(msg)
+            elif msg.remote:
+                handler(msg, known.at)
+            else:
+                handler(msg)
 
-    def step_events(self) -> list[Message]:
-        """This step's control events, the same list on every rank: the leader's inbox (peers' messages, its route
-        lookups and heartbeat verdicts, its KV writes' results), then each follower's (its KV writes' results
-        only), gathered in one collective over the CPU group together with the leader's clock."""
-        local = self.channel.drain()
+    def step_events(self) -> list[Known]:
+        """This step's control events, the same list on every rank: the leader's (peers' messages, its route
+        lookups and heartbeat verdicts, its KV writes' results, as they became known), then each follower's (its KV
+        writes' results only), gathered in one collective over the CPU group together with the leader's clock."""
+        drained = self.channel.drain()
+        local = sorted([*drained.from_peers, *drained.completions], key=lambda known: known.at)
         if self.tp.size == 1:
             return local
-        if not self.tp.is_leader and any(not isinstance(m, (WriteDone, WriteFailed)) for m in local):
-            raise RuntimeError(f"a follower rank's inbox holds {[m.tag for m in local]}: only the leader talks "
+        if not self.tp.is_leader and any(not isinstance(k.msg, (WriteDone, WriteFailed)) for k in local):
+            raise RuntimeError(f"a follower rank's inbox holds {[k.msg.tag for k in local]}: only the leader talks "
                                "to peers")
-        payload = msgpack.packb([now(), [to_wire(m) for m in local]], use_bin_type=True)
+        payload = msgpack.packb([now(), [[k.at, to_wire(k.msg)] for k in local]], use_bin_type=True)
         gathered = [msgpack.unpackb(p, raw=False) for p in self.tp.all_gather_bytes(payload)]
         self.leader_clock = gathered[0][0]
-        return [from_wire(wire, remote=False) for _, wires in gathered for wire in wires]
+        return [Known(from_wire(wire, remote=False), at) for _, events in gathered for at, wire in events]
 
     def clock(self) -> float:
         """The time every deadline is set and read with: a single rank's own, the leader's as of this step with

@@ -76,16 +76,16 @@ class WriteJob:
 
 
 class TransferWorker:
-    """Runs one decode peer's KV writes in order on one thread; reports each result to the scheduler through `post`. The final
+    """Runs one decode peer's KV writes in order on one thread; reports each result to the scheduler through `complete`. The final
     write's `kv_done` goes to the decode server from here, not after a round trip through a busy scheduler.
 
     Queued jobs of the same room whose KV is already computed are merged into one engine call, so layer-wise
     pushes become fewer, larger writes whenever the link is slower than the forward."""
 
-    def __init__(self, mover: KVMover, post: Callable[[Message], None], cancelled: set[int], peer_session: str,
+    def __init__(self, mover: KVMover, complete: Callable[[Message], None], cancelled: set[int], peer_session: str,
                  peers: PeerClients):
         self.mover = mover
-        self.post = post
+        self.complete = complete
         self.jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
         self.cancelled = cancelled  # rooms whose writes are skipped; shared by the writers of all peers
         self.peers = peers  # used from the writer thread only
@@ -106,7 +106,7 @@ class TransferWorker:
             if job.computed is not None:
                 job.computed.synchronize()  # a transfer engine copies on its own streams
             self._absorb_ready(job, pending)
-            self.post(self._write(job))
+            self.complete(self._write(job))
 
     def _absorb_ready(self, job: WriteJob, pending: deque) -> None:
         try:
@@ -142,9 +142,10 @@ class KVWriters:
     """One `TransferWorker` per decode peer, started on its first write: a peer that stops answering stalls only
     its own writes (each ends at the engine's timeout), never the transfers to healthy peers."""
 
-    def __init__(self, mover: KVMover, post: Callable[[Message], None], new_peer_clients: Callable[[], PeerClients]):
+    def __init__(self, mover: KVMover, complete: Callable[[Message], None],
+                 new_peer_clients: Callable[[], PeerClients]):
         self.mover = mover
-        self.post = post
+        self.complete = complete
         self.new_peer_clients = new_peer_clients  # each writer thread signs with clients of its own
         self.cancelled: set[int] = set()
         self.workers: dict[str, TransferWorker] = {}
@@ -152,7 +153,7 @@ class KVWriters:
     def submit(self, job: WriteJob) -> None:
         worker = self.workers.get(job.peer_session)
         if worker is None:
-            worker = TransferWorker(self.mover, self.post, self.cancelled, job.peer_session, self.new_peer_clients())
+            worker = TransferWorker(self.mover, self.complete, self.cancelled, job.peer_session, self.new_peer_clients())
             self.workers[job.peer_session] = worker
         worker.submit(job)
 
@@ -177,7 +178,7 @@ class PrefillRole(Role):
         mover = self.link.kept("kv_mover", lambda: KVMover(self.link.engine, self.device,
                                                            staging_bytes(runner.pool.nbytes),
                                                            args.disaggregation_waiting_timeout))
-        self.writers = KVWriters(mover, self.link.channel.post, self.link.channel.new_peer_clients)
+        self.writers = KVWriters(mover, self.link.channel.complete, self.link.channel.new_peer_clients)
         self.bootstrap = None
         sessions = self._rank_sessions()
         if args.serves_role_alone:
@@ -191,8 +192,8 @@ class PrefillRole(Role):
         self.held: dict[int, Handoff] = {}  # rooms without a page list beyond the pages-ahead budget, oldest first
         self.max_pages_ahead = int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
-        self.handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
-                         WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
+        self.peer_handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort}
+        self.completion_handlers = {WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
 
     def _rank_sessions(self) -> list[str]:
         """Every rank's transfer session as peers reach it, in rank order (one collective over the ranks)."""
@@ -222,11 +223,11 @@ class PrefillRole(Role):
         self.early_requests.refusals.take(h.room)  # one left by an earlier request with this room stands no more
         self.held[h.room] = h  # queued at this step's start, within the budget (`_queue_held`)
         early = self.early_requests.pop(h.room)
-        if early is not None:
-            self._on_transfer_request(early)
+        if early is not None:  # its decode's claim came first: it resolves now
+            self._on_transfer_request(early, time.monotonic())
         aborted = self.early_requests.aborts.take(h.room)
         if aborted is not None:  # the decode failed its half before this one arrived
-            self._on_peer_abort(aborted)
+            self._on_peer_abort(aborted, time.monotonic())
 
     def refuse(self, req: Req, message: str) -> None:
         """A request failed here before its handoff began: its decode half learns at once, if its claim came
@@ -242,7 +243,7 @@ class PrefillRole(Role):
             self.early_requests.refusals.put(answer.room, answer, self.link.clock())
 
     def prepare_step(self) -> bool:
-        self.link.handle_events(self.handlers)
+        self.link.handle_events(self.peer_handlers, self.completion_handlers)
         self._expire()
         self._queue_held()
         return True
@@ -389,7 +390,7 @@ class PrefillRole(Role):
 
     # ---- control messages ---------------------------------------------------------------------------------
 
-    def _on_transfer_request(self, msg: TransferRequest) -> None:
+    def _on_transfer_request(self, msg: TransferRequest, arrived_at: float) -> None:
         room = msg.room
         h = self.link.handoffs.get(room)
         refused = self.early_requests.refusals.take(room) if h is None else None
@@ -402,7 +403,7 @@ class PrefillRole(Role):
             return
         if h.poll != KVPoll.BOOTSTRAPPING:
             return
-        h.req.stage_marks.mark(BOOTSTRAP_RESOLVED)
+        h.req.stage_marks.mark(BOOTSTRAP_RESOLVED, arrived_at)
         try:
             h.peer_control = msg.control
             check_compatible(self.link.description, msg.peer)
@@ -438,7 +439,7 @@ class PrefillRole(Role):
         return [KVTarget(session, KVRegion(base, layout), head_slices(heads, tp.size, tp.rank, decode_tp, j), staged[j])
                 for j, (session, base) in enumerate(targets)]
 
-    def _on_peer_abort(self, msg: Abort) -> None:
+    def _on_peer_abort(self, msg: Abort, _arrived_at: float) -> None:
         """The decode's reason and 4xx end the request, so that the client reads the same answer from either half:
         at once if it is here (its handoff began, or its grammar still compiles), else as soon as it comes."""
         error = "aborted by the decode server" + (f": {msg.error[:MAX_PEER_ERROR_CHARS]}" if msg.error else "")
