@@ -10,6 +10,7 @@ pytestmark = pytest.mark.timeout(900)  # the server starts inside the test
 
 BUDGET_MS = 10.0
 KEY_TYPES = {"queued_prefill_tokens": int, "prefill_tokens_per_s": float, "local_prefill_tokens_per_s": float,
+             "local_prefill_burst_s": float, "extend_fixed_ms": float, "extend_us_per_token": float,
              "decode_step_ms": float, "num_running_reqs": int, "kv_usage": float, "tpot_budget_ms": float}
 
 
@@ -28,6 +29,7 @@ def test_a_decode_server_with_a_budget_reports_its_load(tiny_model):
         assert warmed["queued_prefill_tokens"] == 0 and warmed["num_running_reqs"] == 0
         assert warmed["prefill_tokens_per_s"] == 0.0  # no request measured yet, as before the warm-up
         assert warmed["local_prefill_tokens_per_s"] > 0 and warmed["decode_step_ms"] > 0  # the warm-up's costs
+        assert warmed["extend_us_per_token"] > 0 and warmed["local_prefill_burst_s"] == 0.0  # nothing decoding
         ids = [(i * 31 + 7) % 1000 + 3 for i in range(300)]
         reply = decode.post("/generate", {"input_ids": ids,  # no bootstrap fields: prefilled here
                                           "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}})
