@@ -12,6 +12,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from tensor_parallel_child import run_engine
 from test_hf_equivalence import greedy, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
@@ -120,3 +121,14 @@ def test_a_follower_leaves_on_the_leaders_close(monkeypatch):
     with pytest.raises(GroupClosed):
         follower.broadcast_messages(None)
     assert left == [1]
+
+
+def test_the_gpu_tests_engine_process_runs_and_shuts_down(tiny_model, tmp_path):
+    """The GPU tests' harness (an engine in a process of its own under a time limit), here on the CPU."""
+    engine = {"device": "cpu", "dtype": "float32", "tp_size": 2, "page_size": 4, "max_total_tokens": 512,
+              "skip_server_warmup": True}
+    result = run_engine(tiny_model, engine, [[1, 2, 3], [4, 5, 6, 7]], 3, tmp_path / "tp2", 240)
+    assert [len(o) for o in result["outputs"]] == [3, 3]
+    assert [len(lps) for lps in result["prompt_logprobs"]] == [2, 3]
+    assert result["pool_free"] and result["follower_exit_codes"] == [0]
+    assert result["shutdown_s"] < tensor_parallel.CLOSE_TIMEOUT.total_seconds()
