@@ -13,7 +13,9 @@ so what varies with traffic is the paths taken; the plan reaches them with lengt
   four in one extend;
 - the samplers (greedy; temperature with top-k, top-p and min-p; penalties, which sample on the host side);
 - with a grammar backend, batches of 1, 3 and 16 requests under a regex (greedy and temperature rows): xgrammar's
-  bitmask kernel specializes on its row count (== 1, a multiple of 16, other), the sampler on float32 logits.
+  bitmask kernel specializes on its row count (== 1, a multiple of 16, other), the sampler on float32 logits; and
+  a JSON schema of every common kind compiled, so a user's first schema finds their rules' token masks built (a
+  length-bounded string's are per bound: its own, docs/benchmarks.md "Structured output").
 Decode batch sizes up to the largest captured one also run in CUDA graphs (`engine/cuda_graph.py`, at start).
 On the CPU, where torch compiles nothing, one short prompt alone, one batch and one constrained request run the
 same code paths. Requests go through the scheduler as real ones do; afterwards the cache, the sampler's seed, the
@@ -23,6 +25,7 @@ built), so a warmed server answers exactly as an unwarmed one.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -51,6 +54,14 @@ SAMPLINGS = {
 CONSTRAINED_BATCHES = (1, 3, 16)  # the bitmask kernel's row counts: == 1, other, a multiple of 16
 CONSTRAINED_PROMPT = 17
 GRAMMAR = "[0-9]{128}"  # no MAX_NEW_TOKENS tokens hold 128 digits: every request decodes to its length
+# every common kind of JSON value but a length-bounded string (whose token masks are per bound, so none warms another)
+COMMON_KINDS = ({"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}, {"type": "null"},
+                {"enum": ["a", "b"]}, {"type": "array", "items": {"type": "string"}},
+                {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+                {"type": "string", "format": "date"}, {"anyOf": [{"type": "integer"}, {"type": "null"}]})
+WARM_GRAMMARS = (GrammarSpec("regex", GRAMMAR), GrammarSpec("json_schema", json.dumps(
+    {"type": "object", "properties": {f"p{i}": kind for i, kind in enumerate(COMMON_KINDS)},
+     "required": [f"p{i}" for i in range(len(COMMON_KINDS))], "additionalProperties": False})))
 CONSTRAINED_SAMPLINGS = (  # both sampled on the device after the mask, so these batches decode overlapped
     SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, regex=GRAMMAR),
     SamplingParams(temperature=0.8, max_tokens=MAX_NEW_TOKENS, regex=GRAMMAR),
@@ -176,8 +187,8 @@ def _run_plan(sched: Scheduler, plan: WarmupPlan, prompts: WarmupPrompts) -> Non
         for n in plan.extensions:
             _run(sched, [prompts.extending(base, n)], flush=False)
         _run(sched, [prompts.extending(base, n) for n in plan.extensions])
-    if plan.constrained:
-        sched.grammar_queue.compile_untimed(GrammarSpec("regex", GRAMMAR))
+    for spec in WARM_GRAMMARS if plan.constrained else ():
+        sched.grammar_queue.compile_untimed(spec)
     for size in plan.constrained:
         _run(sched, [prompts.constrained(CONSTRAINED_PROMPT) for _ in range(size)])
 
