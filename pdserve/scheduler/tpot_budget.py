@@ -176,9 +176,9 @@ class TpotBudget:
         return min(self.credit_s, self._steady_cap_s() + self.ledger_s - self.newest_join_s)
 
     def _date_joins(self) -> None:
-        """Notes the ledger at each new running request's join and forgets those that left. Called before the
-        ledger moves (a decode step, an extend), so a join is dated no earlier than it happened: between two such
-        calls the ledger stands still."""
+        """Notes the ledger at each new running request's join and forgets those that left (a pass over the running
+        requests). Called as each forward is launched, before it moves the ledger: the requests running then earn
+        or pay for it, those that join later do not."""
         before, ledger = self.joined_at, self.ledger_s
         self.joined_at = {rid: before.get(rid, ledger) for rid in self.running_ids()}
         self.newest_join_s = max(self.joined_at.values(), default=ledger)
