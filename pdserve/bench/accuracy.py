@@ -7,8 +7,8 @@ prompt logprobs at every position (`logprob_start_len` 0) and the greedy output.
 The baseline engine (the engine flags) runs every prompt, is shut down, then the candidate (the engine flags and
 --candidate's) runs them. Reported: the mean and max absolute difference of the prompt logprobs over every scored
 position; greedy agreement: the share of output tokens equal to the baseline's before each prompt's first
-divergence, and the share of prompts whose outputs are identical. Prompts are random token ids (seeded), or the
-lines of --prompts-file.
+divergence, the share of prompts whose outputs are identical, and the first divergence (prompt, output position).
+Prompts are random token ids (seeded), or the lines of --prompts-file.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Agreement:
     logprob_max_abs_diff: float
     greedy_token_agreement: float  # output tokens equal to the baseline's before each prompt's first divergence
     identical_outputs: float  # share of prompts whose whole output equals the baseline's
+    first_divergence: list[int] | None  # [prompt, output position] of the first differing greedy token; None: none
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -57,12 +58,15 @@ def compare(baseline: RunResult, candidate: RunResult) -> Agreement:
     diffs = [abs(a - b) for base, cand in zip(baseline.prompt_logprobs, candidate.prompt_logprobs)
              for a, b in zip(base, cand)]
     agreed = total = identical = 0
-    for base, cand in zip(baseline.outputs, candidate.outputs):
+    first = None
+    for index, (base, cand) in enumerate(zip(baseline.outputs, candidate.outputs)):
         prefix = next((i for i, (a, b) in enumerate(zip(base, cand)) if a != b), min(len(base), len(cand)))
         agreed, total, identical = agreed + prefix, total + len(base), identical + (base == cand)
+        if first is None and base != cand:
+            first = [index, prefix]
     num = len(baseline.outputs)
     return Agreement(num, len(diffs), sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0),
-                     agreed / max(total, 1), identical / max(num, 1))
+                     agreed / max(total, 1), identical / max(num, 1), first)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> Agreement:
     agreement = compare(*results)
     print(f"{agreement.num_prompts} prompts, {agreement.scored_positions} prompt positions: logprob |diff| mean "
           f"{agreement.logprob_mean_abs_diff:.4g}, max {agreement.logprob_max_abs_diff:.4g}; greedy tokens agreeing "
-          f"{100 * agreement.greedy_token_agreement:.1f}%, identical outputs {100 * agreement.identical_outputs:.1f}%")
+          f"{100 * agreement.greedy_token_agreement:.1f}%, identical outputs {100 * agreement.identical_outputs:.1f}%; "
+          f"first divergence [prompt, position] {agreement.first_divergence}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         result = {"date": time.strftime("%Y-%m-%d"), "model": args.model_path, "baseline": engine_args,

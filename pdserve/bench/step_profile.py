@@ -27,6 +27,7 @@ from pdserve.bench.one_batch import add_static_batch
 
 # first matching pattern names a kernel's category (names as the CUDA runtime reports them)
 CATEGORIES = (
+    ("all_reduce", r"nccl|allreduce|all_reduce|allgather|all_gather|one_shot|two_shot|multimem"),  # TP collectives
     ("attention", r"decode_split|_extend_kernel|flash|fmha|attention|sdpa"),
     ("kv_store", r"store_kv|rope_store|kv_store"),
     ("gemm", r"gemm|gemv|xmma|cutlass|nvjet|matmul|splitk|dot_kernel|skinny"),

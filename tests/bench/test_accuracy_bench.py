@@ -14,6 +14,7 @@ def test_compare_counts_logprob_differences_and_greedy_agreement():
     assert agreement.scored_positions == 3
     assert agreement.logprob_mean_abs_diff == 0.25 and agreement.logprob_max_abs_diff == 0.5
     assert agreement.greedy_token_agreement == 4 / 6 and agreement.identical_outputs == 0.5
+    assert agreement.first_divergence == [0, 2] and compare(baseline, baseline).first_divergence is None
 
 
 def test_fp8_kv_candidate_against_the_same_model_unquantized(tiny_model, tmp_path):
