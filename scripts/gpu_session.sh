@@ -49,12 +49,15 @@
 #                compiles (about 6 minutes)
 #   tp           tensor parallelism on two GPUs (llama-3.1-8b): TP 2 against TP 1 over 200 prompts in float32 (greedy
 #                must be identical) and bf16 (prompt-logprob difference); decode TBT at batch 1 and 64 (1k), TP 1 and
-#                TP 2; an 8k prefill's MFU at TP 2; where a TP 2 decode step's time goes (about 9 minutes)
+#                TP 2; an 8k prefill's MFU at TP 2; where a TP 2 decode step's time goes; then a summary: identity,
+#                first divergence, mean logprob difference, TBT ratio TP2/TP1, MFU, the all_reduce rows (7-9 minutes)
+#   tp_pd        PD with prefill and decode both at TP 2 sharing the pair (qwen3-0.6b, mooncake and NCCL): greedy
+#                identity with a colocated TP 1 server, both KV pools free after (about 3 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests tests_multi_gpu tuner_sweeps engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold tp)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold tp tp_pd)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -305,21 +308,51 @@ suite_fp8_accuracy() {
   done
 }
 
-suite_tp() {
+suite_tp() {  # one call on nvidia-h200-x2, 7-9 minutes with the model build (under 8 on a warm PDSERVE_GPU_MODELS)
   local big
   big=$(model llama-3.1-8b)
-  TAILN=8 step 200 accuracy_tp2_fp32 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
+  TAILN=4 step 150 accuracy_tp2_fp32 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
     --input-len 256 --output-len 32 --dtype float32 --candidate="--tp-size 2" --out "$OUT/accuracy_tp2_fp32"
-  TAILN=8 step 150 accuracy_tp2_bf16 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
+  TAILN=4 step 120 accuracy_tp2_bf16 python3 -m pdserve.bench.accuracy --model-path "$big" --num-prompts 200 \
     --input-len 256 --output-len 32 --candidate="--tp-size 2" --out "$OUT/accuracy_tp2_bf16"
   for tp in 1 2; do
-    step 120 "one_batch_tp$tp" python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size "$tp" \
+    TAILN=3 step 80 "one_batch_tp$tp" python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size "$tp" \
       --batch-sizes 1 64 --input-lens 1024 --output-lens 64 --out "$OUT/one_batch_tp$tp"
   done
-  step 90 prefill_8k_tp2 python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size 2 --batch-sizes 1 \
+  TAILN=2 step 70 prefill_8k_tp2 python3 -m pdserve.bench.one_batch --model-path "$big" --tp-size 2 --batch-sizes 1 \
     --input-lens 8192 --output-lens 4 --out "$OUT/prefill_8k_tp2"
-  TAILN=30 step 150 step_profile_tp2 python3 -m pdserve.bench.step_profile --model-path "$big" --tp-size 2 \
+  TAILN=30 step 90 step_profile_tp2 python3 -m pdserve.bench.step_profile --model-path "$big" --tp-size 2 \
     --batch-sizes 1 64 --context-len 1024 --out "$OUT/step_profile_tp2"
+  python3 - "$OUT" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def read(name, file):
+    path = out / name / file
+    return json.loads(path.read_text()) if path.exists() else None
+for dtype in ("fp32", "bf16"):
+    acc = read(f"accuracy_tp2_{dtype}", "accuracy.json")
+    print(f"TP2 vs TP1 {dtype}:", acc and {k: acc[k] for k in ("identical_outputs", "first_divergence",
+                                                               "logprob_mean_abs_diff", "logprob_max_abs_diff")})
+one, two = read("one_batch_tp1", "one_batch.json"), read("one_batch_tp2", "one_batch.json")
+if one and two:
+    for a, b in zip(one["rows"], two["rows"]):
+        print(f"batch {a['batch_size']}: TBT TP1 {1e3 * a['tbt_s']:.3f} ms, TP2 {1e3 * b['tbt_s']:.3f} ms, "
+              f"ratio TP2/TP1 {b['tbt_s'] / a['tbt_s']:.3f}")
+prefill = read("prefill_8k_tp2", "one_batch.json")
+print("8k prefill TP2 MFU:", prefill and prefill["rows"][0].get("prefill_mfu"))
+PY
+  grep -h "^## decode\|^categories" "$OUT/step_profile_tp2.log"  # all_reduce us/step against the wall
+}
+
+# PD with both roles at TP 2 sharing the pair (qwen3-0.6b, mooncake and NCCL): greedy output equal to a colocated TP 1
+# server, both KV pools free after; about 3 minutes on nvidia-h200-x2
+suite_tp_pd() {
+  local small
+  small=$(model qwen3-0.6b)
+  TAILN=40 step 300 pd_tp2 python3 scripts/pd_check.py --model-path "$small" --backends mooncake nccl \
+    --identity-lens 5 300 2000 --ttft-lens 1024 --reps 3 --server-flags "--mem-fraction-static 0.3" \
+    --pd-flags "--tp-size 2 --base-gpu-id 0 --mem-fraction-static 0.3" --out "$OUT/pd_tp2"
 }
 
 [ "$*" = all ] && set -- "${SUITES[@]}"

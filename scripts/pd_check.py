@@ -8,6 +8,9 @@ CPU (the fixed cost of the extra hops, control messages and scheduler wake-ups, 
         --ttft-lens 16 256 --reps 30 --out DIR
 --server-flags go to every server, colocated and both roles alike: e.g. "--kv-cache-dtype fp8_e4m3
 --quantization fp8" measures the handoff of FP8 pages (half the bytes a token) against a colocated FP8 server.
+--pd-flags go to the prefill and the decode only, after the others: "--tp-size 2 --base-gpu-id 0" puts both roles
+at TP 2 on GPUs 0 and 1, against a colocated TP 1 server; every variant also reports whether both KV pools are free
+after it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import random
 import shlex
 import statistics
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -67,6 +71,23 @@ def ttft_ms(url: str, ids: list[int]) -> float:
     raise RuntimeError("no token streamed")
 
 
+def pools_free(urls: list[str], timeout_s: float = 30.0) -> bool:
+    """Each server's KV pool fully free once its prefix cache is flushed (asked again until `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        free = []
+        for url in urls:
+            try:  # refused while requests are in flight: asked again
+                urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"), timeout=10).read()
+            except urllib.error.HTTPError:
+                pass
+            info = json.loads(urllib.request.urlopen(f"{url}/get_server_info", timeout=10).read())
+            free.append(bool(info.get("scheduler", {}).get("kv_pool_fully_free")))
+        if all(free) or time.monotonic() > deadline:
+            return all(free)
+        time.sleep(0.5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-path", required=True)
@@ -79,15 +100,17 @@ def main() -> None:
                         help="also run each backend with --disaggregation-layerwise-min-tokens 0 (KV pushed after "
                              "each chunk's forward instead of layer by layer during it)")
     parser.add_argument("--server-flags", default="", help="flags for every server (colocated, prefill, decode)")
+    parser.add_argument("--pd-flags", default="", help="flags for the prefill and the decode only, after the others")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     common = shlex.split(args.server_flags)
+    roles = shlex.split(args.pd_flags)
     rng = random.Random(0)
     vocab = json.loads((Path(args.model_path) / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(100, vocab) for _ in range(n)] for n in args.identity_lens]
     greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     colocated = start_all([server("colocated", args.model_path, args.device, 0, *common)], STARTUP_TIMEOUT_S)[0]
-    report = {"model": args.model_path, "server_flags": common, "backends": {}}
+    report = {"model": args.model_path, "server_flags": common, "pd_flags": roles, "backends": {}}
     try:
         expected = [generate(colocated.url, {"input_ids": p, "sampling_params": greedy})["output_ids"] for p in prompts]
         colo_ttft = {n: [ttft_ms(colocated.url, [rng.randrange(100, vocab) for _ in range(n)])
@@ -99,8 +122,8 @@ def main() -> None:
         for name, backend, extra in variants:
             bport = free_port()
             p = server(f"prefill-{name}", args.model_path, args.device, 0, *prefill_flags(backend, bport), *extra,
-                       *common)
-            d = server(f"decode-{name}", args.model_path, args.device, 1, *decode_flags(backend), *common)
+                       *common, *roles)
+            d = server(f"decode-{name}", args.model_path, args.device, 1, *decode_flags(backend), *common, *roles)
             procs = start_all([p, d], STARTUP_TIMEOUT_S)
             r = start_all([router(p, bport, d)], STARTUP_TIMEOUT_S)[0]
             try:
@@ -116,6 +139,7 @@ def main() -> None:
                     "pd_ttft_ms": pd_ttft,
                     "added_ttft_ms": {n: pd_ttft[n] - report["colocated_ttft_ms"][n] for n in args.ttft_lens},
                     "prefill_server_info": info,
+                    "pools_free": pools_free([p.url, d.url]),
                 }
             except Exception as exc:  # keep going with the next backend; the report says what failed
                 report["backends"][name] = {"error": repr(exc), "prefill_log": p.log()[-3000:],
