@@ -232,7 +232,9 @@ def test_a_replayed_signed_message_is_refused(secret_pair):
 
 
 def test_damaged_kv_pages_fail_the_request_with_502_when_checksums_are_on(tiny_model, monkeypatch):
-    with running_pair(tiny_model, disaggregation_enable_kv_checksum=True) as (prefill, decode, port):
+    """The write lands in the pages themselves (no receive staging), where the test damages it."""
+    with running_pair(tiny_model, disaggregation_enable_kv_checksum=True, disaggregation_staging_mb=0) as (
+            prefill, decode, port):
         prompt = list(range(20, 60))
         for s in (prefill, decode):
             s.add_request(pd_req("intact", prompt, port, room=501))

@@ -96,7 +96,7 @@ def test_pd_output_equals_colocated_including_chunked_prompts(model, pair):
 
 def test_layerwise_push_matches_colocated(model):
     """Chunks of 8+ tokens ship each layer's KV during the forward; shorter ones after it (page size 4)."""
-    prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8)
+    prefill, decode, port = make_pair(model, disaggregation_layerwise_min_tokens=8, disaggregation_staging_mb=0)
     span_counts = []  # per write job: 2 (K, V) x page runs x layers; 0 for the final first-token marker
     submit = prefill.role.writers.submit
     prefill.role.writers.submit = lambda job: (span_counts.append(sum(len(p.spans()[2]) for p in job.pieces)),
