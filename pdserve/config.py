@@ -112,7 +112,7 @@ class ServerArgs:
     disaggregation_enable_kv_checksum: bool = False
     decode_local_prefill_chunk_size: int = 512
     decode_tpot_budget_ms: float = 0.0
-    decode_tpot_burst_ms: float = 250.0  # one full-speed prefill of a 6-8k prompt (pdserve/scheduler/tpot_budget.py)
+    decode_tpot_burst_ms: float = 0.0  # off: measured to cost goodput (pdserve/scheduler/tpot_budget.py)
     disaggregation_decode_enable_radix_cache: bool = False
     enable_pd_role_switch: bool = False
     # internal: set by the launcher, not by users
@@ -433,7 +433,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_enable_kv_checksum": ("disaggregation", "Decode: ask the prefill for a checksum of each request's KV pages (per KV head, computed on the device) and fail the request (502) on a mismatch."),
     "decode_local_prefill_chunk_size": ("disaggregation", "Decode: most prompt tokens of a locally prefilled request (one the router sent without a prefill peer) in one step; such steps alternate with decode steps, so the ITL of running requests grows by at most one chunk's forward."),
     "decode_tpot_budget_ms": ("disaggregation", "Mean inter-token time (ms) the running requests keep while prompts are prefilled beside them: prefill chunks are sized online from the measured step times so that they fit (Sarathi-style time slicing; a decode server's local prefills, and a colocated server's too). Replaces the alternation of --decode-local-prefill-chunk-size. 0: off."),
-    "decode_tpot_burst_ms": ("disaggregation", "With --decode-tpot-budget-ms: the most prefill time (ms) one gap between two decode steps may take from saved credit. A lightly loaded server saves the credit its decode steps leave unused, up to this much, and prefills a long prompt at full speed in one gap; each running request's mean inter-token time stays within the budget, since a request may spend only what it banked while it ran (plus the steady credit of four budgets). /load reports the saved credit (local_prefill_burst_s) for the router's --local-prefill-by-load. 0: no saved credit beyond four budgets."),
+    "decode_tpot_burst_ms": ("disaggregation", "With --decode-tpot-budget-ms: the most prefill time (ms) one gap between two decode steps may take from saved credit. A lightly loaded server saves the credit its decode steps leave unused, up to this much, and prefills a long prompt at full speed in one gap; each running request's mean inter-token time stays within the budget, since a request may spend only what it banked while it ran (plus the steady credit of four budgets). /load reports the saved credit (local_prefill_burst_s) for the router's --local-prefill-by-load. 0 (the default): no saved credit beyond four budgets; 250 lets an H200 prefill a 7k-token prompt in one gap (lower TTFT tail at light load, less goodput under load, docs/benchmarks.md)."),
     "enable_pd_role_switch": ("disaggregation", "Let this PD server change role between prefill and decode without a restart (POST /pd_role_switch, or the router's --balance-roles): it drains, then takes the other role on the same weights and KV pool. Give it its own --disaggregation-bootstrap-port even when it starts as decode."),
     "disaggregation_decode_enable_radix_cache": ("disaggregation", "Decode: keep finished requests' prompt and output pages in a radix cache of its own; a request whose prefix this server already holds receives only the missing pages from the prefill."),
 }

@@ -24,9 +24,10 @@ an extend spends at most min(credit, steady cap + the least any running request 
 cap (the credit it may meet on joining) + the debt limit (what an extend may borrow, repaid after); without a
 burst the spendable credit is the credit and this is the bound the controller always kept. A request that joins a
 server with saved credit meets a steady cap's worth, not the burst; requests that ran through the saving spend it.
-The default burst, 250 ms, is one full-speed prefill of the longest prompts of the mix this was built for (6-8k
-tokens take 190-250 ms for llama-3.1-8b on an H200, measured 2026-11-28), which at low load the decode earns back in
-about half a second; a longer burst would only lengthen one gap (a stall in each stream) for prompts that rarely come.
+Off by default: on two H200s (2026-11-28, the mix, 1p1d-balanced, budget 8.5 ms) a 250 ms burst brought the TTFT
+p90 at 4 req/s from 1.22x to 1.08x colocated's, but at 7 req/s and above the documents it drew onto the decode
+delayed the chats behind them (TTFT p50 168 against 77 ms at 7 req/s) and the goodput fell to 8.9 req/s (docs/
+benchmarks.md). 250 ms is one full-speed prefill of that mix's longest prompts (6-8k tokens, 190-250 ms).
 
 The step costs are learned online from the server's own timings (`StepCosts`): the decode step's time as a decaying
 average, and an extend's time as a line (fixed cost + cost per token) fitted over recent extends. The warm-up seeds
