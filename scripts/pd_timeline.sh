@@ -84,11 +84,14 @@ stop_all() {  # every server and router started so far, and wait until they are 
   PIDS=()
 }
 
-bench() {  # NAME URL RATE SECONDS [WARMUP]: the mix at RATE for SECONDS after WARMUP (4) uncounted requests
-  local name=$1 url=$2 rate=$3 seconds=$4 warmup=${5:-4}
+bench() {  # NAME URL RATE SECONDS WORDS [WARMUP]: the mix at RATE for SECONDS after WARMUP (4) uncounted requests;
+  # WORDS: the --words-offset, so that no run finds an earlier run's prompts in a prefix cache (the PD and colocated
+  # runs at the low rate share theirs, on servers that have not seen it)
+  local name=$1 url=$2 rate=$3 seconds=$4 words=$5 warmup=${6:-4}
   TAILN=8 step $((seconds + 120)) "$name" python3 -m pdserve.bench.serving --backend pdserve --base-url "$url" \
     --tokenizer "$MODEL_DIR" --dataset mix "${MIX_SCALE[@]}" --num-prompts "$((rate * seconds))" \
-    --request-rate "$rate" --warmup-requests "$warmup" --disable-progress --output "$RUN/$name.json"
+    --request-rate "$rate" --words-offset "$words" --warmup-requests "$warmup" --disable-progress \
+    --output "$RUN/$name.json"
 }
 
 # 1. PD 1P1D with timelines
@@ -99,13 +102,13 @@ serve decode "$GPU_DECODE" --port 7001 --disaggregation-mode decode --disaggrega
 route router --prefill http://127.0.0.1:7000 --prefill-bootstrap-ports 8998 --decode http://127.0.0.1:7001 \
   --port 8000 --request-timeline-log "$RUN/timeline_router.jsonl"
 wait_ready http://127.0.0.1:7000 http://127.0.0.1:7001 http://127.0.0.1:8000 || exit 1
-bench pd_warmup http://127.0.0.1:8000 4 1 0
+bench pd_warmup http://127.0.0.1:8000 4 1 1 0
 sleep 1  # the timelines then hold the measured requests only, as the client's figures do
 : > "$RUN/timeline_router.jsonl"; : > "$RUN/timeline_prefill.jsonl"; : > "$RUN/timeline_decode.jsonl"
-bench pd_8 http://127.0.0.1:8000 "$RATE_HIGH" "$RUN_SECONDS" 0
+bench pd_8 http://127.0.0.1:8000 "$RATE_HIGH" "$RUN_SECONDS" 2 0
 sleep 1  # the last lines reach the logs after the answers
 cp "$RUN"/timeline_*.jsonl "$RUN/timelines_8/"
-bench pd_4 http://127.0.0.1:8000 "$RATE_LOW" "$RUN_SECONDS_4"
+bench pd_4 http://127.0.0.1:8000 "$RATE_LOW" "$RUN_SECONDS_4" 3
 curl -s http://127.0.0.1:7001/metrics | grep "^pdserve_kv_receive\|^pdserve_kv_transfer" > "$RUN/decode.metrics"
 curl -s http://127.0.0.1:7000/metrics | grep "^pdserve_kv_transfer" > "$RUN/prefill.metrics"
 stop_all
@@ -115,7 +118,7 @@ serve colocated_0 "$GPU_PREFILL" --port 7100
 serve colocated_1 "$GPU_DECODE" --port 7101
 route router_colocated --worker http://127.0.0.1:7100 --worker http://127.0.0.1:7101 --port 8100
 wait_ready http://127.0.0.1:7100 http://127.0.0.1:7101 http://127.0.0.1:8100 || exit 1
-bench colocated_4 http://127.0.0.1:8100 "$RATE_LOW" "$RUN_SECONDS_4"
+bench colocated_4 http://127.0.0.1:8100 "$RATE_LOW" "$RUN_SECONDS_4" 3
 stop_all
 
 # 3. the report
