@@ -13,7 +13,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -92,6 +92,19 @@ class Proc(server_processes.Proc):
 def start_all(procs: list[Proc]) -> list[Proc]:
     """Launch every process, then wait until all answer /health; on failure stop them all."""
     return server_processes.start_all(procs, STARTUP_TIMEOUT)
+
+
+def start_with_router(servers: list[Proc], make_router: Callable[[], Proc]) -> Proc:
+    """Starts the servers, then the router `make_router` builds in front of them; a router that fails to start stops
+    the servers before its error goes on."""
+    start_all(servers)
+    front = make_router()
+    try:
+        start_all([front])
+    except BaseException:
+        stop_all(servers)
+        raise
+    return front
 
 
 def server(name: str, model: str, *extra: str, port: int | None = None, kind: type[Proc] = Proc, **fields) -> Proc:

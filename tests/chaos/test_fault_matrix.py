@@ -20,7 +20,7 @@ import pytest
 from chaos_util import POOL, Stream, holds_pages, prompt_ids, wait_pool_free, wait_until
 from pdserve.scheduler.process import STEP_DELAY_ENV
 from cluster_util import (PDCluster, Proc, decode_server, free_port, http, live_session_members, prefill_server,
-                          router, scheduler_stats, start_all, stop_all)
+                          router, scheduler_stats, start_all, start_with_router, stop_all)
 
 WAITING_TIMEOUT = 30.0  # the transfer timeout: survivors must free pages well before it
 CHAOS_PREFILL = ["--chunked-prefill-size", "8", "--disaggregation-layerwise-min-tokens", "8",
@@ -47,13 +47,8 @@ def start_cluster(tiny_model: str, backend: str) -> PDCluster:
     decode = decode_server(tiny_model, backend, *CHAOS_DECODE)
     for server in (prefill, decode):
         server.env = {**server.env, **STEP_DELAY}
-    start_all([prefill, decode])
-    front = router([(prefill, bootstrap)], [decode], "--max-retries", "0")
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([prefill, decode])
-        raise
+    front = start_with_router([prefill, decode], lambda: router(
+        [(prefill, bootstrap)], [decode], "--max-retries", "0"))
     return PDCluster(backend, prefill, bootstrap, decode, front)
 
 

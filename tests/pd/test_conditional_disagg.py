@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import jsonschema
 import pytest
 from pdserve.cluster_auth import HEADER, ClusterAuth
-from cluster_util import Proc, decode_server, free_port, prefill_server, router, scheduler_stats, start_all, \
-    stop_all, wait_kv_free
+from cluster_util import Proc, decode_server, free_port, prefill_server, router, scheduler_stats, \
+    start_with_router, stop_all, wait_kv_free
 
 pytestmark = pytest.mark.timeout(900)  # the servers start inside the test
 
@@ -32,14 +32,9 @@ def conditional_cluster(tiny_model) -> Iterator[dict[str, Proc]]:
     prefill = prefill_server(tiny_model, "tcp", bootstrap, "--chunked-prefill-size", "32", *SECRET)
     decode = decode_server(tiny_model, "tcp", "--decode-local-prefill-chunk-size", "16", *SECRET,
                            name="decode-conditional")
-    start_all([prefill, decode])
-    front = router([(prefill, bootstrap)], [decode], "--local-prefill-max-tokens", str(LOCAL_MAX_TOKENS), *SECRET,
-                   name="router-conditional")
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([prefill, decode])
-        raise
+    front = start_with_router([prefill, decode], lambda: router(
+        [(prefill, bootstrap)], [decode], "--local-prefill-max-tokens", str(LOCAL_MAX_TOKENS), *SECRET,
+        name="router-conditional"))
     yield {"prefill": prefill, "decode": decode, "router": front}
     stop_all([front, decode, prefill])
 

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import pytest
 from cluster_util import PDCluster, Proc, decode_server, free_port, prefill_server, router, scheduler_stats, start_all, \
-    stop_all, wait_kv_free
+    start_with_router, stop_all, wait_kv_free
 
 pytestmark = pytest.mark.timeout(600)  # the servers start inside the test
 
@@ -42,13 +42,8 @@ def slow_decode_cluster(tiny_model) -> Iterator[PDCluster]:
     bootstrap = free_port()
     prefill = prefill_server(tiny_model, "tcp", bootstrap, *LONG_PD_TIMEOUTS)
     decode = decode_server(tiny_model, "tcp", "--grammar-compile-timeout-s", "0.05", name="decode-slow-grammar")
-    start_all([prefill, decode])
-    front = router([(prefill, bootstrap)], [decode], name="router-slow-grammar")
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([prefill, decode])
-        raise
+    front = start_with_router([prefill, decode], lambda: router(
+        [(prefill, bootstrap)], [decode], name="router-slow-grammar"))
     yield PDCluster("tcp", prefill, bootstrap, decode, front)
     stop_all([front, decode, prefill])
 

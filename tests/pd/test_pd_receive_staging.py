@@ -8,7 +8,7 @@ import random
 
 import pytest
 from cluster_util import (PD_TIMEOUTS, PDCluster, Proc, decode_server, free_port, router, scheduler_stats, server,
-                          start_all, stop_all, wait_kv_free)
+                          start_with_router, stop_all, wait_kv_free)
 
 from pdserve import server_processes
 
@@ -55,13 +55,8 @@ def fragmenting_pair(tiny_model):
     prefill = server("prefill-fragmenting", tiny_model, *server_processes.prefill_flags("tcp", bootstrap), *PD_TIMEOUTS)
     decode = decode_server(tiny_model, "tcp", "--max-total-tokens", "256", "--num-reserved-decode-tokens", "16",
                            "--disaggregation-decode-enable-radix-cache", name="decode-fragmenting")
-    start_all([prefill, decode])
-    front = router([(prefill, bootstrap)], [decode], name="router-fragmenting")
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([prefill, decode])
-        raise
+    front = start_with_router([prefill, decode], lambda: router(
+        [(prefill, bootstrap)], [decode], name="router-fragmenting"))
     yield PDCluster("tcp", prefill, bootstrap, decode, front)
     stop_all([front, prefill, decode])
 

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from cluster_util import CHILD_ENV, Proc, Reply, decode_server, free_port, http, prefill_server, router, start_all, \
-    stop_all, wait_kv_free
+from cluster_util import CHILD_ENV, Proc, Reply, decode_server, free_port, http, prefill_server, router, \
+    start_with_router, stop_all, wait_kv_free
 from pdserve.cluster_auth import HEADER, ClusterAuth
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.scheduler.process import STEP_DELAY_ENV
@@ -40,14 +40,10 @@ def cluster(tiny_model) -> Iterator[dict[str, Proc]]:
     steady.env = {**CHILD_ENV, STEP_DELAY_ENV: "0.02"}  # a long request stays in flight for seconds
     moving = decode_server(tiny_model, "tcp", SWITCHABLE, "--disaggregation-bootstrap-port", str(boot_moving),
                            *SECRET, name="decode-moving")
-    start_all([prefill, steady, moving])
-    front = router([(prefill, boot_prefill)], [steady, moving], *SECRET, "--prefill-policy", "round_robin",
-                   name="router-role-switch")  # round robin: the switched server takes its share of prefills
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([prefill, steady, moving])
-        raise
+    # round robin: the switched server takes its share of prefills
+    front = start_with_router([prefill, steady, moving], lambda: router(
+        [(prefill, boot_prefill)], [steady, moving], *SECRET, "--prefill-policy", "round_robin",
+        name="router-role-switch"))
     yield {"prefill": prefill, "steady": steady, "moving": moving, "router": front}
     stop_all([front, moving, steady, prefill])
 

@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import Proc, decode_server, free_port, prefill_server, router, start_all, stop_all, wait_kv_free
+from cluster_util import Proc, decode_server, free_port, prefill_server, router, start_with_router, \
+    stop_all, wait_kv_free
 from pdserve_router.config import ConfigError, RouterConfig
 from pdserve_router.policies import CacheAwarePolicy
 from pdserve_router.reported_cache import CacheReport, key_block_hashes, parse_cache_report
@@ -125,15 +126,9 @@ def cluster(tiny_model) -> Iterator[dict]:
     ports = free_port(), free_port()
     prefills = [prefill_server(tiny_model, "tcp", port) for port in ports]
     decode = decode_server(tiny_model, "tcp", "--disaggregation-decode-enable-radix-cache")
-    start_all([*prefills, decode])
-    front = router(list(zip(prefills, ports)), [decode], "--prefill-policy", "cache_aware",
-                   "--cache-aware-source", "reported", "--cache-report-interval-s", REPORT_INTERVAL_S,
-                   "--cache-threshold", "0.5", name="router-reported")
-    try:
-        start_all([front])
-    except BaseException:
-        stop_all([*prefills, decode])
-        raise
+    front = start_with_router([*prefills, decode], lambda: router(
+        list(zip(prefills, ports)), [decode], "--prefill-policy", "cache_aware", "--cache-aware-source", "reported",
+        "--cache-report-interval-s", REPORT_INTERVAL_S, "--cache-threshold", "0.5", name="router-reported"))
     yield {"prefills": prefills, "decode": decode, "router": front}
     stop_all([front, *prefills, decode])
 
