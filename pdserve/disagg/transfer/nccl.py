@@ -7,9 +7,10 @@ NCCL is two-sided, so each `write` is a small protocol over the engine's ZMQ con
   order, same lengths) on its send stream; both wait for their stream (with a timeout; a stuck
   communicator is aborted); the receiver replies "done" and `write` returns.
 The communicator is made at the first contact ("init"): the sender draws an ncclUniqueId (128 bytes),
-ships it, and both call ncclCommInitRank(2, uid, rank) with rank 0 = sender, rank 1 = receiver. The
-receiver joins on a helper thread, so a sender that dies mid-handshake cannot wedge the control thread.
-No torch.distributed world is involved.
+ships it with its GPU's UUID, and both call ncclCommInitRank(2, uid, rank) with rank 0 = sender, rank 1 =
+receiver. The receiver first refuses a sender on its own physical GPU (NCCL refuses two ranks of a communicator on
+one device, so the pair could never link), then joins on a helper thread, so a sender that dies mid-handshake
+cannot wedge the control thread. No torch.distributed world is involved.
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ class NcclLibrary:
         self._check(self._ncclCommAbort(comm), "ncclCommAbort")
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU behind `device`, the same in every process whatever its CUDA_VISIBLE_DEVICES."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def check_distinct_gpus(receiver_gpu: str, sender_gpu: object, receiver_device: torch.device) -> None:
+    """Refuse a sender on the receiver's own physical GPU (compared by UUID): NCCL fails to init such a pair
+    ("Duplicate GPU detected", ncclInvalidUsage), e.g. a prefill and a decode at TP 2 sharing two GPUs."""
+    if not isinstance(sender_gpu, str) or not sender_gpu:
+        raise TransferError("nccl init without the sender's GPU UUID")
+    if sender_gpu == receiver_gpu:
+        raise TransferError(
+            f"the nccl transfer backend cannot link a prefill and a decode on the same GPU ({receiver_device} here, "
+            f"UUID {receiver_gpu}): NCCL refuses two ranks of one communicator on one device. Use "
+            "--disaggregation-transfer-backend mooncake, or put the prefill and the decode on different GPUs "
+            "(--base-gpu-id)")
+
+
 def plan_groups(spans: list[tuple[int, int]], max_ops: int = MAX_OPS_PER_GROUP) -> list[list[tuple[int, int]]]:
     return [spans[i : i + max_ops] for i in range(0, len(spans), max_ops)]
 
@@ -166,14 +185,15 @@ class NcclTransferEngine(ChannelEngine):
         self.device = torch.device("cuda", self.device.index if self.device.index is not None
                                    else torch.cuda.current_device())
         self.timeout_s = timeout_s
+        self.gpu = gpu_uuid(self.device)
         self._nccl = library or load_nccl()
         self._send_stream = torch.cuda.Stream(self.device)
         self._recv_stream = torch.cuda.Stream(self.device)
         self._send_comms: dict[str, int] = {}  # peer session -> comm (we are rank 0)
         self._recv_comms: dict[str, _PendingComm] = {}  # sender session -> comm (we are rank 1)
         super().__init__(host, port, timeout_s, auth, self._handle)  # last: its server calls _handle at once
-        logger.info("nccl transfer engine %s on %s (%s, version %d)", self.session_id(), self.device,
-                    self._nccl.path, self._nccl.version)
+        logger.info("nccl transfer engine %s on %s (GPU %s; %s, version %d)", self.session_id(), self.device,
+                    self.gpu, self._nccl.path, self._nccl.version)
 
     def transport(self) -> str:
         return "nccl"
@@ -191,11 +211,12 @@ class NcclTransferEngine(ChannelEngine):
         client = self._peers.get(peer_session)
         uid = self._nccl.unique_id()
         try:
-            client.send({"op": "init", "from": self.session_id(), "uid": uid})
+            client.send({"op": "init", "from": self.session_id(), "uid": uid, "gpu": self.gpu})
             client.recv("nccl init reply")
             with torch.cuda.device(self.device):
                 self._send_comms[peer_session] = self._nccl.comm_init_rank(2, uid, 0)
-        except TransferError:
+        except TransferError as exc:
+            logger.error("no nccl link from %s to %s: %s", self.device, peer_session, exc)
             self._peers.drop(peer_session)
             raise
 
@@ -231,6 +252,7 @@ class NcclTransferEngine(ChannelEngine):
             raise TransferError("message without a sender session")
         op = header.get("op")
         if op == "init":
+            check_distinct_gpus(self.gpu, header.get("gpu"), self.device)
             self._join(sender, header.get("uid"))
             reply({"ok": True, "phase": "ready"})
         elif op == "write":
