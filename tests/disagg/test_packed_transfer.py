@@ -68,15 +68,6 @@ def moved(src: KVPool, src_pages, dst_pages, dst_layout: KVLayout, src_heads=sli
     return out
 
 
-@pytest.fixture
-def sender():
-    engine = make_transfer_engine("tcp", "cpu", timeout_s=10)
-    try:
-        yield engine
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8), (torch.float8_e4m3fn, 6)],
                          ids=["bf16", "fp8", "fp8-6-byte-heads"])
 def test_scattered_pages_round_trip_packed(sender, dtype, head_dim):

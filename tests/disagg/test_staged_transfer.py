@@ -15,22 +15,13 @@ from test_packed_transfer import (DST_PAGES_IN_POOL, HEADS, NUM_LAYERS, SRC_PAGE
 
 from transfer_peer import start_peer, stop_peer
 from pdserve.disagg.head_map import rank_heads
-from pdserve.disagg.transfer import KVRegion, coalesce_page_runs, make_transfer_engine
+from pdserve.disagg.transfer import KVRegion, coalesce_page_runs
 from pdserve.disagg.transfer.base import StagedDestination
 from pdserve.disagg.transfer.packing import KVMover, KVPiece
 from pdserve.mem_cache.kv_pool import KVPool
 
 DTYPES = pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 8), (torch.float8_e4m3fn, 8),
                                                      (torch.float8_e4m3fn, 6)], ids=["bf16", "fp8", "fp8-6-byte-heads"])
-
-
-@pytest.fixture
-def sender():
-    engine = make_transfer_engine("tcp", "cpu", timeout_s=10)
-    try:
-        yield engine
-    finally:
-        engine.close()
 
 
 def scattered_both_sides(n: int, seed: int) -> tuple[list[int], list[int]]:
