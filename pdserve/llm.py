@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from pdserve.config import ServerArgs
-from pdserve.distributed.tensor_parallel import CLOSE_TIMEOUT, TPGroup, abort_group
+from pdserve.distributed.tensor_parallel import CLOSE_TIMEOUT, FollowerWatch, TPGroup, abort_group
 from pdserve.engine.model_runner import load_runner
 from pdserve.hub import with_local_model
 from pdserve.server_processes import free_port
@@ -50,10 +50,11 @@ class LLM:
         self.tokenizer = load_tokenizer(self.args)
         followers = _spawn_followers(self.args)
         try:
-            self.scheduler = Scheduler(self.args, load_runner(self.args), tokenizer=self.tokenizer)
-            # every rank warms up the same way (scheduler/process.py's run_scheduler_process), then meets here
-            self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
-            self.scheduler.runner.tp.barrier()
+            with FollowerWatch(followers):  # a follower's death fails the start at once, naming the rank
+                self.scheduler = Scheduler(self.args, load_runner(self.args), tokenizer=self.tokenizer)
+                # every rank warms up the same way (scheduler/process.py's run_scheduler_process), then meets here
+                self.warmup = None if self.args.skip_server_warmup else warm_up(self.scheduler)
+                self.scheduler.runner.tp.barrier()
         except BaseException:
             abort_group()  # a follower may be gone: leave without waiting for it
             stop_children(followers)

@@ -6,13 +6,23 @@ Leaving the group is collective: NCCL's teardown waits for every rank of the com
 it while a peer is gone, or still waits in a collective, hangs. The leader closes the group (`close`); the
 followers learn it from the message broadcast they wait in, and all ranks finish their device work, meet within
 CLOSE_TIMEOUT and destroy together. A rank that cannot meet the others aborts the group instead, which needs no
-peer. A server's ranks never leave: they exit without interpreter teardown (`process_setup.exit_now`)."""
+peer. A server's ranks never leave: they exit without interpreter teardown (`process_setup.exit_now`).
+
+A follower that dies while the group forms or the engine starts must not leave rank 0 waiting out a timeout. In a
+server, the main process watches every rank's process and stops the server. The offline `LLM` is rank 0 itself: it
+starts under a `FollowerWatch`, which the rendezvous polls and which aborts an NCCL group (a collective waiting for a
+dead peer never ends on its own; gloo's fails as the peer's sockets close), so that the start fails at once with an
+error naming the dead rank and its exit code."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import msgpack
@@ -29,6 +39,10 @@ RENDEZVOUS_TIMEOUT = timedelta(minutes=5)
 # Closing the group: the followers see the leader's close and meet it within this long, or it aborts the group.
 CLOSE_TIMEOUT = timedelta(seconds=60)
 _CLOSE = -1  # the length `broadcast_bytes` sends to close the group instead of a payload's
+_JOINED = "pdserve/tp_joined"  # the rendezvous's count of the ranks that reached the store
+WATCH_INTERVAL_S = 0.2  # how often the rendezvous counts and the follower watch looks at the processes
+# After a collective failed, how long rank 0 waits for a follower's exit to be seen (its sockets close first).
+DEATH_GRACE_S = 2.0
 
 
 class GroupClosed(Exception):
@@ -152,6 +166,72 @@ def abort_group() -> None:
         dist.destroy_process_group()
 
 
+class FollowerDied(RuntimeError):
+    """Rank 0's start failed because a follower rank's process exited."""
+
+
+class FollowerWatch:
+    """Rank 0's watch over its followers' processes (rank i + 1 is `followers[i]`) while the group forms and the engine
+    starts, as a context: the rendezvous asks it (`check`) between its polls; a thread aborts an NCCL group as soon as
+    a follower is gone. An error leaving the context becomes `FollowerDied`, naming the rank and its exit code, when
+    a follower was gone first, or it is a RuntimeError (a collective's) and a follower is seen gone within
+    DEATH_GRACE_S; rank 0's own errors (a ConfigError) stay as they are. One watch at a time, in the main thread."""
+
+    def __init__(self, followers: Sequence[BaseProcess]):
+        self.followers = list(followers)
+        self.seen: str | None = None  # the death the watch thread saw
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="tp-follower-watch", daemon=True)
+
+    def death(self) -> str | None:
+        """The first follower that exited, in words; None while all live."""
+        for rank, process in enumerate(self.followers, start=1):
+            if process.exitcode is not None:
+                return (f"tensor-parallel rank {rank} (pid {process.pid}) exited with code {process.exitcode} while "
+                        "the group formed or the engine started; its log says why")
+        return None
+
+    def check(self) -> None:
+        if (death := self.death()) is not None:
+            raise FollowerDied(death)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            death = self.death()
+            if death is not None:
+                self.seen = death
+                logger.error("%s; leaving the group", death)
+                if dist.is_initialized() and dist.get_backend() == "nccl":
+                    abort_group()  # ends rank 0's wait in a collective with the dead rank
+                return
+
+    def _cause_of(self, exc: BaseException) -> str | None:
+        if self.seen is not None or isinstance(exc, FollowerDied) or not isinstance(exc, RuntimeError):
+            return self.seen
+        deadline = time.monotonic() + DEATH_GRACE_S
+        while (death := self.death()) is None and time.monotonic() < deadline:
+            time.sleep(WATCH_INTERVAL_S / 4)
+        return death
+
+    def __enter__(self) -> "FollowerWatch":
+        global _watch
+        assert _watch is None, "one follower watch at a time"
+        _watch = self
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        global _watch
+        _watch = None
+        self._stop.set()
+        self._thread.join()
+        if exc is not None and (death := self._cause_of(exc)) is not None:
+            raise FollowerDied(death) from exc
+
+
+_watch: FollowerWatch | None = None  # the watch rank 0 starts under, if any (the offline LLM's)
+
+
 def init_tp_group(size: int, rank: int, port: int | None, device: torch.device) -> TPGroup:
     """Join the group of `size` ranks rendezvousing on 127.0.0.1:`port` within RENDEZVOUS_TIMEOUT; size 1 needs no
     group."""
@@ -162,7 +242,10 @@ def init_tp_group(size: int, rank: int, port: int | None, device: torch.device) 
     backend = "nccl" if device.type == "cuda" else "gloo"
     try:
         store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=RENDEZVOUS_TIMEOUT,
-                              wait_for_workers=True)
+                              wait_for_workers=False)
+        _meet(store, size)
+    except FollowerDied:
+        raise
     except (RuntimeError, TimeoutError) as exc:  # DistStoreError: a peer never came, or the port is taken
         raise RuntimeError(f"tensor-parallel rank {rank} of {size}: the group did not form on 127.0.0.1:{port} "
                            f"within {RENDEZVOUS_TIMEOUT} (a rank failed to start?): {exc}") from exc
@@ -170,6 +253,19 @@ def init_tp_group(size: int, rank: int, port: int | None, device: torch.device) 
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return TPGroup(rank, size, world, cpu_group)
+
+
+def _meet(store: dist.TCPStore, size: int) -> None:
+    """Count this rank in and wait for all `size`, within RENDEZVOUS_TIMEOUT; the watch, if any, is asked between
+    polls, so a follower that died before it came ends the wait at once."""
+    store.add(_JOINED, 1)
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    while store.add(_JOINED, 0) < size:
+        if _watch is not None:
+            _watch.check()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{store.add(_JOINED, 0)} of {size} ranks came")
+        time.sleep(WATCH_INTERVAL_S)
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:

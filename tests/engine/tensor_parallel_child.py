@@ -44,6 +44,21 @@ def _tail(*streams: str | bytes | None) -> str:
     return text[-OUTPUT_TAIL_CHARS:]
 
 
+def exit_with(code: int) -> None:
+    """A follower rank that dies before it reaches the rendezvous (spawned by the start-up watch's tests)."""
+    os._exit(code)
+
+
+def join_then_exit(port: int, code: int) -> None:
+    """A follower rank that joins the gloo group, then dies before the leader's first collective."""
+    import torch
+
+    from pdserve.distributed.tensor_parallel import init_tp_group
+
+    init_tp_group(2, 1, port, torch.device("cpu"))
+    os._exit(code)
+
+
 def main(request_path: str, result_path: str) -> None:
     from pdserve import LLM, SamplingParams
 

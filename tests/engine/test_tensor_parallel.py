@@ -1,9 +1,11 @@
 """Tensor parallelism on the CPU (gloo, fp32): the offline API with two ranks generates what HF does, for each
 architecture and with a KV head replicated on both ranks; a model that cannot be split is refused; the group closes
-in order with its followers, aborts when one is gone, and a rendezvous without peers fails in bounded time."""
+in order with its followers, aborts when one is gone, and a rendezvous without peers fails in bounded time; a
+follower that dies while the group forms or the engine starts fails rank 0's start at once, naming it."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import time
@@ -12,14 +14,15 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from tensor_parallel_child import run_engine
+from tensor_parallel_child import exit_with, join_then_exit, run_engine
 from test_hf_equivalence import greedy, hf_greedy, random_prompts
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
+from pdserve import llm as llm_module
 from pdserve.config import ConfigError
 from pdserve.distributed import tensor_parallel
-from pdserve.distributed.tensor_parallel import GroupClosed, TPGroup, init_tp_group
+from pdserve.distributed.tensor_parallel import FollowerDied, FollowerWatch, GroupClosed, TPGroup, init_tp_group
 from pdserve.layers.linear import Shard
 from pdserve.models.model_config import ModelConfig
 from pdserve.server_processes import free_port
@@ -108,6 +111,61 @@ def test_rendezvous_without_the_other_ranks_fails_in_bounded_time(monkeypatch):
     with pytest.raises(RuntimeError, match="the group did not form on 127.0.0.1"):
         init_tp_group(2, 0, free_port(), torch.device("cpu"))
     assert time.monotonic() - start < 30
+    assert not dist.is_initialized()
+
+
+def _spawned(target, *args) -> multiprocessing.Process:
+    process = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    process.start()
+    return process
+
+
+# Each test below would wait out RENDEZVOUS_TIMEOUT (5 min) or COLLECTIVE_TIMEOUT (10 min) without the watch.
+WATCHED_FAILURE_S = 60  # a spawned interpreter's start on a loaded 2-core box, with room
+
+
+def test_a_follower_dead_before_the_rendezvous_fails_it_at_once():
+    follower = _spawned(exit_with, 3)
+    start = time.monotonic()
+    with pytest.raises(FollowerDied, match=rf"rank 1 \(pid {follower.pid}\) exited with code 3"):
+        with FollowerWatch([follower]):
+            init_tp_group(2, 0, free_port(), torch.device("cpu"))
+    assert time.monotonic() - start < WATCHED_FAILURE_S
+    assert not dist.is_initialized()
+
+
+def test_a_follower_dead_before_the_first_collective_is_named():
+    port = free_port()
+    follower = _spawned(join_then_exit, port, 5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(FollowerDied, match=r"rank 1 \(pid \d+\) exited with code 5") as died:
+            with FollowerWatch([follower]):
+                tp = init_tp_group(2, 0, port, torch.device("cpu"))
+                follower.join(WATCHED_FAILURE_S)  # gone before the collective begins, or during it: the same
+                tp.barrier()
+        assert isinstance(died.value.__cause__, RuntimeError)  # gloo's error, kept as the cause
+        assert time.monotonic() - start < WATCHED_FAILURE_S * 2
+    finally:
+        tensor_parallel.abort_group()
+    assert not dist.is_initialized()
+
+
+def test_the_leaders_own_start_error_is_not_blamed_on_its_followers():
+    follower = _spawned(exit_with, 4)
+    follower.join(WATCHED_FAILURE_S)
+    with pytest.raises(ValueError, match="a flag the model refutes"):
+        with FollowerWatch([follower]):
+            raise ValueError("a flag the model refutes")
+
+
+def test_the_offline_llm_fails_its_start_at_once_when_a_follower_dies(tiny_model, monkeypatch):
+    monkeypatch.setattr(llm_module, "_spawn_followers", lambda args: [_spawned(exit_with, 7)])
+    start = time.monotonic()
+    with pytest.raises(FollowerDied, match="rank 1 .* exited with code 7"):
+        LLM(tiny_model, tp_size=2, device="cpu", dtype="float32", page_size=4, max_total_tokens=512,
+            skip_server_warmup=True)
+    assert time.monotonic() - start < WATCHED_FAILURE_S
     assert not dist.is_initialized()
 
 
