@@ -7,7 +7,8 @@
 #   tests        the GPU tests on one GPU (`-m gpu -rf`, the slowest 30 with their durations; under 8 minutes on an
 #                H200: the tuner sweeps are `tuner_sweeps`, the two-GPU tests `tests_multi_gpu`), then the CUDA
 #                graph tests again with CUDA_LAUNCH_BLOCKING=1
-#   tests_multi_gpu the tests that need two GPUs (`-m multi_gpu`: TP 2, GPU0 -> GPU1 KV transfers; nvidia-h200-x2)
+#   tests_multi_gpu the tests that need two GPUs (`-m multi_gpu`: TP 2, GPU0 -> GPU1 KV transfers; nvidia-h200-x2,
+#                alone in its call: each test's line as it ends, all durations, multi_gpu_tests.xml)
 #   tuner_sweeps every candidate config of the FP8 rows kernel compiled and checked, then its tuner (`-m tuner_sweep`;
 #                minutes per row dtype on a cold Triton cache: SWEEP_K=dtype0 and SWEEP_K=dtype1 in a call each)
 #   engine       one batch's decode TBT and prefill MFU (qwen3-0.6b, llama-3.1-8b); decode host time per step;
@@ -51,8 +52,9 @@
 #                must be identical) and bf16 (prompt-logprob difference); decode TBT at batch 1 and 64 (1k), TP 1 and
 #                TP 2; an 8k prefill's MFU at TP 2; where a TP 2 decode step's time goes; then a summary: identity,
 #                first divergence, mean logprob difference, TBT ratio TP2/TP1, MFU, the all_reduce rows (7-9 minutes)
-#   tp_pd        PD with prefill and decode both at TP 2 sharing the pair (qwen3-0.6b, mooncake and NCCL): greedy
-#                identity with a colocated TP 1 server, both KV pools free after (about 3 minutes)
+#   tp_pd        PD with prefill and decode both at TP 2 sharing the pair (qwen3-0.6b): greedy identity with a
+#                colocated TP 2 server in bf16 (mooncake; NCCL must be refused: ranks on one GPU) and with colocated
+#                TP 1 in float32 (mooncake), both KV pools free after (about 5 minutes)
 #   fp8_accuracy prompt-logprob difference and greedy agreement against bf16 over 200 prompts: FP8 weights, FP8 KV,
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
@@ -87,8 +89,14 @@ suite_tests() {
     --continue-on-collection-errors tests -m gpu -k cuda_graph
 }
 
+# One line per test as it ends (-vv against gpu_pytest's -q: verbosity 1; PYTHONUNBUFFERED reaches the log before a
+# kill), every outcome and every duration; with pytest-timeout a test ends at 320 s (each TP engine has its own 150 s
+# limit), and none starts after the step's limit - 20 s, so the summary gets printed. Run it alone in its call.
 suite_tests_multi_gpu() {
-  gpu_pytest multi_gpu_tests 300 multi_gpu
+  local per_test=()
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 320)
+  gpu_pytest multi_gpu_tests 540 multi_gpu -vv -rA --durations=0 -o log_cli=false "${per_test[@]}" \
+    --junitxml "$OUT/multi_gpu_tests.xml"
 }
 
 suite_tuner_sweeps() {  # SWEEP_K=dtype0 (bf16 rows) or dtype1 (fp16): one call each on a cold Triton cache
@@ -345,14 +353,20 @@ PY
   grep -h "^## decode\|^categories" "$OUT/step_profile_tp2.log"  # all_reduce us/step against the wall
 }
 
-# PD with both roles at TP 2 sharing the pair (qwen3-0.6b, mooncake and NCCL): greedy output equal to a colocated TP 1
-# server, both KV pools free after; about 3 minutes on nvidia-h200-x2
+# PD with both roles at TP 2 sharing the pair (qwen3-0.6b), greedy identity held exact where it is exact: in bf16
+# against a colocated TP 2 server (both roles compute as it does), in float32 against a colocated TP 1 server (the
+# issue's TP 2 == TP 1); both KV pools free after each variant. NCCL cannot link a prefill rank and a decode rank on
+# one GPU: its bf16 variant must fail at once with a 502 naming mooncake, pools free. About 5 minutes on
+# nvidia-h200-x2; the servers' whole logs are in pd_tp2_*/logs.
 suite_tp_pd() {
-  local small
+  local small pd="--tp-size 2 --base-gpu-id 0 --mem-fraction-static 0.3"
   small=$(model qwen3-0.6b)
-  TAILN=40 step 300 pd_tp2 python3 scripts/pd_check.py --model-path "$small" --backends mooncake nccl \
+  TAILN=90 step 270 pd_tp2_bf16 python3 scripts/pd_check.py --model-path "$small" --backends mooncake nccl \
     --identity-lens 5 300 2000 --ttft-lens 1024 --reps 3 --server-flags "--mem-fraction-static 0.3" \
-    --pd-flags "--tp-size 2 --base-gpu-id 0 --mem-fraction-static 0.3" --out "$OUT/pd_tp2"
+    --pd-flags "$pd" --reference-flags "--tp-size 2 --base-gpu-id 0" --out "$OUT/pd_tp2_bf16"
+  TAILN=45 step 240 pd_tp2_fp32 python3 scripts/pd_check.py --model-path "$small" --backends mooncake \
+    --identity-lens 5 300 2000 --ttft-lens 1024 --reps 1 --server-flags "--mem-fraction-static 0.3 --dtype float32" \
+    --pd-flags "$pd" --out "$OUT/pd_tp2_fp32"
 }
 
 [ "$*" = all ] && set -- "${SUITES[@]}"
