@@ -87,3 +87,29 @@ def test_a_sender_on_the_receivers_gpu_fails_at_the_handshake_before_any_nccl_ca
     assert not sender._send_comms
     with pytest.raises(TransferError, match="same GPU"):  # every later request is refused the same way, at once
         sender.connect(receiver.session_id())
+
+
+def test_the_refusal_fails_the_request_with_a_502_naming_the_fix_and_frees_both_pools(tiny_model, monkeypatch):
+    """Both halves of the request end with the refusal's words (the client's JSON error, whichever half answers it),
+    and no page stays held. A tcp pair in one process whose prefill engine refuses as the nccl one does."""
+    from test_pd_schedulers import make_pair, pd_req, run
+
+    from pdserve.disagg.handoff import PEER_FAILED
+
+    prefill, decode, port = make_pair(tiny_model)
+    try:
+        def refused_write(peer_session, *spans):
+            check_distinct_gpus("GPU-aaaa", "GPU-aaaa", torch.device("cuda", 0))
+
+        monkeypatch.setattr(prefill.role.link.engine, "write", refused_write)
+        for s in (prefill, decode):
+            s.add_request(pd_req("same-gpu", list(range(20, 60)), port, room=901))
+        outs = run([prefill, decode])
+        for half in (0, 1):
+            finish = outs[(half, "same-gpu")]["finish"]
+            assert finish["type"] == "abort" and finish["status_code"] == PEER_FAILED, finish
+            assert "same GPU" in finish["message"] and "--disaggregation-transfer-backend mooncake" in finish["message"]
+        assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
+    finally:
+        prefill.close()
+        decode.close()
