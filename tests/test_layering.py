@@ -163,7 +163,7 @@ def test_a_pd_role_touches_the_scheduler_only_through_scheduler_api():
     assert importers == [SCHEDULER_BUILDER]  # the concrete Scheduler is out of a role's reach
     builder_classes = [n for n in ast.walk(roles[SCHEDULER_BUILDER]) if isinstance(n, ast.ClassDef)]
     assert builder_classes == []
-    assert {"enqueue", "radix", "finish"} <= api  # the walk reads the protocol it checks against
+    assert {"enqueue", "admit", "finish"} <= api  # the walk reads the protocol it checks against
 
 
 def test_uses_beyond_the_api_are_found():

@@ -75,6 +75,7 @@ class DecodeRole(Role):
         self.link = link or PeerLink(args, runner)
         self.num_local_prefills = 0
         self._extended_last_step = False
+        self.handoff_reserve = math.ceil(args.num_reserved_decode_tokens / self.page_size)  # pages, each handoff
         self.routes = Routes()  # waiting for the bootstrap
         self.quarantine = Fence()  # fenced
         self.receive = self.link.kept("receive_staging", lambda: open_receive_staging(
@@ -278,19 +279,12 @@ class DecodeRole(Role):
         )
 
     def _allocate_destination(self, h: Handoff, reserved: int) -> bool:
-        """The prompt's pages: the prefix this server's radix cache holds (referenced, never written by the
-        prefill) plus fresh pages for the rest, if they fit next to every running request's reserve."""
-        req = h.req
-        req.pages = self.scheduler.radix.match_prefix(req.input_ids, len(req.input_ids) - 1, req.rid)
-        cached = len(req.pages)
-        missing = math.ceil(len(req.input_ids) / self.page_size) - cached
-        reserve = math.ceil(self.args.num_reserved_decode_tokens / self.page_size)
-        if missing + reserve + reserved > self.scheduler.available_pages() or not self.scheduler.ensure_pages(req, len(req.input_ids)):
-            self.scheduler.release_pages(req)
+        """The prompt's pages, admitted by the scheduler's rule next to `reserved` pages of others' growth: the
+        prefix this server's radix cache holds (referenced, never written by the prefill) plus fresh pages for the
+        rest, with `--num-reserved-decode-tokens` held back for its own growth."""
+        if not self.scheduler.admit(h.req, reserved, handoff_reserve=self.handoff_reserve):
             return False
-        h.cached_pages, h.dst_pages = cached, req.pages
-        req.num_prefix_hit = h.cached_pages * self.page_size
-        self.scheduler.radix.record_hit(len(req.input_ids), req.num_prefix_hit)
+        h.cached_pages, h.dst_pages = h.req.num_cached_tokens // self.page_size, h.req.pages
         return True
 
     def _check_route(self, route: RouteResolved) -> PrefillRankInfo:

@@ -262,8 +262,7 @@ class Scheduler:
     def _new_prompt_rate(self) -> float:
         """Prompt tokens per second a new prompt would be prefilled at now; 0.0 when the KV pool has no room for a
         minimum chunk next to the running requests' growth (or the role takes no such prompts)."""
-        reserved = sum(self.decode_reserve(r) for r in self.running)
-        if self.available_pages() - reserved < math.ceil(self.tpot_budget.min_chunk / self.page_size):
+        if self.available_pages() - self._running_reserve() < math.ceil(self.tpot_budget.min_chunk / self.page_size):
             return 0.0
         return self.role.offered_prefill_rate(self.tpot_budget.prefill_rate(decoding=bool(self.running)))
 
@@ -356,7 +355,7 @@ class Scheduler:
             budget -= item.end - item.start
         while self.waiting and budget > 0 and self._num_active() + len(items) < self.args.max_running_requests:
             req = self.waiting[0]
-            if not self._admit(req):
+            if not self.admit(req, self._running_reserve()):
                 break
             self.waiting.popleft()
             item = self._plan_chunk(req, budget)
@@ -377,25 +376,41 @@ class Scheduler:
     def _num_active(self) -> int:
         return len(self.running) + (1 if self.chunked else 0)
 
-    def _admit(self, req: Req) -> bool:
-        """Reuse a cached prefix and check that the request's KV fits next to the running requests' growth."""
+    def admit(self, req: Req, reserved: int, handoff_reserve: int | None = None) -> bool:
+        """Admission, the one rule for every way into the KV pool: req reuses the longest prefix of its prompt the
+        prefix cache holds, and is admitted when the rest of the prompt plus its own growth reserve fit next to
+        `reserved` pages held back for others' growth (pages the prefix cache could evict count as free); its hit
+        is recorded then. Refused, it holds no page.
+
+        Prefilled here (`handoff_reserve` None): its reserve is `decode_reserve`, it holds the prefix only (its
+        chunks take the rest, `_plan_chunk`), and no prefix past where prompt logprobs still to compute begin.
+        A PD handoff's destination: `handoff_reserve` pages of reserve, and pages for the whole prompt now (its
+        prefill server writes all but the prefix)."""
         fill = req.all_ids
         if not req.pages:
-            limit = len(fill) - 1
-            if req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
-                limit = min(limit, max(req.logprob_start_len - 1, 0))
-            req.pages = self.radix.match_prefix(fill, limit, req.rid)
+            req.pages = self.radix.match_prefix(fill, self._prefix_limit(req, handoff_reserve is None), req.rid)
             req.num_cached_tokens = len(req.pages) * self.page_size
             req.num_prefix_hit = max(req.num_prefix_hit, req.num_cached_tokens)
-        need = math.ceil(len(fill) / self.page_size) - len(req.pages) + self.decode_reserve(req)
-        reserved = sum(self.decode_reserve(r) for r in self.running)
-        if self.chunked is not None:
-            reserved += self.decode_reserve(self.chunked)
-        if need + reserved <= self.available_pages():
+        reserve = self.decode_reserve(req) if handoff_reserve is None else handoff_reserve
+        need = math.ceil(len(fill) / self.page_size) - len(req.pages) + reserve
+        fits = need + reserved <= self.available_pages()
+        if fits and (handoff_reserve is None or self.ensure_pages(req, len(fill))):
             self.radix.record_hit(len(req.input_ids), req.num_cached_tokens)
             return True
         self.release_pages(req)
         return False
+
+    def _prefix_limit(self, req: Req, computed_here: bool) -> int:
+        """The most prompt tokens a cached prefix may cover: all but the last (its forward samples the first
+        token), and where the prefill computes them, none whose logprob is still to compute."""
+        limit = len(req.all_ids) - 1
+        if computed_here and req.return_logprob and req.logprob_start_len >= 0 and not req.input_logprobs:
+            limit = min(limit, max(req.logprob_start_len - 1, 0))
+        return limit
+
+    def _running_reserve(self) -> int:
+        """Pages held back for the running requests' growth."""
+        return sum(self.decode_reserve(r) for r in self.running)
 
     def decode_reserve(self, req: Req) -> int:
         """Pages held back for req's growth while it decodes (a share of its remaining tokens)."""
