@@ -21,8 +21,9 @@ receives `kv_done`, which reaches every rank as a step event (see peer_link.py).
 
 `DecodeRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts). A
 handoff's phases, in SGLang's words the bootstrap, pre-alloc and transfer queues, are listed in `decode_phases.py`,
-with the objects that hold their state (`Routes`, `Fence`). Peers' messages (`peer_handlers`) and this process's
-helper threads' results (`completion_handlers`) reach it apart, each when it became known (`control_channel.py`).
+with the objects that hold their state (`Routes`, `WaitingForPages`, `Fence`). Peers' messages (`peer_handlers`)
+and this process's helper threads' results (`completion_handlers`) reach it apart, each when it became known
+(`control_channel.py`). Its pages come by the scheduler's one admission rule (`SchedulerAPI.admit`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -42,8 +42,7 @@ from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillR
                                       check_compatible, fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
                                              PeerGone, RouteResolved, TransferRequest)
-from pdserve.disagg.decode_phases import Fence, FencedPages, Routes
-from pdserve.disagg.early_requests import ExpiringRooms
+from pdserve.disagg.decode_phases import Fence, FencedPages, Routes, WaitingForPages, bootstrap_addr
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.transfer.receive_staging import open_receive_staging
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
@@ -76,7 +75,8 @@ class DecodeRole(Role):
         self.num_local_prefills = 0
         self._extended_last_step = False
         self.handoff_reserve = math.ceil(args.num_reserved_decode_tokens / self.page_size)  # pages, each handoff
-        self.routes = Routes()  # waiting for the bootstrap
+        self.routes = Routes(args.disaggregation_bootstrap_timeout)  # waiting for the bootstrap
+        self.waiting_for_pages = WaitingForPages(self.routes)
         self.quarantine = Fence()  # fenced
         self.receive = self.link.kept("receive_staging", lambda: open_receive_staging(
             self.link.engine, runner.pool, args.disaggregation_staging_mb))
@@ -87,10 +87,6 @@ class DecodeRole(Role):
         if self.link.tp.is_leader:
             self.route_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bootstrap-route")
             self.heartbeat = Heartbeat(args, self.link.channel.complete)
-        self._free_when_blocked: int | None = None  # available pages when pre-allocation last had to wait
-        self.fake_queue: deque[Handoff] = deque()  # fake-transfer requests waiting for their pages, oldest first
-        # aborts of requests refused before their handoff began, waiting for their prefill's route: room -> (addr, abort)
-        self.refusals: ExpiringRooms[tuple[str, Abort]] = ExpiringRooms(args.disaggregation_bootstrap_timeout)
         if args.serves_role_alone:
             logger.warning("fake transfer backend: this decode server serves every request alone; it allocates each "
                            "prompt's pages without prefilling them, so the prompt KV is not computed and the output "
@@ -132,8 +128,8 @@ class DecodeRole(Role):
             return
         addr = bootstrap_addr(req)
         self._resolve(addr)
-        self.refusals.put(req.bootstrap_room, (addr, Abort(req.bootstrap_room, message[:MAX_STRING], status=400)),
-                          self.link.clock())
+        self.routes.refuse_when_known(addr, Abort(req.bootstrap_room, message[:MAX_STRING], status=400),
+                                      self.link.clock())
         self._send_refusals(addr)
 
     def _resolve(self, addr: str) -> None:
@@ -144,15 +140,10 @@ class DecodeRole(Role):
     def _send_refusals(self, addr: str) -> None:
         """The refusals waiting for `addr`'s route, once its lookup ended: sent if the route names the prefill's
         control endpoint, else dropped (the prefill half then ends at its own bootstrap timeout)."""
-        route = self.routes.get(addr)
-        if route is None:
-            return
-        endpoint = _control_endpoint(route)
-        for room, (refused_addr, abort) in self.refusals.items():
-            if refused_addr == addr:
-                self.refusals.take(room)
-                if endpoint is not None:
-                    self.link.send_control(endpoint, abort)
+        refusals = self.routes.refusals_due(addr)
+        endpoint = _control_endpoint(self.routes.get(addr)) if refusals else None
+        for abort in refusals if endpoint is not None else ():
+            self.link.send_control(endpoint, abort)
 
     def _look_up(self, addr: str) -> None:
         """The leader looks the route up off the scheduler thread; its end reaches every rank as RouteResolved."""
@@ -167,21 +158,16 @@ class DecodeRole(Role):
     def _accept_fake(self, req: Req) -> None:
         """No prefill peer: the request waits for its pages like a real one (`_preallocate_fake`), then decodes over
         pages that hold whatever they held (decode-only benchmarks, health checks)."""
-        self.fake_queue.append(Handoff(req, req.bootstrap_room, deadline=self.link.clock()))
+        self.waiting_for_pages.add_fake(Handoff(req, req.bootstrap_room, deadline=self.link.clock()))
 
     def has_work(self) -> bool:
-        return bool(self.link.handoffs or self.quarantine or self.fake_queue)
+        return bool(self.link.handoffs or self.quarantine) or self.waiting_for_pages.has_fake()
 
     def can_step(self) -> bool:
         """Handoffs waiting for a message or a route need no steps (the channel's wake-up fd ends the wait); those
         whose route is known, and fake-transfer requests, need one when pages may have been freed since
         pre-allocation last had to wait."""
-        if self._free_when_blocked == self.scheduler.available_pages():
-            return False
-        return bool(self.fake_queue) or any(self._route_ready(h) for h in self.link.bootstrap_queue())
-
-    def _route_ready(self, h: Handoff) -> bool:
-        return self.routes.get(bootstrap_addr(h.req)) is not None
+        return self.waiting_for_pages.may_fit(self.scheduler.available_pages(), self.link.bootstrap_queue())
 
     def prepare_step(self) -> bool:
         self.link.handle_events(self.peer_handlers, self.completion_handlers)
@@ -212,53 +198,43 @@ class DecodeRole(Role):
     # ---- handshake and pre-allocation ---------------------------------------------------------------------
 
     def _preallocate(self) -> None:
-        self._free_when_blocked = None
         if self.receive is not None:
             self.receive.collect()
-        reserved = self._preallocate_fake(sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running))
-        if self.fake_queue:
-            return  # FIFO: later requests wait behind a blocked fake-transfer one
-        for h in self.link.bootstrap_queue():
-            if not self._route_ready(h):
-                continue
-            route = self.routes.get(bootstrap_addr(h.req))
-            try:
-                info = self._check_route(route)
-            except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
-                logger.warning("room %d: refusing prefill %s: %s", h.room, bootstrap_addr(h.req), exc)
-                h.peer_control = _control_endpoint(route)
-                self._fail(h, f"prefill handshake failed: {exc}", reason="handshake_failed",
-                           tell_prefill=h.peer_control is not None)
-                continue
-            if not self._allocate_destination(h, reserved):
-                self._free_when_blocked = self.scheduler.available_pages()
-                break  # FIFO: later requests wait behind this one
-            h.req.stage_marks.mark(PAGES_PREALLOCATED)
-            self._reserve_staging(h, route)
-            h.peer_control = info.control_endpoint
-            if self.link.tp.is_leader:  # the leader's message speaks for every rank
-                self.link.send_control(h.peer_control, self._transfer_request(h))
-            h.req.stage_marks.mark(TRANSFER_REQUEST_SENT)
-            h.advance(KVPoll.WAITING_FOR_INPUT)
-            h.pages_sent_at = self.link.clock()
-            h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
-            reserved += self.scheduler.decode_reserve(h.req)
+        running = sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running)
+        self.waiting_for_pages.serve(self.link.bootstrap_queue(), running, self._take_pages,
+                                     self.scheduler.available_pages)
 
-    def _preallocate_fake(self, reserved: int) -> int:
-        """Fake-transfer requests take their pages in arrival order while they fit next to `reserved` pages, and
-        decode from the prompt's last token (no prefill ran); returns the pages reserved now."""
-        while self.fake_queue:
-            h = self.fake_queue[0]
-            if h.req.finished:  # aborted while it waited
-                self.fake_queue.popleft()
-                continue
+    def _take_pages(self, h: Handoff, reserved: int) -> int | None:
+        """h's destination pages next to `reserved` pages held back (`WaitingForPages.serve`): None when they do
+        not fit, else the pages held back for h's growth (0: its handshake failed). A handoff then sends their ids
+        to its prefill; a fake-transfer request decodes from its prompt's last token (no prefill ran)."""
+        if h.req.bootstrap_host == FAKE_BOOTSTRAP_HOST:
             if not self._allocate_destination(h, reserved):
-                self._free_when_blocked = self.scheduler.available_pages()
-                break
-            self.fake_queue.popleft()
-            reserved += self.scheduler.decode_reserve(h.req)
+                return None
+            held = self.scheduler.decode_reserve(h.req)
             self._commit(h, FirstToken(0, h.req.input_ids[-1]))
-        return reserved
+            return held
+        route = self.routes.get(bootstrap_addr(h.req))
+        try:
+            info = self._check_route(route)
+        except (BootstrapError, IncompatiblePeer, ValueError, KeyError) as exc:
+            logger.warning("room %d: refusing prefill %s: %s", h.room, bootstrap_addr(h.req), exc)
+            h.peer_control = _control_endpoint(route)
+            self._fail(h, f"prefill handshake failed: {exc}", reason="handshake_failed",
+                       tell_prefill=h.peer_control is not None)
+            return 0
+        if not self._allocate_destination(h, reserved):
+            return None
+        h.req.stage_marks.mark(PAGES_PREALLOCATED)
+        self._reserve_staging(h, route)
+        h.peer_control = info.control_endpoint
+        if self.link.tp.is_leader:  # the leader's message speaks for every rank
+            self.link.send_control(h.peer_control, self._transfer_request(h))
+        h.req.stage_marks.mark(TRANSFER_REQUEST_SENT)
+        h.advance(KVPoll.WAITING_FOR_INPUT)
+        h.pages_sent_at = self.link.clock()
+        h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
+        return self.scheduler.decode_reserve(h.req)
 
     def _reserve_staging(self, h: Handoff, route: RouteResolved) -> None:
         """A receive-staging slot for the pages the prefill writes, when it runs this server's TP size (whole
@@ -387,7 +363,7 @@ class DecodeRole(Role):
                            status=PEER_TIMEOUT)
         for room in self.quarantine.expired(t):
             self._release_quarantine(room)
-        self.refusals.expire(t)
+        self.routes.expire_refusals(t)
 
     def _fail(self, h: Handoff, error: str, reason: str, tell_prefill: bool, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
@@ -468,12 +444,6 @@ def _control_endpoint(route: RouteResolved) -> str | None:
     except Exception:  # the lookup failed or the answer is malformed: nobody to tell
         return None
     return endpoint if isinstance(endpoint, str) else None
-
-
-def bootstrap_addr(req: Req) -> str:
-    host = req.bootstrap_host
-    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    return f"{host}:{req.bootstrap_port}"
 
 
 class Heartbeat:

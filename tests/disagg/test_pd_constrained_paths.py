@@ -286,4 +286,4 @@ def assert_refused_by_the_decode(prefill, decode, finishes: dict) -> None:
     assert "aborted by the decode server" in finishes[0]["message"]
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
     assert not prefill.has_work() and not decode.has_work()
-    assert not decode.role.refusals.items() and not prefill.role.early_requests.aborts.items()
+    assert decode.role.routes.num_refusals() == 0 and not prefill.role.early_requests.aborts.items()

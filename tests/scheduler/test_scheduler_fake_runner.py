@@ -120,6 +120,30 @@ def test_prefix_cache_reuses_a_finished_prompt():
     assert runner.forwards[0] == ("extend", 1)  # 16 of 17 prompt tokens come from the cache
 
 
+
+def test_admission_is_one_rule_for_a_prompt_prefilled_here_and_a_handoff_destination():
+    sched, _ = make(num_pages=16)
+    prompt = list(range(1, 13))  # 3 pages; the cache then holds the first 2 for a new request with this prompt
+    sched.add_request(req("first", prompt, 2))
+    drain(sched)
+    free, hits = sched.allocator.num_free, sched.radix.hit_tokens
+    refused = req("refused", prompt, 2)
+    assert not sched.admit(refused, reserved=sched.available_pages())
+    assert refused.pages == [] and sched.allocator.num_free == free and sched.radix.hit_tokens == hits
+    here, handoff = req("here", prompt, 2), req("handoff", prompt, 2)
+    for r in (here, handoff):
+        r.return_logprob, r.logprob_start_len = True, 0  # prompt logprobs limit the prefix only where computed
+    assert sched.admit(here, reserved=0)
+    assert here.pages == [] and here.num_cached_tokens == 0  # its chunks take its pages
+    assert sched.admit(handoff, reserved=0, handoff_reserve=1)
+    assert len(handoff.pages) == 3 and handoff.num_cached_tokens == 2 * PAGE  # the cached prefix, then fresh pages
+    assert sched.radix.hit_tokens == hits + 2 * PAGE
+    assert not sched.admit(req("no room", prompt, 2), reserved=0, handoff_reserve=sched.available_pages())
+    for r in (here, handoff):
+        sched.release_pages(r)
+    assert sched.kv_pool_is_fully_free()
+
+
 class HandoffRole(Role):
     """A prefill-like role: records where it is called, ships nothing, ends each request after its first token."""
 
