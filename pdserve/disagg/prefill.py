@@ -14,7 +14,8 @@ this pool with KV nobody will take. A share of 0 queues every request only once 
 `PrefillRole` is the part the scheduler holds (`pdserve/scheduler/role.py` lists the points where it acts); its
 queues, in SGLang's words: the bootstrap queue (handoffs without their decode side's pages: computing, or held
 back by the budget), the scheduler's waiting queue, then the transfer queue (TRANSFERRING: writes in flight until
-the last one lands).
+the last one lands). The handoff's phases are listed in `prefill_phases.py`, with the objects that hold their state
+(`HeldBack`, `FinalWrites`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
 from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
+from pdserve.disagg.prefill_phases import FinalWrites, HeldBack, prompt_pages
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
                                      checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs,
@@ -188,9 +190,9 @@ class PrefillRole(Role):
             self.bootstrap = BootstrapServer(args.host, args.disaggregation_bootstrap_port, self.link.tp.size, self.link.auth)
             for rank, session in enumerate(sessions):
                 register_prefill_rank(self.bootstrap.local_address, self._rank_info(rank, session), auth=self.link.auth)
-        self.kv_done_after_writes: dict[int, KVDone] = {}  # room -> kv_done the leader sends once all writes landed
-        self.held: dict[int, Handoff] = {}  # rooms without a page list beyond the pages-ahead budget, oldest first
-        self.max_pages_ahead = int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share)
+        self.final_writes = FinalWrites()  # writing
+        self.held_back = HeldBack(int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share),
+                                  self.page_size)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
         self.peer_handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort}
         self.completion_handlers = {WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
@@ -221,7 +223,7 @@ class PrefillRole(Role):
         h = Handoff(req, req.bootstrap_room, deadline=self.link.clock() + self.args.disaggregation_bootstrap_timeout)
         self.link.handoffs[h.room] = h
         self.early_requests.refusals.take(h.room)  # one left by an earlier request with this room stands no more
-        self.held[h.room] = h  # queued at this step's start, within the budget (`_queue_held`)
+        self.held_back.hold(h)  # queued at this step's start, within the budget (`HeldBack.due`)
         early = self.early_requests.pop(h.room)
         if early is not None:  # its decode's claim came first: it resolves now
             self._on_transfer_request(early, time.monotonic())
@@ -245,29 +247,9 @@ class PrefillRole(Role):
     def prepare_step(self) -> bool:
         self.link.handle_events(self.peer_handlers, self.completion_handlers)
         self._expire()
-        self._queue_held()
+        for h in self.held_back.due(self.link.bootstrap_queue()):
+            self.scheduler.enqueue(h.req)
         return True
-
-    def _queue_held(self) -> None:
-        """Queue the held requests, oldest first, while their pages fit in the budget of computing ahead."""
-        ahead = self._pages_ahead()
-        for h in list(self.held.values()):
-            need = self._prompt_pages(h)
-            if ahead + need > self.max_pages_ahead:
-                return  # FIFO: later requests wait behind this one
-            ahead += need
-            self._queue(h)
-
-    def _queue(self, h: Handoff) -> None:
-        del self.held[h.room]
-        self.scheduler.enqueue(h.req)
-
-    def _pages_ahead(self) -> int:
-        """Pages claimed by the requests queued or computed before their page list came."""
-        return sum(self._prompt_pages(h) for h in self.link.bootstrap_queue() if h.room not in self.held)
-
-    def _prompt_pages(self, h: Handoff) -> int:
-        return math.ceil(len(h.req.input_ids) / self.page_size)
 
     def abort(self, req: Req, message: str) -> bool:
         h = self.link.handoff_of(req)
@@ -326,7 +308,7 @@ class PrefillRole(Role):
             self.scheduler.finish(req, FinishReason("length"))
             return
         self.scheduler.cache_kv(req)  # the prompt's KV: every position it computed
-        h.pages_computed, h.prefilled = self._prompt_pages(h), True
+        h.pages_computed, h.prefilled = prompt_pages(h, self.page_size), True
         if _pages_known(h):
             self._push_computed(h)
 
@@ -343,13 +325,13 @@ class PrefillRole(Role):
         if h.poll == KVPoll.FAILED or (upto_page <= h.pages_sent and not final):
             return
         runs = self._runs_to_send(h, upto_page)
-        kv_done = KVDone(h.room, h.req.rid, self._first_token(h)) if final else None
-        sole_writer = self.link.tp.size == 1 and len(h.peer_targets) == 1
-        if kv_done is not None and not sole_writer:
-            self.kv_done_after_writes[h.room] = kv_done
+        notify = None
+        if final:
+            sole_writer = self.link.tp.size == 1 and len(h.peer_targets) == 1
+            kv_done = self.final_writes.hold_unless_sole(KVDone(h.room, h.req.rid, self._first_token(h)), sole_writer)
+            notify = None if kv_done is None else (h.peer_control, kv_done)
         computed = self._record_event()
         for target in h.peer_targets:
-            notify = (h.peer_control, kv_done) if kv_done is not None and sole_writer else None
             self._submit(h, target, self._pieces(h, target, runs), final, computed, notify)
 
     def _pieces(self, h: Handoff, target: KVTarget, runs: list, layers: range | None = None) -> list[KVPiece]:
@@ -408,8 +390,7 @@ class PrefillRole(Role):
             h.peer_control = msg.control
             check_compatible(self.link.description, msg.peer)
             layout = layout_from_description(msg.peer.get("kv_layout"))
-            h.dst_pages = checked_pages(msg.dst_pages, layout.num_pages,
-                                        math.ceil(len(h.req.input_ids) / self.page_size))
+            h.dst_pages = checked_pages(msg.dst_pages, layout.num_pages, prompt_pages(h, self.page_size))
             h.cached_pages = h.pages_sent = checked_cached_pages(msg.cached_pages, len(h.req.input_ids),
                                                                  self.page_size)
             h.peer_targets = self._targets(msg, layout)
@@ -420,8 +401,8 @@ class PrefillRole(Role):
             return
         h.req.stage_marks.mark(DECODE_PAGES_KNOWN)
         h.advance(KVPoll.WAITING_FOR_INPUT)
-        if h.room in self.held:  # the budget held it back: its decode has pages now, so it computes
-            self._queue(h)
+        if self.held_back.leave(h.room) is not None:  # the budget held it back: its decode has pages now
+            self.scheduler.enqueue(h.req)
         self._push_computed(h)
         if h.prefilled:
             self.scheduler.report(h.req)  # its first token, held back until now (`holds_output`)
@@ -477,7 +458,7 @@ class PrefillRole(Role):
         h.writes_landed_at = max(h.writes_landed_at, msg.landed_at)
         if h.poll == KVPoll.TRANSFERRING and h.writes_in_flight == 0:  # every rank's final write landed
             h.req.stage_marks.mark(KV_WRITES_LANDED, self._landing_time(h))
-            kv_done = self.kv_done_after_writes.pop(h.room, None)
+            kv_done = self.final_writes.due(h)
             if kv_done is not None:  # else the room's only writer has sent it
                 self.link.send_control(h.peer_control, kv_done)
             h.advance(KVPoll.SUCCESS)
@@ -510,7 +491,7 @@ class PrefillRole(Role):
     def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric); pages stay held until no write for the room is in flight."""
-        self.held.pop(h.room, None)
+        self.held_back.leave(h.room)
         if h.poll != KVPoll.FAILED:
             self.link.transfer_stats.failed(reason)
             h.advance(KVPoll.FAILED, error)
@@ -527,7 +508,7 @@ class PrefillRole(Role):
             return
         del self.link.handoffs[h.room]
         h.req.stage_marks.mark(HANDOFF_RELEASED)  # a success reports it: its request finished in this step
-        self.kv_done_after_writes.pop(h.room, None)
+        self.final_writes.drop(h.room)
         self.writers.cancelled.discard(h.room)
         self.scheduler.release_pages(h.req)  # the handoff is gone: nothing keeps the pages now
         if h.poll == KVPoll.FAILED and h.peer_control is not None:
@@ -553,7 +534,7 @@ class PrefillRole(Role):
 
     def queued_prefill_tokens(self) -> int:
         """Prompts held back until their decode side's destination pages come (the others are queued)."""
-        return sum(len(h.req.all_ids) for h in self.held.values())
+        return sum(len(h.req.all_ids) for h in self.held_back.handoffs())
 
     def server_info(self) -> dict:
         return {**self.link.server_info(), "bootstrap": self.bootstrap.address if self.bootstrap else None}

@@ -108,15 +108,15 @@ def test_computing_ahead_of_page_lists_is_bounded_by_a_share_of_the_pool(tiny_mo
             prefill.add_request(pd_req(rid, ids, port, room=4300 + i, n=2))
         role = prefill.role
         prefill.step()
-        queued = [h for h in role.link.handoffs.values() if h.room not in role.held]
+        queued = [h for h in role.link.handoffs.values() if h.room not in role.held_back]
         step_until(prefill, lambda: all(h.prefilled for h in queued), "the queued requests were not computed")
         for _ in range(3):  # nothing more is queued while no page list comes
             prefill.step()
-        assert role.held and queued == [h for h in role.link.handoffs.values() if h.room not in role.held]
+        assert role.held_back and queued == [h for h in role.link.handoffs.values() if h.room not in role.held_back]
         assert sum(math.ceil(len(h.req.input_ids) / page_size) for h in queued) <= budget < pages
         assert all(h.prefilled for h in queued) and not any(h.req.stage_marks.marked & {tl.QUEUED}
-                                                            for h in role.held.values())
-        assert prefill.queued_prefill_tokens() == prompt_len * len(role.held)
+                                                            for h in role.held_back.handoffs())
+        assert prefill.queued_prefill_tokens() == prompt_len * len(role.held_back)
         for i, (rid, ids) in enumerate(prompts.items()):
             decode.add_request(pd_req(rid, ids, port, room=4300 + i, n=2))
         got = run([prefill, decode])
@@ -141,7 +141,7 @@ def test_a_refused_page_list_fails_a_prefilled_request_and_frees_its_pages(tiny_
         outs = run([prefill, other], timeout=10)
         assert "page_size mismatch" in outs[(0, "refused")]["finish"]["message"]
         assert prefill.kv_pool_is_fully_free() and other.kv_pool_is_fully_free()
-        assert not prefill.role.link.handoffs and not prefill.role.held
+        assert not prefill.role.link.handoffs and not prefill.role.held_back
     finally:
         other.close()
         prefill.close()
@@ -158,7 +158,7 @@ def test_a_share_of_zero_queues_a_request_only_once_its_page_list_came(tiny_mode
         for _ in range(3):
             prefill.step()
         h = prefill.role.link.handoffs[4500]
-        assert h.room in prefill.role.held and h.pages_computed == 0 and not h.req.stage_marks.marked & {tl.QUEUED}
+        assert h.room in prefill.role.held_back and h.pages_computed == 0 and not h.req.stage_marks.marked & {tl.QUEUED}
         decode.add_request(pd_req("waits", prompt, port, room=4500, n=4))
         got = run([prefill, decode])
         assert got[(1, "waits")]["ids"] == expected["waits"]
