@@ -43,3 +43,62 @@ def test_bounds_past_xgrammars_repeat_limit_compile_and_hold(tiny_model, low, hi
         matcher = xgrammar.GrammarMatcher(compiled)
         fits = low <= length and (high is None or length <= high)
         assert matcher.accept_string(f'"{"a" * length}"') == fits, length
+
+
+@pytest.fixture(scope="module")
+def tiny_compiler(tiny_model):
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from pdserve.constrained.compiler import GrammarCompiler
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    compiler = GrammarCompiler(lambda: tokenizer, len(tokenizer), [tokenizer.eos_token_id], any_whitespace=False)
+    yield compiler
+    compiler.close()
+
+
+def accepts(compiler, schema: dict, text: str) -> bool:
+    import xgrammar
+
+    from pdserve.constrained.compiler import GrammarSpec
+
+    matcher = xgrammar.GrammarMatcher(compiler.compile(GrammarSpec("json_schema", json.dumps(schema))))
+    return matcher.accept_string(text)
+
+
+@pytest.mark.parametrize("low, high", [(0, 5), (0, 128), (0, 200), (150, 300), (129, 129), (200, None)])
+def test_length_bounded_strings_hold_their_lengths_through_the_server_compiler(tiny_compiler, low, high):
+    node = {"type": "string", "minLength": low} | ({} if high is None else {"maxLength": high})
+    longest = high if high is not None else low + 300
+    for length in {low, longest, max(low - 1, 0), longest + 1}:
+        fits = low <= length and (high is None or length <= high)
+        assert accepts(tiny_compiler, node, f'"{"a" * length}"') == fits, length
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\t", "\x1f", "\n", "\r", '"', "\\"])
+def test_length_bounded_strings_refuse_raw_control_characters_quotes_and_backslashes(tiny_compiler, char):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 40}},
+              "required": ["name"]}
+    assert accepts(tiny_compiler, schema, '{"name": "ab"}')
+    assert not accepts(tiny_compiler, schema, '{"name": "a' + char + 'b"}')
+
+
+def test_every_length_bounded_string_rule_is_narrowed():
+    """xgrammar's own grammar of the schema, each length-bounded string's character rule without control
+    characters; no other rule changed; a schema without one keeps xgrammar's schema compile (None)."""
+    xgrammar = pytest.importorskip("xgrammar")
+    from pdserve.constrained import json_schema
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "string", "maxLength": 5},
+        "b": {"type": "array", "items": {"type": "string", "minLength": 2}},
+        "c": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 3}, {"type": "null"}]},
+        "d": {"type": "string"}}}
+    text = json.dumps(schema)
+    native = str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False)).splitlines()
+    strict = json_schema.strict_json_grammar(xgrammar, text, any_whitespace=False).splitlines()
+    changed = [(old, new) for old, new in zip(native, strict, strict=True) if old != new]
+    assert len(changed) == 3
+    assert all(new.endswith(r"_characters ::= (([^\0-\x1f\"\\]))") for _, new in changed)
+    assert json_schema.strict_json_grammar(xgrammar, json.dumps({"type": "string"}), any_whitespace=False) is None
