@@ -34,6 +34,8 @@
 #   fp8_4k       the 4k target: batch 64 at 4k context, bf16 then FP8 weights + FP8 KV (scales 1.0: the same
 #                speed as calibrated ones), then with the LM head in FP8 too (about 6 minutes)
 #   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
+#   decode_long  the same sweep at 16k contexts (llama heads, batch 32 and 64; split bounds 1x, 2x, 4x the engine's),
+#                bf16 and FP8 pages: where the 16k decode step's time over its ideal goes (about 8 minutes, unmeasured)
 #   fp8_long     long contexts, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV; batch 64 at 16k with FP8
 #                weights + FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one; about 9 minutes)
 #   fp8_offline  the offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 4 minutes)
@@ -59,7 +61,7 @@
 #                both (llama-3.1-8b, one GPU; about 6 minutes)
 set -u
 SUITES=(tests tests_multi_gpu tuner_sweeps engine offline kernels kv_transfer pd router hicache hicache_chat fp8_kernels fp8 fp8_batch1 fp8_4k
-        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages pdl_targets pdl_4k pdl_cold tp tp_pd)
+        fp8_long fp8_offline fp8_pd fp8_profile fp8_accuracy decode_stages decode_long pdl_targets pdl_4k pdl_cold tp tp_pd)
 [ $# -ge 1 ] || { echo "usage: $0 SUITE... (${SUITES[*]} all)" >&2; exit 2; }
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
@@ -263,6 +265,14 @@ suite_decode_stages() {
   for kv in bf16 fp8_e4m3; do
     TAILN=16 step 290 "decode_sweep_$kv" python3 -m pdserve.bench.decode_sweep --kv-dtype "$kv" \
       --cases bs64 bs256 --out "$OUT/decode_sweep_$kv.json"
+  done
+}
+
+suite_decode_long() {
+  local kv
+  for kv in bf16 fp8_e4m3; do
+    TAILN=16 step 290 "decode_sweep_16k_$kv" python3 -m pdserve.bench.decode_sweep --kv-dtype "$kv" \
+      --cases ctx16384 --out "$OUT/decode_sweep_16k_$kv.json"
   done
 }
 
