@@ -26,6 +26,12 @@ MAX_TOTAL_TOKENS = 4096
 # small PD timeouts so that failure tests end in seconds
 PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "6", "--disaggregation-waiting-timeout", "6",
                "--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-failures", "2"]
+# The session's shared servers (tests/conftest.py `shared_servers`), one set for the bench, fuzz and PD tests:
+SHARED_CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the PD tests' ~100-token prompts are prefilled in chunks
+SHARED_MAX_BATCH_ITEMS = 4096  # large batches, so that tokenizing one takes seconds (tests/fuzz/test_event_loop.py)
+SHARED_COLOCATED_ARGS = ["--max-batch-items", str(SHARED_MAX_BATCH_ITEMS)]
+# tcp prefill: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it
+SHARED_PREFILL_ARGS = ["--chunked-prefill-size", str(SHARED_CHUNK_SIZE), "--disaggregation-layerwise-min-tokens", "16"]
 # one intra-op thread per process: several servers share a few cores, and oversubscription makes each token slower
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
@@ -218,3 +224,43 @@ def descendants(pid: int) -> list[int]:
 
 def live_session_members(sid: int) -> list[int]:
     return [pid for pid, info in live_processes().items() if info.session == sid]
+
+
+_RELEASES: dict[str, list[Callable[[], None]]] = {}  # fixture name -> its stop callbacks not yet run
+_LAST_USER: dict[str, int] = {}  # fixture name -> index in session.items of the last test that uses it
+
+
+def release_after_last_user(request, stop: Callable[[], None]) -> Callable[[], None]:
+    """Run `stop` (once) right after the teardown of the last collected test that uses the session fixture
+    `request` belongs to (tests/conftest.py's teardown hook), rather than at the end of the session: its processes
+    do not sit idle on the CPU through the rest of the suite. Returns the once-only stop for the fixture's own
+    teardown (a no-op by then)."""
+    done = []
+
+    def once() -> None:
+        if not done:
+            done.append(True)
+            stop()
+
+    _RELEASES.setdefault(request.fixturename, []).append(once)
+    return once
+
+
+def releases_due(item) -> list[Callable[[], None]]:
+    """The stops to run after `item`'s teardown: those of fixtures no test after it in the session uses."""
+    if not _RELEASES:
+        return []
+    items = item.session.items
+    if getattr(item, "_pdserve_index", None) is None:
+        for i, it in enumerate(items):
+            it._pdserve_index = i
+    index = getattr(item, "_pdserve_index", None)
+    if index is None:  # not one of the session's items: leave the fixtures to the session's end
+        return []
+    due = []
+    for name in list(_RELEASES):
+        if name not in _LAST_USER:
+            _LAST_USER[name] = max((i for i, it in enumerate(items) if name in it.fixturenames), default=-1)
+        if index >= _LAST_USER[name]:
+            due += _RELEASES.pop(name)
+    return due

@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
+from cluster_util import (SHARED_COLOCATED_ARGS, SHARED_PREFILL_ARGS, PDCluster, decode_server, free_port,
+                          prefill_server, release_after_last_user, releases_due, router, server, start_all, stop_all)
 
 from pdserve.tools.make_model import make_model
 
@@ -52,3 +56,31 @@ def tiny_models(tmp_path_factory) -> TinyModels:
 def tiny_model(tiny_models) -> str:
     """The tiny qwen3 model most tests serve."""
     return tiny_models["qwen3-tiny"]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a test's teardown, stop the session fixtures (`release_after_last_user`) no later test uses."""
+    yield
+    for stop in releases_due(item):
+        stop()
+
+
+@pytest.fixture(scope="session")
+def shared_servers(request, tiny_model) -> Iterator[dict]:
+    """One colocated server and one tcp prefill + decode pair behind a router, real processes on loopback, started
+    in one parallel batch and shared by the bench, fuzz and PD tests (each used to start its own set): the tests
+    leave every pool free. Stopped after the last test that uses them."""
+    colocated = server("colocated", tiny_model, *SHARED_COLOCATED_ARGS)
+    bootstrap = free_port()
+    prefill = prefill_server(tiny_model, "tcp", bootstrap, *SHARED_PREFILL_ARGS)
+    decode = decode_server(tiny_model, "tcp")
+    servers = start_all([colocated, prefill, decode])
+    try:
+        pd_router = start_all([router([(prefill, bootstrap)], [decode], name="router-tcp")])[0]
+    except BaseException:
+        stop_all(servers)
+        raise
+    stop = release_after_last_user(request, lambda: stop_all([pd_router, *servers]))
+    yield {"colocated": colocated, "tcp": PDCluster("tcp", prefill, bootstrap, decode, pd_router)}
+    stop()

@@ -7,14 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import CONTEXT_LENGTH, MAX_TOTAL_TOKENS, free_port, start_all, stop_all
+from cluster_util import CONTEXT_LENGTH, MAX_TOTAL_TOKENS, free_port, release_after_last_user, start_all, stop_all
 from deploy_util import DECODE_GPU, PREFILL_GPU, SystemdCluster, fill_env_files, unit_process
 
 from pdserve.tools.make_model import make_model
 
 
 @pytest.fixture(scope="session")
-def systemd_cluster(tmp_path_factory) -> Iterator[SystemdCluster]:
+def systemd_cluster(request, tmp_path_factory) -> Iterator[SystemdCluster]:
     model = make_model("qwen3-tiny", tmp_path_factory.mktemp("models") / "qwen3-tiny", seed=0)
     env_dir = tmp_path_factory.mktemp("etc-pdserve")
     prefill_port, bootstrap_port, decode_port, router_port = (free_port() for _ in range(4))
@@ -37,8 +37,9 @@ def systemd_cluster(tmp_path_factory) -> Iterator[SystemdCluster]:
         decode=unit_process("decode", "pdserve-decode@.service", DECODE_GPU, env_dir,
                             f"http://127.0.0.1:{decode_port}"))
     procs = start_all([cluster.prefill, cluster.decode, cluster.router])
+    stop = release_after_last_user(request, lambda: stop_all(procs))  # after the last test that scrapes it
     try:
         yield cluster
     finally:
-        stop_all(procs)
+        stop()
 

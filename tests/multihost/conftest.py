@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import start_all, stop_all
+from cluster_util import release_after_last_user, start_all, stop_all
 from hosts import ROLES, HostCluster, host_cluster, mooncake_available
 from netns import Network, clean_leftovers, netns_refusal
 
@@ -26,8 +26,9 @@ def network() -> Iterator[Network]:
 
 
 @pytest.fixture(scope="session")
-def clusters(network, tiny_model) -> Iterator[dict[str, HostCluster]]:
-    """tcp with every role on its own address; mooncake likewise and with --host 0.0.0.0 everywhere."""
+def clusters(request, network, tiny_model) -> Iterator[dict[str, HostCluster]]:
+    """tcp with every role on its own address; mooncake likewise and with --host 0.0.0.0 everywhere. Stopped after
+    the last test that uses them."""
     specs = {"tcp": ("tcp", False)}
     if mooncake_available():
         specs |= {"mooncake": ("mooncake", False), "wildcard": ("mooncake", True)}
@@ -42,8 +43,9 @@ def clusters(network, tiny_model) -> Iterator[dict[str, HostCluster]]:
     except BaseException:
         stop_all(servers)
         raise
+    stop = release_after_last_user(request, lambda: stop_all([p for c in made.values() for p in c.procs]))
     yield made
-    stop_all([p for c in made.values() for p in c.procs])
+    stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Fixtures for PD end-to-end tests: real prefill, decode, colocated and router processes on loopback (CPU).
 
-One session-wide set is started in a single parallel batch: a colocated server (the reference) and, per
-transfer backend, a prefill + decode pair behind its own router.
+The session's shared servers (tests/conftest.py `shared_servers`: a colocated server, the reference, and a tcp
+prefill + decode pair behind its router) and, where mooncake imports, a mooncake pair behind its own router.
 """
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import (NO_MOONCAKE, PDCluster, Proc, decode_server, free_port, mooncake_available,
-                          prefill_server, router, server, start_all, stop_all)
+from cluster_util import (NO_MOONCAKE, SHARED_CHUNK_SIZE, PDCluster, Proc, decode_server, free_port,
+                          mooncake_available, prefill_server, release_after_last_user, router, start_all, stop_all)
 
-CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
-# tcp pair: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it; the mooncake
-# pair keeps the default threshold (512), so every chunk there is pushed after its forward.
-LAYERWISE_ARGS = {"tcp": ["--disaggregation-layerwise-min-tokens", "16"], "mooncake": []}
+CHUNK_SIZE = SHARED_CHUNK_SIZE  # the prefills' --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
+# tcp pair (shared_servers): chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it;
+# the mooncake pair keeps the default threshold (512), so every chunk there is pushed after its forward.
 
 
 BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(not mooncake_available(), reason=NO_MOONCAKE))]
@@ -28,26 +27,31 @@ def other_model(tiny_models) -> str:
 
 
 @pytest.fixture(scope="session")
-def session_servers(tiny_model) -> Iterator[dict]:
-    backends = ["tcp"] + (["mooncake"] if mooncake_available() else [])
-    colocated = server("colocated", tiny_model)
-    pairs = {}
-    for backend in backends:
-        bootstrap = free_port()
-        pairs[backend] = (prefill_server(tiny_model, backend, bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE),
-                                         *LAYERWISE_ARGS[backend]),
-                          bootstrap, decode_server(tiny_model, backend))
-    servers = [colocated, *(p for p, _, _ in pairs.values()), *(d for _, _, d in pairs.values())]
-    start_all(servers)
-    routers = {backend: router([(p, b)], [d], name=f"router-{backend}") for backend, (p, b, d) in pairs.items()}
+def mooncake_cluster(request, tiny_model) -> Iterator[PDCluster | None]:
+    """The mooncake pair behind its own router; None where mooncake cannot be imported."""
+    if not mooncake_available():
+        yield None
+        return
+    bootstrap = free_port()
+    prefill = prefill_server(tiny_model, "mooncake", bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE))
+    decode = decode_server(tiny_model, "mooncake")
+    servers = start_all([prefill, decode])
     try:
-        start_all(list(routers.values()))
+        front = start_all([router([(prefill, bootstrap)], [decode], name="router-mooncake")])[0]
     except BaseException:
         stop_all(servers)
         raise
-    clusters = {backend: PDCluster(backend, p, b, d, routers[backend]) for backend, (p, b, d) in pairs.items()}
-    yield {"colocated": colocated, "clusters": clusters}
-    stop_all([*routers.values(), *servers])
+    stop = release_after_last_user(request, lambda: stop_all([front, *servers]))
+    yield PDCluster("mooncake", prefill, bootstrap, decode, front)
+    stop()
+
+
+@pytest.fixture(scope="session")
+def session_servers(shared_servers, mooncake_cluster) -> dict:
+    clusters = {"tcp": shared_servers["tcp"]}
+    if mooncake_cluster is not None:
+        clusters["mooncake"] = mooncake_cluster
+    return {"colocated": shared_servers["colocated"], "clusters": clusters}
 
 
 @pytest.fixture(scope="session")
