@@ -74,6 +74,11 @@ def api_server(model_path: str, log_path: Path, api_key: str | None = None) -> S
                                model_path=model_path, api_key=api_key, log_path=str(log_path))
 
 
+def start_server(model_path: str, tmp_path_factory) -> ServerProcess:
+    """The server tests' server, with the API key, started; its log in a new temporary folder."""
+    return api_server(model_path, tmp_path_factory.mktemp("server") / "server.log", api_key=API_KEY).start()
+
+
 def parse_prometheus(text: str) -> dict[str, float]:
     """A strict reading of the text format: every sample belongs to a declared metric family."""
     samples, families = {}, set()

@@ -7,12 +7,13 @@ import asyncio
 import re
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 from cluster_util import process_info
-from server_util import API_KEY, CONTEXT_LENGTH, MAX_BATCH_ITEMS, Reply, ServerProcess, parse_prometheus
+from server_util import API_KEY, CONTEXT_LENGTH, MAX_BATCH_ITEMS, Reply, ServerProcess, parse_prometheus, start_server
 from transformers import AutoTokenizer
 
 from pdserve import LLM, SamplingParams
@@ -22,6 +23,14 @@ openai = pytest.importorskip("openai")  # the GPU image has no openai client; CI
 PROMPT = "The quick brown fox"
 MAX_TOKENS = 12
 SEED_BODY = {"text": "请介绍一下你自己", "max_new_tokens": 32, "temperature": 0.7}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory) -> Iterator[ServerProcess]:
+    """This module's own server: its last test stops it with SIGTERM."""
+    proc = start_server(tiny_model, tmp_path_factory)
+    yield proc
+    proc.stop()
 
 
 @pytest.fixture(scope="module")
