@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Constrained decoding against unconstrained on one GPU (issue 22's speed check), on a lent one-GPU machine (device
-# tool; carry .whl .deb made by `bash scripts/prepare_gpu_carry.sh structured`, which brings xgrammar):
+# tool; carry .whl .deb made by `bash scripts/prepare_gpu_carry.sh`, which brings xgrammar):
 #   bash scripts/constrained_gpu.sh
 # One colocated server on the MODEL preset (llama-3.1-8b, bf16); `pdserve.bench.constrained` at BATCH_SIZES
 # (1 64), prompts of INPUT_LEN (512) tokens, OUTPUT_LEN (256) tokens out, REPEATS (3) interleaved runs of each mode,
@@ -12,7 +12,7 @@ set -u
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
 python3 -c "import importlib.metadata as m, torch, xgrammar; print('torch', torch.__version__, m.version('xgrammar'))" \
-  || { echo "no xgrammar here: carry the wheels of scripts/prepare_gpu_carry.sh structured"; exit 1; }
+  || { echo "no xgrammar here: carry the wheels of scripts/prepare_gpu_carry.sh"; exit 1; }
 MODEL=${MODEL:-llama-3.1-8b}
 INPUT_LEN=${INPUT_LEN:-512}
 OUTPUT_LEN=${OUTPUT_LEN:-256}

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Fill the git-ignored .whl/ and .deb/ at the repo root with what the lent GPU machine's image lacks, for
 # Python 3.12 manylinux x86_64; scripts/gpu_env.sh installs them there (device tool: carry [".whl", ".deb"]).
-#   bash scripts/prepare_gpu_carry.sh              what PD needs (mooncake)
-#   bash scripts/prepare_gpu_carry.sh structured   xgrammar and py-spy instead of mooncake, for colocated servers
-#                                                  (scripts/constrained_gpu.sh, `pd_one_gpu.sh cold` with PYSPY=1):
-#                                                  mooncake and xgrammar together exceed the carry
+#   bash scripts/prepare_gpu_carry.sh              mooncake (PD) and xgrammar (structured output): 21 MB of wheels,
+#                                                  2 MB of Debian packages (with the 14 MB tree, well under the
+#                                                  64 MiB carry; 2026-11-28)
+#   bash scripts/prepare_gpu_carry.sh structured   the same and py-spy (`pd_one_gpu.sh cold` with PYSPY=1)
 #
 # Not carried: nvidia-nccl-cu12 (the image's torch 2.11+cu130 brings nvidia-nccl-cu13, whose
 # nvidia/nccl/lib/libnccl.so.2 serves a ctypes binding; the cu12 wheel alone is far over the 64 MiB carry limit);
@@ -29,10 +29,9 @@ WHEELS=(
   rpds-py==0.30.0
   attrs==26.1.0
 )
+WHEELS+=(mooncake-transfer-engine-cuda13==0.3.14 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2)
 if [ "${1:-}" = structured ]; then
-  WHEELS+=(xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2 py-spy==0.4.1)
-else
-  WHEELS+=(mooncake-transfer-engine-cuda13==0.3.14)
+  WHEELS+=(py-spy==0.4.1)
 fi
 DEBS=(
   libibverbs1 ibverbs-providers librdmacm1 libnuma1 libnl-3-200 libnl-route-3-200
