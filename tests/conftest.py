@@ -1,11 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
 from cluster_util import (SHARED_COLOCATED_ARGS, SHARED_PREFILL_ARGS, PDCluster, decode_server, free_port,
-                          prefill_server, release_after_last_user, releases_due, router, server, start_all, stop_all)
+                          prefill_server, release_after_last_user, releases_due, router, server, start_with_router,
+                          stop_all)
 
 from pdserve.tools.make_model import make_model
 
@@ -75,12 +76,8 @@ def shared_servers(request, tiny_model) -> Iterator[dict]:
     bootstrap = free_port()
     prefill = prefill_server(tiny_model, "tcp", bootstrap, *SHARED_PREFILL_ARGS)
     decode = decode_server(tiny_model, "tcp")
-    servers = start_all([colocated, prefill, decode])
-    try:
-        pd_router = start_all([router([(prefill, bootstrap)], [decode], name="router-tcp")])[0]
-    except BaseException:
-        stop_all(servers)
-        raise
+    servers = [colocated, prefill, decode]
+    pd_router = start_with_router(servers, lambda: router([(prefill, bootstrap)], [decode], name="router-tcp"))
     stop = release_after_last_user(request, lambda: stop_all([pd_router, *servers]))
     yield {"colocated": colocated, "tcp": PDCluster("tcp", prefill, bootstrap, decode, pd_router)}
     stop()

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 from cluster_util import (NO_MOONCAKE, SHARED_CHUNK_SIZE, PDCluster, Proc, decode_server, free_port,
-                          mooncake_available, prefill_server, release_after_last_user, router, start_all, stop_all)
+                          mooncake_available, prefill_server, release_after_last_user, router, start_with_router,
+                          stop_all)
 
 CHUNK_SIZE = SHARED_CHUNK_SIZE  # the prefills' --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
 # tcp pair (shared_servers): chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it;
@@ -35,12 +36,8 @@ def mooncake_cluster(request, tiny_model) -> Iterator[PDCluster | None]:
     bootstrap = free_port()
     prefill = prefill_server(tiny_model, "mooncake", bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE))
     decode = decode_server(tiny_model, "mooncake")
-    servers = start_all([prefill, decode])
-    try:
-        front = start_all([router([(prefill, bootstrap)], [decode], name="router-mooncake")])[0]
-    except BaseException:
-        stop_all(servers)
-        raise
+    servers = [prefill, decode]
+    front = start_with_router(servers, lambda: router([(prefill, bootstrap)], [decode], name="router-mooncake"))
     stop = release_after_last_user(request, lambda: stop_all([front, *servers]))
     yield PDCluster("mooncake", prefill, bootstrap, decode, front)
     stop()
