@@ -169,3 +169,24 @@ def test_fp8_store_and_attention_cuda(dtype):
         ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
                                   reference_pool, batch, 128**-0.5)
         assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
+
+
+@pytest.mark.parametrize("max_splits", [1, 8])
+def test_decode_with_kv_words_a_block_ahead_gives_the_same_bits(interpreted, max_splits):
+    """`DecodeConfig.v_ahead` (and `k_ahead`): V's (and K's) words loaded a block ahead into registers change when
+    bytes arrive, not what is computed: the same output over shuffled pages, split or not, and a request shorter
+    than one block."""
+    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
+
+    batch, pool, q, k, v = make_batch([(0, 1), (70, 1), (600, 1)], page_size=4, num_heads=4, num_kv_heads=2,
+                                      head_dim=64, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    fp8 = fp8_copy(pool, torch.float8_e4m3fn, KVScales((0.02,), (0.03,)))
+    outs = []
+    for v_ahead, k_ahead in ((False, False), (True, False), (True, True)):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, fp8.k_buffer(0), fp8.v_buffer(0), batch.page_table, batch.seq_lens, out, 0.125, 4,
+                         max_splits, decode_workspace(3, 4, 2, 64, max_splits, "cpu"),
+                         DecodeConfig(block_n=32, min_split_len=64, v_ahead=v_ahead, k_ahead=k_ahead), k_scale=0.02, v_scale=0.03)
+        outs.append(out)
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    assert rel_err(outs[2], outs[0]) < 1e-6  # K transposed in registers: the interpreter's dot sums in another order

@@ -1,0 +1,16 @@
+import json,sys
+d=json.load(open(sys.argv[1]))
+from collections import defaultdict
+g=defaultdict(list)
+for r in d["rows"]:
+    g[(r["case"],r["kv"])].append(r)
+print(d["device"], "copy", round(d["copy_gbps"]))
+for k,rs in g.items():
+    ok=[r for r in rs if "us" in r]
+    bad=[r for r in rs if "us" not in r or r["rel_err"]>2e-2]
+    ok.sort(key=lambda r:r["us"])
+    print(k, "n",len(rs),"bad",len(bad))
+    base=rs[0]
+    print("  first", base.get("us"), base.get("frac_copy"))
+    for r in ok[:6]:
+        print(f"  {r['us']:8.1f} {100*r['frac_copy']:5.1f}% bn{r['block_n']} w{r['num_warps']} s{r['num_stages']} va{int(r['v_ahead'])} ka{int(r['k_ahead'])} sp{r['max_splits']} err{r['rel_err']:.1e}")
