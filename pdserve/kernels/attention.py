@@ -34,6 +34,8 @@ class DecodeConfig:
     min_split_len: int = 256
     v_ahead: bool = False
     k_ahead: bool = False
+    v_asm: bool = False
+    heads_first: bool = False
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
@@ -128,6 +130,14 @@ def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.c
     return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [ROWS, COLS])
 
 
+@triton.jit
+def _e4m3_to_f16(values):
+    """uint8 E4M3 bytes -> float16, two values per conversion instruction (CUDA only)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [values], dtype=tl.float16, is_pure=True, pack=4)
+
+
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters, AmaxOut,
@@ -136,7 +146,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
     FP8_TYPE: tl.constexpr, V_WORDS: tl.constexpr, V_AHEAD: tl.constexpr,
-    K_AHEAD: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
+    K_AHEAD: tl.constexpr, V_ASM: tl.constexpr, HEADS_FIRST: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -151,8 +161,14 @@ def _decode_split_kernel(
     AmaxOut[b, kvh] (stride_ab): the parts of each row's amax an FP8 o projection reads
     (`pdserve.kernels.pending_rows.RowsWithAmax`)."""
     wait_for_previous(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if HEADS_FIRST:
+        kvh = tl.program_id(0)
+        b = tl.program_id(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     splits = _decode_splits(seq_len, MAX_SPLITS, MIN_SPLIT_LEN)
@@ -213,7 +229,10 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_WORDS:
+        if V_ASM:
+            v = _e4m3_to_f16(tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                                     mask=mask_n[:, None], other=0))
+        elif V_WORDS:
             if not V_AHEAD:
                 words = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :],
                                 mask=mask_n[:, None], other=0)
@@ -232,12 +251,12 @@ def _decode_split_kernel(
         _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
     else:
         # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
-        row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
+        row = (b * num_kv_heads * GROUP + heads) * MAX_SPLITS + split
         tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(PartialLse + row, lse, mask=mask_g)
         tl.debug_barrier()  # every thread's partials stored before the counter's release
-        counter = Counters + b * tl.num_programs(1) + kvh
+        counter = Counters + b * num_kv_heads + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
             o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             out = _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, BLOCK_H, HEAD_DIM, MAX_SPLITS)
@@ -350,9 +369,13 @@ def decode_attention(
     v_words = v_cache.view(torch.int32) if fp8 else v_cache  # V_WORDS: head_dim is a multiple of 4 (16 or more)
     k_ahead = fp8 and cfg.v_ahead and cfg.k_ahead
     k_operand = k_cache.view(torch.int32) if k_ahead else k_cache
+    v_asm = cfg.v_asm and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and q.is_cuda
+    if v_asm:
+        v_words = v_cache.view(torch.uint8)
     assert amax_parts is None or (amax_parts.shape == (batch, num_kv_heads) and amax_parts.stride(1) == 1)
     amax_out = out if amax_parts is None else amax_parts
-    _decode_split_kernel[(batch, num_kv_heads, max_splits)](
+    grid = (num_kv_heads, batch, max_splits) if cfg.heads_first else (batch, num_kv_heads, max_splits)
+    _decode_split_kernel[grid](
         q, k_operand, v_words, page_table, seq_lens, out, *scratch, amax_out,
         q.stride(0), q.stride(1), k_operand.stride(0), k_operand.stride(1), v_words.stride(0), v_words.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1), amax_out.stride(0),
@@ -360,7 +383,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
         FP16_DOTS=fp8 and q.dtype == torch.bfloat16, FP8_TYPE=_triton_fp8(k_cache.dtype), V_WORDS=fp8,
-        V_AHEAD=fp8 and cfg.v_ahead, K_AHEAD=k_ahead,
+        V_AHEAD=fp8 and cfg.v_ahead and not v_asm, K_AHEAD=k_ahead and not v_asm, V_ASM=v_asm,
+        HEADS_FIRST=cfg.heads_first,
         AMAX=amax_parts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),

@@ -3,6 +3,8 @@ d=json.load(open(sys.argv[1]))
 from collections import defaultdict
 g=defaultdict(list)
 for r in d["rows"]:
+    if r.get("layered"):
+        continue
     g[(r["case"],r["kv"])].append(r)
 print(d["device"], "copy", round(d["copy_gbps"]))
 for k,rs in g.items():
@@ -13,4 +15,4 @@ for k,rs in g.items():
     base=rs[0]
     print("  first", base.get("us"), base.get("frac_copy"))
     for r in ok[:6]:
-        print(f"  {r['us']:8.1f} {100*r['frac_copy']:5.1f}% bn{r['block_n']} w{r['num_warps']} s{r['num_stages']} va{int(r['v_ahead'])} ka{int(r['k_ahead'])} sp{r['max_splits']} err{r['rel_err']:.1e}")
+        print(f"  {r['us']:8.1f} {100*r['frac_copy']:5.1f}% bn{r['block_n']} w{r['num_warps']} s{r['num_stages']} asm{int(r['v_asm'])} hf{int(r['heads_first'])} sp{r['max_splits']} err{r['rel_err']:.1e}")
