@@ -1,8 +1,10 @@
-"""The one way every process (server, detokenizer, scheduler, offline `LLM`) loads the model's tokenizer."""
+"""The one way every process (server, scheduler, offline `LLM`) loads the model's tokenizer, and how the server hands
+its loaded one to the detokenizer."""
 
 from __future__ import annotations
 
 import os
+import pickle
 import re
 from typing import Any
 
@@ -18,6 +20,21 @@ def load_tokenizer(args: ServerArgs) -> Any:
     if args.chat_template is not None:
         tokenizer.chat_template = chat_template_text(args.chat_template)
     return tokenizer
+
+
+def pack_tokenizer(tokenizer: Any) -> bytes:
+    """A loaded tokenizer as bytes for another process (`unpack_tokenizer`). Unpacking imports only the tokenizer's
+    class; loading it again would import torch too (AutoTokenizer reads the model's config through transformers'
+    configuration module, which imports torch wherever it is installed): about 3 CPU-seconds a process."""
+    return pickle.dumps(tokenizer)
+
+
+def unpack_tokenizer(packed: bytes, args: ServerArgs) -> Any:
+    if args.trust_remote_code:  # the class may be remote code, in transformers' module cache where loading put it
+        from transformers.dynamic_module_utils import init_hf_modules
+
+        init_hf_modules()
+    return pickle.loads(packed)
 
 
 def chat_template_text(template: str) -> str:

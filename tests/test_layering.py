@@ -1,6 +1,7 @@
 """The package layout holds: no import circles, the router imports nothing of `pdserve`, the HTTP server only the
 entry points of the scheduler and detokenizer processes, `scheduler/` never imports `disagg/` (the scheduler
-child's entry, `pdserve/scheduler_main.py`, assembles both), the PD handoff protocol loads without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
+child's entry, `pdserve/scheduler_main.py`, assembles both), the PD handoff protocol and the modules of the HTTP
+server and the detokenizer load without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
 subclass of it, no member outside it), only `pdserve/scheduler` touches the scheduler's private methods, and the
 offline engine never loads the HTTP server."""
 
@@ -10,6 +11,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = (ROOT / "pdserve", ROOT / "router" / "pdserve_router")
@@ -96,8 +99,13 @@ def test_scheduler_never_imports_disagg():
     assert "pdserve.disagg.factory" in graph[SCHEDULER_ENTRY]
 
 
-def test_pd_protocol_imports_without_torch():
-    probe = "import sys, pdserve.disagg.handoff; print('torch' in sys.modules)"
+@pytest.mark.parametrize("modules", [
+    "pdserve.disagg.handoff",  # the PD handoff protocol
+    "pdserve.launch_server, pdserve.server.serve",  # the HTTP process's (AutoTokenizer imports torch when it runs)
+    "pdserve.detokenizer.process, pdserve.ipc, pdserve.messages, pdserve.process_setup, pdserve.tokenizer",
+])
+def test_modules_import_without_torch(modules):
+    probe = f"import sys, {modules}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
 

@@ -138,17 +138,18 @@ def _partial_suffix_len(text: str, stop: str) -> int:
     return 0
 
 
-def run_detokenizer_process(args: Any) -> None:
-    """Entry point of the detokenizer child (spawned by `server/serve.py`)."""
+def run_detokenizer_process(args: Any, packed_tokenizer: bytes) -> None:
+    """Entry point of the detokenizer child (spawned by `server/serve.py`, with the tokenizer it loaded, packed: so
+    this process never imports torch)."""
     import zmq
 
     from pdserve.ipc import ipc_addr, pull_socket, push_socket
     from pdserve.messages import MessageError, decode, encode
     from pdserve.process_setup import child_setup
-    from pdserve.tokenizer import load_tokenizer
+    from pdserve.tokenizer import unpack_tokenizer
 
     child_setup("detokenizer", args.log_level)
-    detokenizer = IncrementalDetokenizer(load_tokenizer(args))
+    detokenizer = IncrementalDetokenizer(unpack_tokenizer(packed_tokenizer, args))
     ctx = zmq.Context()
     receiver = pull_socket(ctx, ipc_addr(args, "detokenizer"), bind=True)
     sender = push_socket(ctx, ipc_addr(args, "tokenizer"))

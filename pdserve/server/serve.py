@@ -32,7 +32,7 @@ from pdserve.server.http_server import DRAIN_KEY, create_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import RequestRejected, TokenizerManager
 from pdserve.server_processes import free_port
-from pdserve.tokenizer import load_tokenizer
+from pdserve.tokenizer import load_tokenizer, pack_tokenizer
 from pdserve.tqdm_lock import no_process_shared_locks
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ EXIT_CHILD_DIED = 1
 EXIT_START_FAILED = 1
 READY_ROLES = {"scheduler", "detokenizer"}  # the leader rank announces once every rank has loaded
 FINAL_WRITE_SECONDS = 5.0  # for the requests ended at shutdown to send their error
+SPAWN = multiprocessing.get_context("spawn")
 
 
 def serve(args: ServerArgs) -> int:
@@ -63,12 +64,7 @@ def serve(args: ServerArgs) -> int:
     args = args.replace(ipc_dir=ipc_dir)
     if args.tp_size > 1 and args.nccl_port is None:
         args = args.replace(nccl_port=free_port())
-    ctx = multiprocessing.get_context("spawn")
-    children = [
-        *(ctx.Process(target=run_scheduler_process, args=(args.replace(tp_rank=rank),),
-                      name=scheduler_process_name(rank)) for rank in range(args.tp_size)),
-        ctx.Process(target=run_detokenizer_process, args=(args,), name="detokenizer"),
-    ]
+    children: list[BaseProcess] = []  # those started, by `_serve`
     try:
         return asyncio.run(_serve(args, children))
     except (TimeoutError, OSError) as exc:  # a child never became ready; the port is taken
@@ -87,6 +83,7 @@ def _reap(child: BaseProcess, timeout: float = 2.0) -> None:
 
 
 async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
+    """Start the children (each added to `children` and watched), load the tokenizer, serve until stopped."""
     loop = asyncio.get_running_loop()
     stop, stop_now = asyncio.Event(), asyncio.Event()
     exit_code = 0
@@ -108,12 +105,17 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         exit_code = EXIT_CHILD_DIED
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-    for child in children:
+    def start_watched(target: Callable[..., None], name: str, *target_args: Any) -> None:
+        child = SPAWN.Process(target=target, args=target_args, name=name)
         child.start()
+        children.append(child)
         logger.info("started the %s process (pid %d)", child.name, child.pid)
         loop.add_reader(child.sentinel, on_child_exit, child)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    for rank in range(args.tp_size):
+        start_watched(run_scheduler_process, scheduler_process_name(rank), args.replace(tp_rank=rank))
     tm: TokenizerManager | None = None
     runner: web.AppRunner | None = None
     try:
@@ -121,6 +123,7 @@ async def _serve(args: ServerArgs, children: list[BaseProcess]) -> int:
         tokenizer = await _unless_stopped(_in_daemon_thread(load_tokenizer, args), stop)
         if stop.is_set():
             return exit_code
+        start_watched(run_detokenizer_process, "detokenizer", args, pack_tokenizer(tokenizer))
         tm = TokenizerManager(args, ServerMetrics(args.model_name), tokenizer)
         await _unless_stopped(tm.wait_ready(READY_ROLES, STARTUP_TIMEOUT_SECONDS), stop)
         if stop.is_set():

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+import sys
+
 import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +34,7 @@ from pdserve.server.metrics import LATENCY_BUCKETS, ServerMetrics
 from pdserve.server.schemas import (ChatCompletionRequest, CompletionRequest, GenerateReqInput, bootstrap_for,
                                     sglang_sampling_params)
 from pdserve.server.tokenizer_manager import GenerateRequest
-from pdserve.tokenizer import TokenBytes
+from pdserve.tokenizer import TokenBytes, load_tokenizer, pack_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +134,53 @@ def partial_character_token(tokenizer) -> int:
     ids = tokenizer.encode("中", add_special_tokens=False)
     assert len(ids) > 1
     return ids[0]
+
+
+REMOTE_TOKENIZER = """
+from transformers import PreTrainedTokenizerFast
+
+class RemoteTokenizer(PreTrainedTokenizerFast):
+    pass
+"""
+UNPACK_AND_DETOKENIZE = """
+import json, sys
+from pdserve.config import ServerArgs
+from pdserve.detokenizer.process import IncrementalDetokenizer
+from pdserve.messages import BatchTokenOut, DecodeSettings, TokenOut
+from pdserve.tokenizer import unpack_tokenizer
+path, remote, ids = sys.argv[1], sys.argv[2] == "True", json.loads(sys.argv[3])
+with open(path, "rb") as packed:
+    tokenizer = unpack_tokenizer(packed.read(), ServerArgs(model_path="unused", trust_remote_code=remote))
+detok = IncrementalDetokenizer(tokenizer)
+detok.register(DecodeSettings("r", True, [], False))
+out = detok.process(BatchTokenOut([TokenOut("r", ids, {"type": "length"}, 1, len(ids), 0)])).outputs[0]
+print(json.dumps([out.text, type(tokenizer).__name__, tokenizer.chat_template, "torch" in sys.modules]))
+"""
+
+
+def remote_code_model(tiny_model: str, folder) -> str:
+    """The tiny model with a tokenizer class of its own, loaded as remote code (transformers' module cache)."""
+    shutil.copytree(tiny_model, folder)
+    (folder / "remote_tokenizer.py").write_text(REMOTE_TOKENIZER)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="RemoteTokenizer",
+                  auto_map={"AutoTokenizer": [None, "remote_tokenizer.RemoteTokenizer"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+@pytest.mark.parametrize("remote_code", [False, True])
+def test_the_detokenizer_runs_on_the_servers_packed_tokenizer_without_torch(tiny_model, tmp_path, remote_code):
+    """The server hands the detokenizer the tokenizer it loaded, packed: a fresh process unpacks it (its chat
+    template and a remote-code class too) and detokenizes with it, and never imports torch (AutoTokenizer would)."""
+    model = remote_code_model(tiny_model, tmp_path / "remote") if remote_code else tiny_model
+    tokenizer = load_tokenizer(ServerArgs(model_path=model, trust_remote_code=remote_code, chat_template="{{ 1 }}"))
+    packed = tmp_path / "tokenizer.pickle"
+    packed.write_bytes(pack_tokenizer(tokenizer))
+    ids = tokenizer.encode("hello world")
+    probe = [sys.executable, "-c", UNPACK_AND_DETOKENIZE, str(packed), str(remote_code), json.dumps(ids)]
+    out = subprocess.run(probe, capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.stdout) == ["hello world", type(tokenizer).__name__, "{{ 1 }}", False]
 
 
 def test_a_token_holding_part_of_a_character_has_its_real_bytes(tokenizer):
