@@ -5,8 +5,8 @@ tags and refuses any field of the wrong type, so a handler never sees a malforme
 send are `remote`; the others (a KV write's result, a dead heartbeat target) are posted inside the process and
 refused from the network.
 
-  decode -> prefill  TransferRequest, Abort
-  prefill -> decode  KVDone (FirstToken inside), Failed
+  decode -> prefill  TransferRequest, StagingSlot, Abort
+  prefill -> decode  StagingAsk, KVDone (FirstToken inside), Failed
   in-process         WriteDone, WriteFailed (the prefill's KV writer), PeerDead and PeerGone (the decode's heartbeat),
                      RouteResolved (the decode's bootstrap lookup)
 """
@@ -75,8 +75,7 @@ class TransferRequest(Message):
     kv_checksum: bool = False
     cached_pages: int = 0  # leading pages of dst_pages the decode already holds: the prefill does not write them
     rank_targets: list[tuple[str, int]] = field(default_factory=list)  # see tp_targets
-    staging: list[int] = field(default_factory=list)  # each decode rank's slot of receive staging, or none
-    staging_pages: int = 0  # pages the slots hold: those of dst_pages after cached_pages
+    staging_offered: bool = False  # a receive-staging slot is the prefill's for the asking (StagingAsk)
 
 
 def tp_targets(msg: TransferRequest) -> list[tuple[str, int]]:
@@ -85,13 +84,31 @@ def tp_targets(msg: TransferRequest) -> list[tuple[str, int]]:
     return msg.rank_targets or [(msg.session, msg.kv_base)]
 
 
+@control("staging_ask", remote=True)
+class StagingAsk(Message):
+    """The prefill starts computing the room: it asks for the receive-staging slot its decode offered."""
+
+    room: int
+
+
+@control("staging_slot", remote=True)
+class StagingSlot(Message):
+    """The decode's answer to `staging_ask`: each decode rank's slot address (`bases`, in rank order), of `num_pages`
+    pages of KV (those of dst_pages after cached_pages); none (empty) when it stages nothing for the room."""
+
+    room: int
+    bases: list[int] = field(default_factory=list)
+    num_pages: int = 0
+
+
 @control("kv_done", remote=True)
 class KVDone(Message):
-    """The room's KV has landed; the first token follows."""
+    """The room's KV has landed, in its receive-staging slot (`staged`) or in its pages; the first token follows."""
 
     room: int
     rid: str
     aux: FirstToken
+    staged: bool = False
 
 
 @control("abort", remote=True)

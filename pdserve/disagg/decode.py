@@ -2,7 +2,10 @@
 
 Per request: resolve the prefill's bootstrap route (BOOTSTRAPPING, off the scheduler thread), allocate the
 prompt's pages within the memory budget and send their ids (WAITING_FOR_INPUT), then commit the first token
-from `kv_done` after checking its room echo (SUCCESS) and join the running batch. Pages the prefill may
+from `kv_done` after checking its room echo (SUCCESS) and join the running batch. The `transfer_request` offers a
+receive-staging slot (`transfer/receive_staging.py`), given when the prefill asks as it starts computing the request
+(`staging_ask`, answered with `staging_slot` once the arena has room); `kv_done` says whether the KV is in the slot,
+to unpack, or in the pages (the slot, if given too late, comes free). Pages the prefill may
 still be writing are fenced: after an abort, a transfer timeout or the prefill's loss to the heartbeat (a frozen
 prefill resumes and writes late) they stay quarantined until the prefill confirms with `failed` or `kv_done`, its
 bootstrap port refuses connections (its process is gone), or `--disaggregation-fence-timeout` passes. A request
@@ -41,7 +44,7 @@ from pdserve.disagg.addressing import announced_endpoint
 from pdserve.disagg.bootstrap import (BootstrapError, IncompatiblePeer, PrefillRankInfo, bootstrap_gone, bootstrap_healthy,
                                       check_compatible, fetch_prefill_route)
 from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, PeerDead,
-                                             PeerGone, RouteResolved, TransferRequest)
+                                             PeerGone, RouteResolved, StagingAsk, StagingSlot, TransferRequest)
 from pdserve.disagg.decode_phases import Fence, FencedPages, Routes, WaitingForPages, bootstrap_addr
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.transfer.receive_staging import open_receive_staging
@@ -91,7 +94,7 @@ class DecodeRole(Role):
             logger.warning("fake transfer backend: this decode server serves every request alone; it allocates each "
                            "prompt's pages without prefilling them, so the prompt KV is not computed and the output "
                            "is not meaningful (for benchmarking the decode role)")
-        self.peer_handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed}
+        self.peer_handlers = {KVDone: self._on_kv_done, Failed: self._on_peer_failed, StagingAsk: self._on_staging_ask}
         self.completion_handlers = {PeerDead: self._on_peer_dead, PeerGone: self._on_peer_gone,
                                     RouteResolved: self._on_route_resolved}
 
@@ -172,6 +175,7 @@ class DecodeRole(Role):
     def prepare_step(self) -> bool:
         self.link.handle_events(self.peer_handlers, self.completion_handlers)
         self._expire()
+        self._give_slots()
         self._preallocate()
         return not self.scheduler.has_new_outputs()  # first tokens just committed: report them before decoding
 
@@ -198,8 +202,6 @@ class DecodeRole(Role):
     # ---- handshake and pre-allocation ---------------------------------------------------------------------
 
     def _preallocate(self) -> None:
-        if self.receive is not None:
-            self.receive.collect()
         running = sum(self.scheduler.decode_reserve(r) for r in self.scheduler.running)
         self.waiting_for_pages.serve(self.link.bootstrap_queue(), running, self._take_pages,
                                      self.scheduler.available_pages)
@@ -226,32 +228,29 @@ class DecodeRole(Role):
         if not self._allocate_destination(h, reserved):
             return None
         h.req.stage_marks.mark(PAGES_PREALLOCATED)
-        self._reserve_staging(h, route)
+        staging_offered = self._offer_staging(h, route)
         h.peer_control = info.control_endpoint
         if self.link.tp.is_leader:  # the leader's message speaks for every rank
-            self.link.send_control(h.peer_control, self._transfer_request(h))
+            self.link.send_control(h.peer_control, self._transfer_request(h, staging_offered))
         h.req.stage_marks.mark(TRANSFER_REQUEST_SENT)
         h.advance(KVPoll.WAITING_FOR_INPUT)
         h.pages_sent_at = self.link.clock()
         h.deadline = h.pages_sent_at + self.args.disaggregation_waiting_timeout
         return self.scheduler.decode_reserve(h.req)
 
-    def _reserve_staging(self, h: Handoff, route: RouteResolved) -> None:
-        """A receive-staging slot for the pages the prefill writes, when it runs this server's TP size (whole
-        tokens) and the arena has room; else it writes the pages themselves."""
-        if self.receive is not None and route.route["tp_size"] == self.link.tp.size:
-            self.receive.reserve(h.room, len(h.dst_pages) - h.cached_pages)
+    def _offer_staging(self, h: Handoff, route: RouteResolved) -> bool:
+        """Whether h's prefill may ask for a receive-staging slot as it starts computing (`_on_staging_ask`): it
+        runs this server's TP size (whole tokens) and the slot fits the arena; else it writes the pages themselves."""
+        return self.receive is not None and route.route["tp_size"] == self.link.tp.size \
+            and self.receive.offer(h.room, len(h.dst_pages) - h.cached_pages)
 
-    def _transfer_request(self, h: Handoff) -> TransferRequest:
+    def _transfer_request(self, h: Handoff, staging_offered: bool) -> TransferRequest:
         advertise, peer_host = self.args.disaggregation_advertise_host, h.req.bootstrap_host
         targets = [(announced_endpoint(session, advertise, peer_host), base) for session, base, _ in self.rank_targets]
-        staged = self.receive is not None and h.room in self.receive.slots
-        staging = [self.receive.destination(h.room, base).base for _, _, base in self.rank_targets] if staged else []
         return TransferRequest(
             h.room, h.req.rid, announced_endpoint(self.link.channel.endpoint, advertise, peer_host), targets[0][0],
             self.link.description, targets[0][1], h.dst_pages, self.args.disaggregation_enable_kv_checksum,
-            h.cached_pages, rank_targets=targets, staging=staging,
-            staging_pages=len(h.dst_pages) - h.cached_pages if staged else 0,
+            h.cached_pages, rank_targets=targets, staging_offered=staging_offered,
         )
 
     def _allocate_destination(self, h: Handoff, reserved: int) -> bool:
@@ -293,14 +292,24 @@ class DecodeRole(Role):
         if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
             return
         h.req.stage_marks.mark(KV_LANDED, arrived_at)
-        if self.receive is not None and h.room in self.receive.slots:
-            self.receive.unpack(h.room, h.dst_pages[h.cached_pages :])  # before the checksum and forwards read them
         try:
+            self._take_kv(h, msg.staged)  # before the checksum and forwards read the pages
             self._check_first_token(msg.aux, h)
         except ValueError as exc:
-            self._fail(h, f"bad first-token record from prefill: {exc}", reason="bad_first_token", tell_prefill=False)
+            self._fail(h, f"bad kv_done from prefill: {exc}", reason="bad_first_token", tell_prefill=False)
             return
         self._commit(h, msg.aux)
+
+    def _take_kv(self, h: Handoff, staged: bool) -> None:
+        """h's KV into its pages: unpacked from its slot when the prefill wrote it there, else in place already (and
+        its slot, offered or given too late, comes free)."""
+        if not staged:
+            if self.receive is not None:
+                self.receive.written_in_place(h.room)
+            return
+        if self.receive is None or h.room not in self.receive.slots:
+            raise ValueError(f"its KV is staged, but room {h.room} was given no receive-staging slot")
+        self.receive.unpack(h.room, h.dst_pages[h.cached_pages :])
 
     def _check_first_token(self, aux: FirstToken, h: Handoff) -> None:
         vocab = self.link.model_config.vocab_size
@@ -329,6 +338,27 @@ class DecodeRole(Role):
         self.scheduler.add_token(req, aux.first_token, aux.logprob, tops)
         if not req.finished:
             self.scheduler.start_decoding(req)
+
+    def _on_staging_ask(self, msg: StagingAsk, _arrived_at: float) -> None:
+        """The prefill starts computing the room: its offered slot waits for room in the arena (`_give_slots`); a
+        room offered none, or asked for already, is answered none at once. A handoff that ended meanwhile (failed
+        here, or its `kv_done` came first) needs no answer."""
+        h = self.link.handoffs.get(msg.room)
+        if h is None or h.poll != KVPoll.WAITING_FOR_INPUT:
+            return
+        if self.receive is None or not self.receive.ask(h.room):
+            self.link.send_control(h.peer_control, StagingSlot(h.room))
+
+    def _give_slots(self) -> None:
+        """Slots whose unpack has run come free, then the asks waiting for room get theirs, oldest first: each
+        rank's slot address goes to the prefill (only handoffs receiving KV ask: the others' asks are withdrawn)."""
+        if self.receive is None:
+            return
+        self.receive.collect()
+        for room in self.receive.grant():
+            h = self.link.handoffs[room]
+            bases = [self.receive.destination(room, base).base for _, _, base in self.rank_targets]
+            self.link.send_control(h.peer_control, StagingSlot(room, bases, len(h.dst_pages) - h.cached_pages))
 
     def _on_peer_failed(self, msg: Failed, _arrived_at: float) -> None:
         room = msg.room
@@ -379,8 +409,10 @@ class DecodeRole(Role):
             fence_deadline = self.link.clock() + self.args.disaggregation_fence_timeout
             self.quarantine.hold(h.room, FencedPages(h.req.pages, fence_deadline, bootstrap_addr(h.req)))
             h.req.pages = []
-        if self.receive is not None and h.room not in self.quarantine:
-            self.receive.drop(h.room)  # a quarantined room's slot stays fenced with its pages
+        if self.receive is not None and h.room in self.quarantine:
+            self.receive.withdraw(h.room)  # a slot it was given stays fenced with its pages
+        elif self.receive is not None:
+            self.receive.drop(h.room)
         self.scheduler.finish(h.req, FinishReason("abort", message=error, status_code=status))
 
     def _release_quarantine(self, room: int) -> None:

@@ -4,7 +4,9 @@ A PD request on the decode server goes, in order (its `Handoff.poll` says where;
 room in flight; `decode.py` moves it):
   waiting for the bootstrap   BOOTSTRAPPING, its prefill's route unknown: `Routes` looks it up, once per address
   waiting for pages           BOOTSTRAPPING, route known: `WaitingForPages`, in arrival order
-  receiving                   WAITING_FOR_INPUT: page ids sent, until `kv_done` or the transfer deadline
+  receiving                   WAITING_FOR_INPUT: page ids sent, until `kv_done` or the transfer deadline; its
+                              receive-staging slot, if offered, is given when its prefill asks and the arena has
+                              room (`ReceiveStaging`)
   landed                      SUCCESS: `DecodeRole._commit` puts it in the scheduler's running batch
   fenced                      FAILED while the prefill may still write its pages: `Fence` holds them
 A fake-transfer request (no prefill peer) only waits for pages, then lands. A request refused before its handoff

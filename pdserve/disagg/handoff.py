@@ -4,8 +4,10 @@ Torch-free, so the HTTP server imports it without loading the engine.
 
 Control messages (typed, see control_messages; keyed by `bootstrap_room`):
   decode -> prefill  transfer_request {room, rid, control, session, peer, kv_base, dst_pages, kv_checksum,
-                                       cached_pages}
-  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}}
+                                       cached_pages, rank_targets, staging_offered}
+  prefill -> decode  staging_ask {room}  (once its computing begins, if a receive-staging slot was offered)
+  decode -> prefill  staging_slot {room, bases, num_pages}  (the slot, or none)
+  prefill -> decode  kv_done {room, rid, aux: {room, first_token, logprob, top_logprobs, kv_checksum}, staged}
   decode -> prefill  abort {room, error, status}  (also for a request the prefill has not received yet)
   prefill -> decode  failed {room, error, status}  (sent once no write for the room is in flight any more)
 """

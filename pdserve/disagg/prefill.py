@@ -6,6 +6,12 @@ it is known (WAITING_FOR_INPUT), each prefill chunk's newly filled pages are pus
 are pushed when it comes. After the last chunk the remaining pages and the first token follow (TRANSFERRING). When
 the last write lands, `kv_done` carries the first token to the decode side and the request ends here (SUCCESS).
 
+Where the pages are written: when the decode offered a receive-staging slot (`transfer_request`), the prefill asks
+for it (`staging_ask`) once the request's computing begins and its page list is known, never while it waits in the
+queue, and holds its writes until the answer (`staging_slot`: the slot, or none), at most `SLOT_ANSWER_WAIT_S`
+from the first write held; the KV then goes into the slot, or into the pages when none came in time, and `kv_done`
+says which. With tensor parallelism every rank handles the answer, and the wait's end, at the same step.
+
 Computing ahead is bounded: requests queued without a page list may claim at most
 `--disaggregation-prefill-ahead-share` of the pool (their whole prompts' pages); beyond it a request waits for its
 page list (or for others' lists to free the budget), so a decode that has no pages for its requests cannot fill
@@ -15,7 +21,7 @@ this pool with KV nobody will take. A share of 0 queues every request only once 
 queues, in SGLang's words: the bootstrap queue (handoffs without their decode side's pages: computing, or held
 back by the budget), the scheduler's waiting queue, then the transfer queue (TRANSFERRING: writes in flight until
 the last one lands). The handoff's phases are listed in `prefill_phases.py`, with the objects that hold their state
-(`HeldBack`, `FinalWrites`).
+(`HeldBack`, `SlotAsks`, `FinalWrites`).
 """
 
 from __future__ import annotations
@@ -34,12 +40,12 @@ import torch
 from pdserve.config import ServerArgs
 from pdserve.disagg.addressing import registered_endpoint
 from pdserve.disagg.bootstrap import BootstrapServer, IncompatiblePeer, PrefillRankInfo, check_compatible, register_prefill_rank
-from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, TransferRequest,
-                                             WriteDone, WriteFailed, to_wire, tp_targets)
+from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstToken, KVDone, Message, StagingAsk,
+                                             StagingSlot, TransferRequest, WriteDone, WriteFailed, to_wire, tp_targets)
 from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
-from pdserve.disagg.prefill_phases import FinalWrites, HeldBack, prompt_pages
+from pdserve.disagg.prefill_phases import FinalWrites, HeldBack, SlotAsks, prompt_pages
 from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
                                      checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs,
@@ -56,6 +62,7 @@ from pdserve.timeline import (BOOTSTRAP_RESOLVED, DECODE_PAGES_KNOWN, HANDOFF_RE
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
+SLOT_ANSWER_WAIT_S = 0.5  # how long computed KV waits for the decode's answer to its receive-staging ask
 
 
 @dataclass(slots=True)
@@ -194,7 +201,9 @@ class PrefillRole(Role):
         self.held_back = HeldBack(int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share),
                                   self.page_size)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
-        self.peer_handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort}
+        self.slot_asks = SlotAsks(SLOT_ANSWER_WAIT_S)
+        self.peer_handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
+                              StagingSlot: self._on_staging_slot}
         self.completion_handlers = {WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}
 
     def _rank_sessions(self) -> list[str]:
@@ -251,6 +260,16 @@ class PrefillRole(Role):
             self.scheduler.enqueue(h.req)
         return True
 
+    def plan_extend(self) -> list[ExtendItem]:
+        """This step's prompt chunks; a handoff whose decode offered a receive-staging slot asks for it as its
+        computing begins, so a request waiting in the queue holds none."""
+        items = self.scheduler.schedule_extend()
+        for item in items:
+            h = self.link.handoff_of(item.req)
+            if h is not None and _pages_known(h):
+                self._ask_slot(h)
+        return items
+
     def abort(self, req: Req, message: str) -> bool:
         h = self.link.handoff_of(req)
         if h is not None:
@@ -274,7 +293,7 @@ class PrefillRole(Role):
         plans = []
         for item in items:
             h = self.link.handoff_of(item.req)
-            if min_tokens and h is not None and _pages_known(h) and item.end - item.start >= min_tokens:
+            if min_tokens and h is not None and self._slot_settled(h) and item.end - item.start >= min_tokens:
                 runs = self._runs_to_send(h, self._pages_complete_after(item))
                 if runs:
                     plans.append((h, runs))
@@ -293,8 +312,7 @@ class PrefillRole(Role):
         h = self.link.handoff_of(req)
         if h is not None and end < len(req.input_ids):  # the last chunk's pages go with the first token
             h.pages_computed = end // self.page_size
-            if _pages_known(h):
-                self._push(h, h.pages_computed, final=False)
+            self._push_computed(h)
 
     def _pages_complete_after(self, item: ExtendItem) -> int:
         """Pages of the request whose every position is filled once this chunk's forward has run."""
@@ -309,14 +327,32 @@ class PrefillRole(Role):
             return
         self.scheduler.cache_kv(req)  # the prompt's KV: every position it computed
         h.pages_computed, h.prefilled = prompt_pages(h, self.page_size), True
-        if _pages_known(h):
-            self._push_computed(h)
+        self._push_computed(h)
 
     def _push_computed(self, h: Handoff) -> None:
-        """What is computed and not sent yet; with the first token once the prompt is prefilled."""
+        """What is computed and not sent yet, with the first token once the prompt is prefilled: once the page list
+        is known and where the KV goes is settled (`_may_write`)."""
+        if not self._may_write(h):
+            return
         self._push(h, h.pages_computed, final=h.prefilled)
         if h.prefilled:
             h.advance(KVPoll.TRANSFERRING)
+
+    def _may_write(self, h: Handoff) -> bool:
+        """Whether h's computed KV may be written now: its page list is known, something is computed and not sent,
+        and its staging is settled; an offered slot not asked for yet is asked for now, and its answer awaited."""
+        if not _pages_known(h) or (h.pages_computed <= h.pages_sent and not h.prefilled):
+            return False
+        self._ask_slot(h)
+        return not self.slot_asks.holds(h.room, self.link.clock())
+
+    def _slot_settled(self, h: Handoff) -> bool:
+        """h's page list is known and no answer to a receive-staging ask is awaited: its writes go where it says."""
+        return _pages_known(h) and not self.slot_asks.waiting(h.room)
+
+    def _ask_slot(self, h: Handoff) -> None:
+        if self.slot_asks.ask(h.room):
+            self.link.send_control(h.peer_control, StagingAsk(h.room))
 
     def _push(self, h: Handoff, upto_page: int, final: bool) -> None:
         """All layers of the pages not sent yet, up to `upto_page`; `final` also releases the first token: from
@@ -328,7 +364,9 @@ class PrefillRole(Role):
         notify = None
         if final:
             sole_writer = self.link.tp.size == 1 and len(h.peer_targets) == 1
-            kv_done = self.final_writes.hold_unless_sole(KVDone(h.room, h.req.rid, self._first_token(h)), sole_writer)
+            staged = any(target.staged is not None for target in h.peer_targets)
+            kv_done = self.final_writes.hold_unless_sole(KVDone(h.room, h.req.rid, self._first_token(h), staged),
+                                                         sole_writer)
             notify = None if kv_done is None else (h.peer_control, kv_done)
         computed = self._record_event()
         for target in h.peer_targets:
@@ -401,6 +439,8 @@ class PrefillRole(Role):
             return
         h.req.stage_marks.mark(DECODE_PAGES_KNOWN)
         h.advance(KVPoll.WAITING_FOR_INPUT)
+        if msg.staging_offered:
+            self.slot_asks.offer(room)
         if self.held_back.leave(h.room) is not None:  # the budget held it back: its decode has pages now
             self.scheduler.enqueue(h.req)
         self._push_computed(h)
@@ -414,11 +454,27 @@ class PrefillRole(Role):
             raise ValueError(f"the decode runs {decode_tp} ranks but lists {len(targets)} transfer targets")
         if any(base <= 0 for _, base in targets):
             raise ValueError(f"bad kv_base in {targets[:8]!r}")
-        heads = self.link.model_config.num_kv_heads
-        staged = _staged_destinations(msg, decode_tp, self.link.tp.size)
         tp = self.link.tp
-        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, tp.size, tp.rank, decode_tp, j), staged[j])
+        if msg.staging_offered and decode_tp != tp.size:
+            raise ValueError(f"receive staging takes whole tokens: the decode runs TP {decode_tp}, the prefill {tp.size}")
+        heads = self.link.model_config.num_kv_heads
+        return [KVTarget(session, KVRegion(base, layout), head_slices(heads, tp.size, tp.rank, decode_tp, j))
                 for j, (session, base) in enumerate(targets)]
+
+    def _on_staging_slot(self, msg: StagingSlot, _arrived_at: float) -> None:
+        """The decode's answer to the room's staging ask: its writes, waiting for it, go into the slot (or into the
+        pages: none given). An answer that came after they began is dropped: `kv_done` tells the decode."""
+        h = self.link.handoffs.get(msg.room)
+        if h is None or not self.slot_asks.answered(msg.room):
+            return
+        try:
+            staged = _staged_destinations(msg, len(h.peer_targets), len(h.dst_pages) - h.cached_pages)
+        except ValueError as exc:
+            logger.warning("room %d: refusing decode peer: %s", h.room, exc)
+            self._fail(h, f"decode peer refused: {exc}", reason="peer_refused")
+            return
+        h.peer_targets = [replace(target, staged=slot) for target, slot in zip(h.peer_targets, staged)]
+        self._push_computed(h)
 
     def _on_peer_abort(self, msg: Abort, _arrived_at: float) -> None:
         """The decode's reason and 4xx end the request, so that the client reads the same answer from either half:
@@ -479,7 +535,8 @@ class PrefillRole(Role):
             self._fail(h, f"KV transfer to the decode server failed: {msg.error}", reason="write_failed")
 
     def _expire(self) -> None:
-        """Fail the handoffs whose decode side did not claim them in time; drop late early requests."""
+        """Fail the handoffs whose decode side did not claim them in time; drop late early requests; write the KV
+        that waited too long for a staging answer."""
         t = self.link.clock()
         for h in self.link.bootstrap_queue():
             if t > h.deadline:
@@ -487,11 +544,14 @@ class PrefillRole(Role):
                               f"{self.args.disaggregation_bootstrap_timeout:.0f}s", reason="bootstrap_timeout",
                            status=PEER_TIMEOUT)
         self.early_requests.expire(t)
+        for room in self.slot_asks.expired(t):  # no staging answer in time: into the pages
+            self._push_computed(self.link.handoffs[room])
 
     def _fail(self, h: Handoff, error: str, reason: str, status: int | None = PEER_FAILED) -> None:
         """End the request (answered with HTTP `status`; None for a client's abort; `reason` labels the failure
         metric); pages stay held until no write for the room is in flight."""
         self.held_back.leave(h.room)
+        self.slot_asks.drop(h.room)
         if h.poll != KVPoll.FAILED:
             self.link.transfer_stats.failed(reason)
             h.advance(KVPoll.FAILED, error)
@@ -524,7 +584,10 @@ class PrefillRole(Role):
         return bool(self.link.handoffs)
 
     def idle_poll_ms(self) -> int:
-        return self.link.idle_poll_ms()
+        """Also: no later than when held writes stop waiting for their staging answer."""
+        wait_s = self.slot_asks.seconds_left(self.link.clock())
+        poll_ms = self.link.idle_poll_ms()
+        return poll_ms if wait_s is None else min(poll_ms, math.ceil(wait_s * 1000))
 
     def wakeup_fds(self) -> list[int]:
         return [self.link.channel.wakeup_fd]
@@ -555,18 +618,16 @@ def _pages_known(h: Handoff) -> bool:
     return h.poll in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING)
 
 
-def _staged_destinations(msg: TransferRequest, decode_tp: int, prefill_tp: int) -> list[StagedDestination | None]:
-    """Each decode rank's receive-staging slot for the room (None for each: it gave none)."""
-    if not msg.staging:
+def _staged_destinations(msg: StagingSlot, decode_tp: int, pages_to_write: int) -> list[StagedDestination | None]:
+    """Each decode rank's receive-staging slot for the room (None for each: it gave none), checked: a positive
+    address for every rank, sized for the pages the prefill writes."""
+    if not msg.bases:
         return [None] * decode_tp
-    if len(msg.staging) != decode_tp or any(ptr <= 0 for ptr in msg.staging):
-        raise ValueError(f"receive staging {msg.staging[:8]!r} for {decode_tp} decode ranks")
-    if decode_tp != prefill_tp:
-        raise ValueError(f"receive staging takes whole tokens: the decode runs TP {decode_tp}, the prefill {prefill_tp}")
-    if msg.staging_pages != len(msg.dst_pages) - msg.cached_pages:
-        raise ValueError(f"receive staging of {msg.staging_pages} pages for {len(msg.dst_pages) - msg.cached_pages} "
-                         "pages to write")
-    return [StagedDestination(ptr, msg.staging_pages) for ptr in msg.staging]
+    if len(msg.bases) != decode_tp or any(ptr <= 0 for ptr in msg.bases):
+        raise ValueError(f"receive staging {msg.bases[:8]!r} for {decode_tp} decode ranks")
+    if msg.num_pages != pages_to_write:
+        raise ValueError(f"receive staging of {msg.num_pages} pages for {pages_to_write} pages to write")
+    return [StagedDestination(ptr, msg.num_pages) for ptr in msg.bases]
 
 
 def _first_token_record(h: Handoff, kv_checksum: int | None) -> FirstToken:

@@ -5,7 +5,9 @@ room in flight; `prefill.py` moves it):
   held back        BOOTSTRAPPING, not queued: `HeldBack`, until the budget of computing ahead has room for it or
                    its page list comes
   computing        queued in the scheduler, BOOTSTRAPPING until its page list comes, then WAITING_FOR_INPUT: the
-                   pages computed so far are written once the list is known, later ones as they are computed
+                   pages computed so far are written once the list is known, later ones as they are computed; when
+                   its decode offered a receive-staging slot, it is asked for as the computing begins and the
+                   writes wait for the answer (`SlotAsks`)
   writing          TRANSFERRING: the last pages and the first token in flight; `FinalWrites` holds the `kv_done`
                    that waits for every rank's writes
   done             SUCCESS: the request ends here; its handoff is released once no write of it is in flight
@@ -60,6 +62,60 @@ class HeldBack:
 
     def __len__(self) -> int:
         return len(self._rooms)
+
+
+class SlotAsks:
+    """The rooms whose decode offered a receive-staging slot, until their writes may begin. Invariants: a room's
+    slot is asked for once (`ask` takes the offer); while the answer has not come its writes wait (`holds`), at most
+    `wait_s` from the first write held (`expired`), then go into the pages; an answer counts only while they wait
+    (`answered`); a room leaves when it fails (`drop`)."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self._offered: set[int] = set()
+        self._asked: dict[int, float | None] = {}  # room -> when its held writes stop waiting (None: none held yet)
+
+    def offer(self, room: int) -> None:
+        self._offered.add(room)
+
+    def ask(self, room: int) -> bool:
+        """Take the room's offer: True when it had one (the slot is asked for now)."""
+        if room not in self._offered:
+            return False
+        self._offered.discard(room)
+        self._asked[room] = None
+        return True
+
+    def holds(self, room: int, now: float) -> bool:
+        """Whether the room's writes wait for the answer; the first write held starts the wait."""
+        if room not in self._asked:
+            return False
+        if self._asked[room] is None:
+            self._asked[room] = now + self.wait_s
+        return True
+
+    def waiting(self, room: int) -> bool:
+        return room in self._asked
+
+    def answered(self, room: int) -> bool:
+        """Take the room's answer: True when its writes still waited for it (else it came too late)."""
+        return self._asked.pop(room, False) is not False
+
+    def expired(self, now: float) -> list[int]:
+        """The rooms whose held writes waited `wait_s` without an answer, taken."""
+        due = [room for room, until in self._asked.items() if until is not None and now > until]
+        for room in due:
+            del self._asked[room]
+        return due
+
+    def seconds_left(self, now: float) -> float | None:
+        """Until the first held writes stop waiting (None: none wait)."""
+        held = [until for until in self._asked.values() if until is not None]
+        return max(min(held) - now, 0.0) if held else None
+
+    def drop(self, room: int) -> None:
+        self._offered.discard(room)
+        self._asked.pop(room, None)
 
 
 class FinalWrites:

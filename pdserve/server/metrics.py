@@ -156,8 +156,11 @@ def _receive_staging_metrics(staging: dict | None) -> list[Metric]:
         CounterMetricFamily(PREFIX + "kv_receive_staged_scattered", "Staged handoffs whose pages on the decode were "
                             "not one run (each run would have cost a span per layer and K/V unstaged).",
                             staging["scattered"]),
-        CounterMetricFamily(PREFIX + "kv_receive_staging_missed", "Handoffs that found no room in the receive staging "
-                            "and were written into their pages.", staging["missed"]),
+        CounterMetricFamily(PREFIX + "kv_receive_staging_missed", "Handoffs offered a receive-staging slot that had "
+                            "none before their prefill's writes began, and were written into their pages.",
+                            staging["missed"]),
+        CounterMetricFamily(PREFIX + "kv_receive_staging_late", "Missed handoffs whose slot was given after their "
+                            "prefill's writes began (it came free unused).", staging["late"]),
         _gauge("kv_receive_staging_slots", "Receive-staging slots held by handoffs in flight or fenced.",
                staging["slots"]),
         _gauge("kv_receive_staging_bytes", "Size of the decode's receive staging.", staging["bytes"]),

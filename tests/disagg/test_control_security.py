@@ -106,9 +106,12 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
                             {"type": "failed", "room": -3},
                             {"type": "failed", "room": True},
                             {"type": "no_such_message", "room": 1},
-                            {"room": 1})
+                            {"room": 1},
+                            {**kv_done(7), "staged": 1},
+                            {"type": "staging_ask", "room": "7"})
     assert "peer_dead is never accepted from a peer" in decode_errors[0]
     assert "top_logprobs" in decode_errors[1] and "first_token must be int" in decode_errors[2]
+    assert "KVDone.staged must be bool" in decode_errors[8] and "StagingAsk.room must be int" in decode_errors[9]
     prefill_errors = refused(prefill.role.link.channel.endpoint,
                              {"type": "write_done", "room": 3},
                              {"type": "write_done", "room": 3, "final": True, "count": 1},
@@ -119,11 +122,18 @@ def test_malformed_control_messages_are_dropped_and_both_roles_keep_serving(open
                              transfer_request(3, rank_targets=[["127.0.0.1:1", "4096"]]),
                              transfer_request(3, rank_targets="127.0.0.1:1"),
                              {"type": "abort"},
-                             {"type": "abort", "room": 3, "status": "400"})
+                             {"type": "abort", "room": 3, "status": "400"},
+                             transfer_request(3, staging_offered=1),
+                             {"type": "staging_slot", "room": 3, "bases": [4096, "8192"], "num_pages": 1},
+                             {"type": "staging_slot", "room": 3, "num_pages": 1.0})
     assert all("never accepted from a peer" in e for e in prefill_errors[:2])
     assert "peer must be dict" in prefill_errors[2]
     assert "rank_targets[] must be int" in prefill_errors[6] and "rank_targets must be a list" in prefill_errors[7]
     assert "Abort.status must be int" in prefill_errors[9]
+    assert "staging_offered must be bool" in prefill_errors[10] and "bases[] must be int" in prefill_errors[11]
+    assert "StagingSlot.num_pages must be int" in prefill_errors[12]
+    delivered(decode.role.link.channel.endpoint, {"type": "staging_ask", "room": 4003})  # rooms nobody holds
+    delivered(prefill.role.link.channel.endpoint, {"type": "staging_slot", "room": 4003, "bases": [4096], "num_pages": 1})
     serves_a_pd_request(open_pair, "after-garbage", room=4001)
 
 
@@ -169,6 +179,13 @@ def test_malformed_routes_and_peer_layouts_fail_only_their_request(open_pair):
                                                          rank_targets=[["127.0.0.1:1", 4096], ["127.0.0.1:2", 8192]]))
     finish = run([prefill])[(0, "bad-targets")]["finish"]
     assert "decode peer refused: the decode runs 1 ranks but lists 2 transfer targets" in finish["message"]
+    prefill.add_request(pd_req("mixed-tp-staging", [5, 6, 7], 1, room=4303))  # staging under another TP size
+    description = decode.role.link.description
+    tp2 = {**description, "tp_size": 2, "kv_layout": {**description["kv_layout"], "num_kv_heads": 1}}
+    delivered(prefill.role.link.channel.endpoint, transfer_request(
+        4303, peer=tp2, staging_offered=True, rank_targets=[["127.0.0.1:1", 4096], ["127.0.0.1:2", 8192]]))
+    finish = run([prefill])[(0, "mixed-tp-staging")]["finish"]
+    assert "decode peer refused: receive staging takes whole tokens" in finish["message"]
     serves_a_pd_request(open_pair, "after-bad-peers", room=4301)
 
 

@@ -72,21 +72,27 @@ def pd_req(rid, ids, port, room, n=8):
                bootstrap_port=port, bootstrap_room=room)
 
 
+def colocated_ids(model, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy output (`greedy()`) from a colocated scheduler."""
+    colocated = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    for i, p in enumerate(prompts):
+        colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
+    outs = run([colocated])
+    return [outs[(0, str(i))]["ids"] for i in range(len(prompts))]
+
+
 def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, first_room: int) -> None:
     prefill, decode, port = pair
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in lengths]
-    colocated = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
-    for i, p in enumerate(prompts):
-        colocated.add_request(Req(rid=str(i), input_ids=list(p), sampling_params=greedy()))
-    expected = run([colocated])  # first: the PD handshake deadlines start when the requests are added
+    expected = colocated_ids(model, prompts)  # first: the PD handshake deadlines start when the requests are added
     for i, p in enumerate(prompts):
         for s in (prefill, decode):
             s.add_request(pd_req(str(i), p, port, room=first_room + i))
     got = run([prefill, decode])
     for i in range(len(prompts)):
-        assert got[(1, str(i))]["ids"] == expected[(0, str(i))]["ids"]
-        assert got[(0, str(i))]["ids"] == expected[(0, str(i))]["ids"][:1]  # prefill reports the first token
+        assert got[(1, str(i))]["ids"] == expected[i]
+        assert got[(0, str(i))]["ids"] == expected[i][:1]  # prefill reports the first token
     assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
 
 

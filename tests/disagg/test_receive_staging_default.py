@@ -8,19 +8,14 @@ import logging
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from test_pd_schedulers import check_pd_equals_colocated, make_pair
+from test_pd_schedulers import check_pd_equals_colocated
+from test_receive_staging import small_pool, staging_pair
 
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.disagg.transfer import TransferError, make_transfer_engine
 from pdserve.disagg.transfer.receive_staging import (AUTO_MAX_BYTES, AUTO_MIN_BYTES, ReceiveStaging,
                                                      open_receive_staging, receive_staging_bytes)
-from pdserve.mem_cache.kv_pool import KVLayout, KVPool
 from pdserve.server.metrics import ServerMetrics
-
-
-def small_pool() -> KVPool:
-    return KVPool(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, num_pages=64,
-                           dtype=torch.bfloat16), "cpu")
 
 
 class RefusingEngine:
@@ -83,14 +78,15 @@ def test_the_automatic_size_gives_way_when_it_cannot_be_allocated(monkeypatch):
 def test_a_default_decode_stages_its_handoffs_and_reports_them(tiny_model):
     """No staging flag: the decode makes its automatic staging, every handoff from the same-TP prefill is staged, and
     its stats and /metrics say so; every slot is back afterwards."""
-    prefill, decode, port = make_pair(tiny_model)
+    prefill, decode, port = staging_pair(tiny_model)
     try:
         receive = decode.role.receive
         assert receive is not None and receive.buffer.numel() == receive_staging_bytes(None, decode.runner.pool.nbytes)
         check_pd_equals_colocated(tiny_model, (prefill, decode, port), (3, 31, 70), seed=11, first_room=1100)
         receive.collect()
         stats = decode.stats()["receive_staging"]
-        assert stats == {"bytes": receive.buffer.numel(), "slots": 0, "staged": 3, "scattered": 0, "missed": 0}
+        assert stats == {"bytes": receive.buffer.numel(), "slots": 0, "staged": 3, "scattered": 0, "missed": 0,
+                         "late": 0}
         assert receive.arena.bytes_in_use == 0
         assert "receive_staging" not in prefill.stats()
     finally:
@@ -100,11 +96,12 @@ def test_a_default_decode_stages_its_handoffs_and_reports_them(tiny_model):
 
 def test_the_staging_metrics():
     text = ServerMetrics("m").render({"receive_staging": {"bytes": 1 << 20, "slots": 2, "staged": 7, "scattered": 3,
-                                                           "missed": 1}}, in_flight=0)
+                                                           "missed": 4, "late": 1}}, in_flight=0)
     values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert values["pdserve_kv_receive_staged_total"] == 7
     assert values["pdserve_kv_receive_staged_scattered_total"] == 3
-    assert values["pdserve_kv_receive_staging_missed_total"] == 1
+    assert values["pdserve_kv_receive_staging_missed_total"] == 4
+    assert values["pdserve_kv_receive_staging_late_total"] == 1
     assert values["pdserve_kv_receive_staging_slots"] == 2
     assert values["pdserve_kv_receive_staging_bytes"] == 1 << 20
     without = ServerMetrics("m").render({"receive_staging": None}, in_flight=0)

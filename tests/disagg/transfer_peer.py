@@ -29,7 +29,9 @@ def serve_kv(backend: str, device: str, layout_desc: dict, conn) -> None:
             if cmd == "zero":
                 pool.buffer.zero_()
             elif cmd[0] == "stage":
-                staging.reserve(cmd[1], cmd[2])
+                staging.offer(cmd[1], cmd[2])
+                staging.ask(cmd[1])
+                staging.grant()
                 conn.send(staging.destination(cmd[1], staging.base).base)
                 continue
             elif cmd[0] == "unpack":

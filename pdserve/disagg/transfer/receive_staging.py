@@ -8,11 +8,15 @@ layer and K/V of each piece, and for a prompt it pushes in one piece (no layer-w
 the slot's layers times two, whatever the pages: the decode's fragmentation costs nothing on the link.
 
 Slot layout: [K/V, layer, page position in the request, page bytes], whole tokens of this rank's heads (a prefill
-of another TP size writes head slices into the pages instead). Every rank of a TP decode takes the same slot in the
-same order, so the leader's one `transfer_request` names it for all ranks. A slot is reserved with the pages, given
-back with them when the handoff fails (after the fence, if the prefill may still write), and after its unpack once
-that unpack has run on the device (`collect`, at the next pre-allocation), never sooner: a prefill could otherwise
-write the next request's KV into bytes the unpack has yet to read.
+of another TP size writes head slices into the pages instead). A slot is taken when the prefill starts computing the
+request, not while it waits in the prefill's queue: the `transfer_request` offers one (`offer`), the prefill asks
+for it as its computing begins (`ask`), and the decode gives it as soon as the arena has room, oldest ask first
+(`grant`). The prefill writes into the slot if the answer came before its writes began, else into the pages, and its
+`kv_done` says which: a slot given too late comes free then (`written_in_place`). Every rank of a TP decode takes
+the same slot in the same order (asks and frees are step events), so the leader's one answer names it for all ranks.
+A slot is given back with its pages when the handoff fails (after the fence, if the prefill may still write), and
+after its unpack once that unpack has run on the device (`collect`), never sooner: a prefill could otherwise write
+the next request's KV into bytes the unpack has yet to read.
 
 On by default (`open_receive_staging`): an eighth of the KV pool, within [1 MiB, 2 GiB], on every backend that
 moves bytes (the fake one moves none). The automatic size gives way to direct writes when the buffer cannot be
@@ -65,10 +69,13 @@ class ReceiveStaging:
         self.pool = pool
         self.layout = pool.layout
         self.buffer = torch.empty(nbytes - nbytes % 256, dtype=torch.uint8, device=pool.buffer.device)
-        self.arena = StagingArena(self.buffer.numel(), timeout_s=0.0)  # never waits: no slot, pages in place
+        self.arena = StagingArena(self.buffer.numel(), timeout_s=0.0)  # never waits: asks do (`grant`)
         engine.register(self.buffer.data_ptr(), self.buffer.numel(), str(self.buffer.device))
-        self.slots: dict[int, tuple[int, int]] = {}  # room -> (offset, pages)
-        self.staged = self.scattered = self.missed = 0  # handoffs unpacked (into scattered pages), found no room
+        self.offers: dict[int, int] = {}  # room -> pages: a slot offered, not asked for yet
+        self.asks: dict[int, int] = {}  # room -> pages: asked for, waiting for room in the arena, oldest first
+        self.slots: dict[int, tuple[int, int]] = {}  # room -> (offset, pages): given
+        self.staged = self.scattered = 0  # handoffs unpacked, those of them into scattered pages
+        self.missed = self.late = 0  # offered handoffs written into their pages, those of them given a slot too late
         self._unpacked: list[tuple[int, torch.cuda.Event | None]] = []  # (offset, event after its unpack)
         self._pool_words = kv_words(pool.buffer.view(torch.uint8).view(-1), self.layout)
 
@@ -76,14 +83,34 @@ class ReceiveStaging:
     def base(self) -> int:
         return self.buffer.data_ptr()
 
-    def reserve(self, room: int, num_pages: int) -> int | None:
-        """A slot for `num_pages` pages of the room's KV; its offset, or None when the arena has no room."""
-        offset = self.arena.try_acquire(self._slot_bytes(num_pages)) if num_pages else None
-        if offset is not None:
+    def offer(self, room: int, num_pages: int) -> bool:
+        """Offer the room a slot of `num_pages` pages, given once its prefill asks; False when no slot of that size
+        fits the arena (or there is nothing to write)."""
+        if not 0 < self.slot_bytes(num_pages) <= self.arena.size:
+            return False
+        self.offers[room] = num_pages
+        return True
+
+    def ask(self, room: int) -> bool:
+        """The room's prefill asks for its offered slot, which waits for room in the arena (`grant`); False when
+        none was offered or it was asked for already."""
+        num_pages = self.offers.pop(room, None)
+        if num_pages is not None:
+            self.asks[room] = num_pages
+        return num_pages is not None
+
+    def grant(self) -> list[int]:
+        """The rooms given their slot now: oldest ask first, none past one that does not fit yet."""
+        granted = []
+        for room, num_pages in self.asks.items():
+            offset = self.arena.try_acquire(self.slot_bytes(num_pages))
+            if offset is None:
+                break
             self.slots[room] = (offset, num_pages)
-        elif num_pages:
-            self.missed += 1
-        return offset
+            granted.append(room)
+        for room in granted:
+            del self.asks[room]
+        return granted
 
     def destination(self, room: int, rank_base: int) -> StagedDestination:
         """The room's slot on a rank whose staging starts at `rank_base` (the prefill's view)."""
@@ -93,10 +120,11 @@ class ReceiveStaging:
     def unpack(self, room: int, pages: list[int]) -> None:
         """Copy the room's staged KV into `pages` (the pages of the slot's positions, in order) on the current
         stream; the slot comes free at the next `collect` after the copy ran."""
-        offset, num_pages = self.slots.pop(room)
+        offset, num_pages = self.slots[room]
         if len(pages) != num_pages:
             raise ValueError(f"room {room}: {len(pages)} pages for a slot of {num_pages}")
-        raw = self.buffer[offset : offset + self._slot_bytes(num_pages)]
+        del self.slots[room]
+        raw = self.buffer[offset : offset + self.slot_bytes(num_pages)]
         index = torch.tensor(pages, dtype=torch.long, device=self.buffer.device)
         self._pool_words.index_copy_(2, index, kv_words(raw, self.layout, num_pages))
         self.staged += 1
@@ -107,8 +135,24 @@ class ReceiveStaging:
             event.record()
         self._unpacked.append((offset, event))
 
+    def written_in_place(self, room: int) -> None:
+        """The room's KV went into its pages (its `kv_done` says so): what it was offered, asked for or given (too
+        late, its prefill writing already) comes free unread."""
+        offered = self.withdraw(room)
+        given = self.slots.pop(room, None)
+        if given is not None:
+            self.arena.release(given[0])
+        self.missed += offered or given is not None
+        self.late += given is not None
+
+    def withdraw(self, room: int) -> bool:
+        """Forget the room's offer or ask (its handoff ended); a slot it was given stays until `drop`. Whether it
+        had either."""
+        return self.offers.pop(room, None) is not None or self.asks.pop(room, None) is not None
+
     def drop(self, room: int) -> None:
-        """Give the room's slot back unread: its handoff failed and its prefill writes nothing more."""
+        """Forget the room and give its slot back unread: its handoff failed and its prefill writes nothing more."""
+        self.withdraw(room)
         slot = self.slots.pop(room, None)
         if slot is not None:
             self.arena.release(slot[0])
@@ -124,10 +168,12 @@ class ReceiveStaging:
 
     def snapshot(self) -> dict:
         """For the decode's stats and /metrics: the arena's size, the slots handoffs hold (in flight or fenced), and
-        since the staging was made the handoffs staged, those of them whose pages were not one run, and those that
-        found no room."""
+        since the staging was made the handoffs staged, those of them whose pages were not one run, those offered a
+        slot and written into their pages (no room in the arena before their prefill's writes began), and those of
+        them given their slot too late."""
         return {"bytes": self.buffer.numel(), "slots": len(self.slots), "staged": self.staged,
-                "scattered": self.scattered, "missed": self.missed}
+                "scattered": self.scattered, "missed": self.missed, "late": self.late}
 
-    def _slot_bytes(self, num_pages: int) -> int:
+    def slot_bytes(self, num_pages: int) -> int:
+        """A slot's size: K and V of every layer of `num_pages` pages."""
         return 2 * self.layout.num_layers * num_pages * self.layout.page_bytes
