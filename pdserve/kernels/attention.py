@@ -32,10 +32,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split_len: int = 256
-    v_ahead: bool = False
-    k_ahead: bool = False
-    v_asm: bool = False
-    heads_first: bool = False
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
@@ -130,14 +126,6 @@ def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.c
     return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [ROWS, COLS])
 
 
-@triton.jit
-def _e4m3_to_f16(values):
-    """uint8 E4M3 bytes -> float16, two values per conversion instruction (CUDA only)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [values], dtype=tl.float16, is_pure=True, pack=4)
-
-
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters, AmaxOut,
@@ -145,8 +133,7 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    FP8_TYPE: tl.constexpr, V_WORDS: tl.constexpr, V_AHEAD: tl.constexpr,
-    K_AHEAD: tl.constexpr, V_ASM: tl.constexpr, HEADS_FIRST: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
+    V_WORDS: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -161,14 +148,8 @@ def _decode_split_kernel(
     AmaxOut[b, kvh] (stride_ab): the parts of each row's amax an FP8 o projection reads
     (`pdserve.kernels.pending_rows.RowsWithAmax`)."""
     wait_for_previous(PDL)
-    if HEADS_FIRST:
-        kvh = tl.program_id(0)
-        b = tl.program_id(1)
-        num_kv_heads = tl.num_programs(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        num_kv_heads = tl.num_programs(1)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     splits = _decode_splits(seq_len, MAX_SPLITS, MIN_SPLIT_LEN)
@@ -195,48 +176,23 @@ def _decode_split_kernel(
     # iteration, whatever num_stages); from a loop-carried value it keeps num_stages - 1 blocks in flight.
     first = start + tl.arange(0, BLOCK_N)
     pages = tl.load(page_row + first // PAGE_SIZE, mask=first < end, other=0)
-    offs_w = tl.arange(0, HEAD_DIM // 4)
-    if V_AHEAD:  # V's words come a block ahead into registers, from pages loaded a block before that
-        first_slot = pages.to(tl.int64) * PAGE_SIZE + first % PAGE_SIZE
-        v_words = tl.load(V + first_slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :],
-                          mask=(first < end)[:, None], other=0)
-        v_pages = tl.load(page_row + (first + BLOCK_N) // PAGE_SIZE, mask=first + BLOCK_N < end, other=0)
-        if K_AHEAD:  # and K's words with them (K as 32-bit words too: stride_kt, stride_kh in words)
-            k_words = tl.load(K + first_slot[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :],
-                              mask=(first < end)[:, None], other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         mask_n = pos < end
         slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
         ahead = pos + BLOCK_N
         pages = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < end, other=0)
-        if not K_AHEAD:
-            k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :],
-                        other=0.0)
-        if V_AHEAD:
-            words = v_words
-            v_slot = v_pages.to(tl.int64) * PAGE_SIZE + ahead % PAGE_SIZE
-            if K_AHEAD:
-                k = tl.trans(_fp8_words_to(k_words, FP8_TYPE, q.dtype, BLOCK_N, HEAD_DIM))
-                k_words = tl.load(K + v_slot[:, None] * stride_kt + kvh * stride_kh + offs_w[None, :],
-                                  mask=(ahead < end)[:, None], other=0)
-            v_words = tl.load(V + v_slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :],
-                              mask=(ahead < end)[:, None], other=0)
-            v_pages = tl.load(page_row + (ahead + BLOCK_N) // PAGE_SIZE, mask=ahead + BLOCK_N < end, other=0)
+        k = tl.load(K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None], mask=mask_n[None, :], other=0.0)
         qk = tl.dot(q, k.to(q.dtype)) * sm_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_ASM:
-            v = _e4m3_to_f16(tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                                     mask=mask_n[:, None], other=0))
-        elif V_WORDS:
-            if not V_AHEAD:
-                words = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :],
-                                mask=mask_n[:, None], other=0)
-            v = _fp8_words_to(words, FP8_TYPE, q.dtype, BLOCK_N, HEAD_DIM)
+        if V_WORDS:
+            words = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + tl.arange(0, HEAD_DIM // 4)[None, :],
+                            mask=mask_n[:, None], other=0)
+            v = _fp8_words_to(words, K.dtype.element_ty, q.dtype, BLOCK_N, HEAD_DIM)
         else:
             v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)
@@ -251,12 +207,12 @@ def _decode_split_kernel(
         _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
     else:
         # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
-        row = (b * num_kv_heads * GROUP + heads) * MAX_SPLITS + split
+        row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
         tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(PartialLse + row, lse, mask=mask_g)
         tl.debug_barrier()  # every thread's partials stored before the counter's release
-        counter = Counters + b * num_kv_heads + kvh
+        counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
             o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             out = _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, BLOCK_H, HEAD_DIM, MAX_SPLITS)
@@ -334,11 +290,6 @@ def decode_workspace(batch_size: int, num_heads: int, num_kv_heads: int, head_di
                                 batch_size, num_heads, num_kv_heads, head_dim, max_splits)
 
 
-def _triton_fp8(dtype: torch.dtype):
-    """Triton's type of an FP8 cache's values (None for a 16/32-bit cache)."""
-    return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}.get(dtype)
-
-
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
     out: torch.Tensor, scaling: float, page_size: int, max_splits: int, workspace: DecodeWorkspace | None = None,
@@ -367,25 +318,16 @@ def decode_attention(
     fp8 = k_cache.dtype.itemsize == 1
     cfg = config or decode_config(batch, fp8)
     v_words = v_cache.view(torch.int32) if fp8 else v_cache  # V_WORDS: head_dim is a multiple of 4 (16 or more)
-    k_ahead = fp8 and cfg.v_ahead and cfg.k_ahead
-    k_operand = k_cache.view(torch.int32) if k_ahead else k_cache
-    v_asm = cfg.v_asm and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and q.is_cuda
-    if v_asm:
-        v_words = v_cache.view(torch.uint8)
     assert amax_parts is None or (amax_parts.shape == (batch, num_kv_heads) and amax_parts.stride(1) == 1)
     amax_out = out if amax_parts is None else amax_parts
-    grid = (num_kv_heads, batch, max_splits) if cfg.heads_first else (batch, num_kv_heads, max_splits)
-    _decode_split_kernel[grid](
-        q, k_operand, v_words, page_table, seq_lens, out, *scratch, amax_out,
-        q.stride(0), q.stride(1), k_operand.stride(0), k_operand.stride(1), v_words.stride(0), v_words.stride(1),
+    _decode_split_kernel[(batch, num_kv_heads, max_splits)](
+        q, k_cache, v_words, page_table, seq_lens, out, *scratch, amax_out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_words.stride(0), v_words.stride(1),
         page_table.stride(0), out.stride(0), out.stride(1), amax_out.stride(0),
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, FP8_TYPE=_triton_fp8(k_cache.dtype), V_WORDS=fp8,
-        V_AHEAD=fp8 and cfg.v_ahead and not v_asm, K_AHEAD=k_ahead and not v_asm, V_ASM=v_asm,
-        HEADS_FIRST=cfg.heads_first,
-        AMAX=amax_parts is not None,
+        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, AMAX=amax_parts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )

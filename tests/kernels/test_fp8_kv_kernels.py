@@ -169,27 +169,3 @@ def test_fp8_store_and_attention_cuda(dtype):
         ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
                                   reference_pool, batch, 128**-0.5)
         assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
-
-
-@pytest.mark.parametrize("max_splits", [1, 8])
-def test_decode_variants_give_the_same_output(interpreted, max_splits):
-    """`DecodeConfig`'s variants change when bytes arrive and in which order programs run, not what is computed:
-    V's (and K's) words a block ahead in registers, the kv heads of a request next to each other in the grid; the
-    same output over shuffled pages, split or not, and a request shorter than one block."""
-    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
-
-    batch, pool, q, k, v = make_batch([(0, 1), (70, 1), (600, 1)], page_size=4, num_heads=4, num_kv_heads=2,
-                                      head_dim=64, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
-    fp8 = fp8_copy(pool, torch.float8_e4m3fn, KVScales((0.02,), (0.03,)))
-    variants = [{}, dict(v_ahead=True), dict(heads_first=True), dict(v_ahead=True, k_ahead=True)]
-    outs = []
-    for variant in variants:
-        out = torch.full_like(q, float("nan"))
-        workspace = decode_workspace(3, 4, 2, 64, max_splits, "cpu")
-        decode_attention(q, fp8.k_buffer(0), fp8.v_buffer(0), batch.page_table, batch.seq_lens, out, 0.125, 4,
-                         max_splits, workspace, DecodeConfig(block_n=32, min_split_len=64, **variant), k_scale=0.02,
-                         v_scale=0.03)
-        assert workspace is None or not workspace.counters.any()
-        outs.append(out)
-    assert not outs[0].isnan().any() and all(torch.equal(outs[0], out) for out in outs[1:3])
-    assert rel_err(outs[3], outs[0]) < 1e-6  # K transposed in registers: the interpreter's dot sums in another order

@@ -4,7 +4,9 @@ next to each other in the grid (`heads_first`), block shapes, split bounds 1x/2x
 caches in one tensor as the engine holds them, each layer read once per graph replay against one layer read 32
 times, pages contiguous per request or shuffled. Prints one line per timing, writes JSON.
 
-python benchmarks/results/2026-11-29/tools/decode_variants.py OUT.json
+python benchmarks/results/2026-11-29/tools/decode_variants.py OUT.json [random_fp8]
+The variants are not in the product (none won enough to keep): apply `decode_variants.patch` (to the tree of
+51246ff) first.
 """
 
 import dataclasses
