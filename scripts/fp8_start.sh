@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Server start to its first /health 200, bf16 against FP8 weights (issue 38), one device call on one GPU (nvidia-h200;
 # carry .whl .deb, see scripts/prepare_gpu_carry.sh; timeout_s 600):   bash scripts/fp8_start.sh
-# llama-3.1-8b preset (random weights), default server flags; FP8 is `--quantization fp8`. Each start has its own
+# llama-3.1-8b preset (random weights; PRESET=qwen3-0.6b another, whose entries then join the shipped table), default
+# server flags; FP8 is `--quantization fp8`. Each start has its own
 # --kernel-tuning-cache-dir (Triton's compiled kernels go under it: TRITON_CACHE_DIR is unset), in this order:
 #   bf16_empty     bf16, empty cache                                   (its cache then holds the bf16 choices)
 #   fp8_empty      FP8, empty cache, no shipped table (PDSERVE_TUNED_TABLES=none): every shape timed, every
@@ -17,9 +18,9 @@ set -u
 source scripts/gpu_env.sh || exit 1
 nvidia-smi -L
 unset TRITON_CACHE_DIR PDSERVE_TUNING_CACHE_DIR
-MODEL_DIR=$M/llama-3.1-8b
-[ -d "$MODEL_DIR" ] || step 240 make_llama-3.1-8b python3 -m pdserve.tools.make_model --preset llama-3.1-8b \
-  --out "$MODEL_DIR"
+PRESET=${PRESET:-llama-3.1-8b}
+MODEL_DIR=$M/$PRESET
+[ -d "$MODEL_DIR" ] || step 240 "make_$PRESET" python3 -m pdserve.tools.make_model --preset "$PRESET" --out "$MODEL_DIR"
 CACHES=$(mktemp -d)
 PORT=30300
 declare -A SECONDS_TO_READY
@@ -60,8 +61,11 @@ start() {
 PDSERVE_TUNED_TABLES=none start bf16_empty 150 "$CACHES/bf16"
 PDSERVE_TUNED_TABLES=none start fp8_empty 330 "$CACHES/fp8" --quantization fp8
 PDSERVE_TUNED_TABLES=none start fp8_warm 120 "$CACHES/fp8" --quantization fp8
+# the llama preset's run makes the table anew; another preset's entries join the shipped table's
+mkdir -p "$OUT/tuned"
+[ "$PRESET" = llama-3.1-8b ] || cp pdserve/kernels/tuned/*.json "$OUT/tuned/" 2> /dev/null
 TAILN=4 step 30 export_tuned_table python3 -m pdserve.tools.export_tuned_table "$CACHES/bf16" "$CACHES/fp8" \
-  --out "$OUT/tuned" --replace
+  --out "$OUT/tuned" $([ "$PRESET" = llama-3.1-8b ] && echo --replace)
 cp "$OUT"/tuned/*.json pdserve/kernels/tuned/
 start fp8_table 150 "$CACHES/fp8_table" --quantization fp8
 PDSERVE_TUNED_TABLES=none start bf16_warm 120 "$CACHES/bf16"
