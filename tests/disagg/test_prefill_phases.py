@@ -1,7 +1,8 @@
 """The prefill's handoff phases as objects (`pdserve/disagg/prefill_phases.py`): held-back rooms are queued oldest
 first, none past one that does not fit, while the pages computed ahead of page lists stay within the budget, and
-leave when their page list comes or they fail; a room's `kv_done` is sent once, after every rank's writes landed,
-and dropped when the handoff is released."""
+leave when their page list comes or they fail; a room's offered staging slot is asked for once and its writes wait
+for the answer at most the wait; a room's `kv_done` is sent once, after every rank's writes landed, and dropped when
+the handoff is released."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from types import SimpleNamespace
 
 from pdserve.disagg.control_messages import FirstToken, KVDone
 from pdserve.disagg.handoff import Handoff
-from pdserve.disagg.prefill_phases import FinalWrites, HeldBack
+from pdserve.disagg.prefill_phases import FinalWrites, HeldBack, SlotAsks
 
 PAGE_SIZE = 4
 
@@ -73,3 +74,20 @@ def test_kv_done_is_dropped_when_the_handoff_is_released():
     final.drop(7)
     final.drop(7)  # a released room that never held one, or one already dropped, is no error
     assert 7 not in final and final.due(handoff(7, pages=1)) is None
+
+
+def test_a_staging_slot_is_asked_for_once_and_writes_wait_for_the_answer_at_most_the_wait():
+    asks = SlotAsks(wait_s=0.5)
+    assert not asks.ask(1)  # its decode offered none
+    asks.offer(1)
+    asks.offer(2)
+    assert asks.ask(1) and not asks.ask(1) and asks.waiting(1)
+    assert asks.seconds_left(now=10.0) is None  # asked, no write held yet: no wait runs
+    assert asks.holds(1, now=10.0) and asks.holds(1, now=10.4)  # the first write held starts the wait
+    assert abs(asks.seconds_left(now=10.2) - 0.3) < 1e-9
+    assert asks.expired(now=10.5) == [] and asks.expired(now=10.6) == [1]  # no answer in time
+    assert not asks.holds(1, now=10.7) and not asks.answered(1)  # it came too late
+    assert asks.ask(2) and asks.holds(2, now=0.0) and asks.answered(2) and not asks.holds(2, now=0.1)
+    asks.offer(3)
+    asks.drop(3)  # its handoff failed
+    assert not asks.ask(3) and asks.expired(now=99.0) == []

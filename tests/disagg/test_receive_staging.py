@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_pd_schedulers import check_pd_equals_colocated, colocated_ids, make_pair, pd_req, run
 
-from pdserve.disagg.control_messages import StagingSlot
+from pdserve.disagg.control_messages import PeerDead, PeerGone, StagingSlot
 from pdserve.disagg.prefill import _staged_destinations
 from pdserve.disagg.transfer.base import StagedDestination
 from pdserve.disagg.transfer.receive_staging import ReceiveStaging
@@ -164,6 +164,30 @@ def test_a_failed_staged_handoff_gives_its_slot_back_once_the_prefill_confirms(s
     run([prefill, decode])
     assert not unpacked and 990 not in decode.role.quarantine
     assert slots_free(decode) and decode.kv_pool_is_fully_free() and prefill.kv_pool_is_fully_free()
+
+
+@pytest.mark.parametrize("ending", ["prefill gone", "timeouts"])
+def test_a_slot_given_to_a_prefill_that_stops_answering_comes_back(tiny_model, ending):
+    """The slot is given, then the prefill never runs again: the decode fails the handoff and keeps the slot fenced
+    with its pages (the prefill may still write), until the prefill's process is gone (`peer_gone`) or the
+    transfer and fence timeouts pass."""
+    prefill, decode, port = staging_pair(tiny_model, disaggregation_waiting_timeout=1.0,
+                                         disaggregation_fence_timeout=1.0)
+    receive, link = decode.role.receive, decode.role.link
+    try:
+        for s in (prefill, decode):
+            s.add_request(pd_req("frozen", list(range(10, 50)), port, room=1400))
+        step_until(lambda: 1400 in receive.slots, [prefill, decode])
+        if ending == "prefill gone":
+            link.channel.complete(PeerDead(f"127.0.0.1:{port}"))
+            step_until(lambda: 1400 in decode.role.quarantine, [decode])
+            assert 1400 in receive.slots
+            link.channel.complete(PeerGone(f"127.0.0.1:{port}"))
+        step_until(lambda: not decode.has_work(), [decode])
+        assert slots_free(decode) and decode.kv_pool_is_fully_free() and receive.staged == 0
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_requests_queued_at_the_prefill_hold_no_slot_and_are_staged_in_turn(tiny_model):
