@@ -108,6 +108,7 @@ class ServerArgs:
     disaggregation_prefill_ahead_share: float = 0.5
     disaggregation_link_gbps: float = 0.0
     disaggregation_staging_mb: int | None = None  # None: an eighth of the decode's KV pool, within [1, 2048] MiB
+    disaggregation_staging_wait_ms: float = 50.0
     disaggregation_secret: str | None = None
     disaggregation_enable_kv_checksum: bool = False
     decode_local_prefill_chunk_size: int = 512
@@ -181,6 +182,8 @@ class ServerArgs:
             raise ConfigError("--disaggregation-link-gbps must be >= 0")
         if self.disaggregation_staging_mb is not None and self.disaggregation_staging_mb < 0:
             raise ConfigError("--disaggregation-staging-mb must be >= 0")
+        if not self.disaggregation_staging_wait_ms >= 0:
+            raise ConfigError("--disaggregation-staging-wait-ms must be >= 0")
         if not 0 <= self.port < 65536 or not 0 <= self.disaggregation_bootstrap_port < 65536:
             raise ConfigError("ports must be in 0..65535")
         self._validate_hicache()
@@ -426,6 +429,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "disaggregation_heartbeat_failures": ("disaggregation", "Missed heartbeats after which a prefill peer is declared dead."),
     "disaggregation_fence_timeout": ("disaggregation", "Decode: seconds at most that the pages of a failed handoff stay quarantined while its prefill may still write them (a frozen prefill resumes and writes late); they come back earlier once the prefill confirms the abort or its bootstrap port refuses connections."),
     "disaggregation_staging_mb": ("disaggregation", "Decode: MiB of receive staging: a handoff whose prefill runs the same TP size gets a slot, the prefill writes its KV there packed (two spans per layer, whatever the pages' placement) and the decode unpacks it into the pages before it commits the request; a handoff finding no room is written into its pages. Default: an eighth of the KV pool, within 1 to 2048 MiB, given up with a warning when it cannot be allocated or registered; 0: no staging."),
+    "disaggregation_staging_wait_ms": ("disaggregation", "Prefill: how long a request's computed KV waits for the decode's answer to its receive-staging ask (asked when the request starts computing; the decode answers once its arena has room) before it is written into the decode's pages instead. The answer is normally there before the forward ends; a full arena makes it wait, and a direct write of scattered pages costs tens of ms (a 2k-token llama-3.1-8b KV, two H200s: 33 ms). Default 50."),
     "disaggregation_link_gbps": ("disaggregation", "Prefill: the bandwidth of its link to the decode servers, GB/s (a torch copy GPU to GPU; 0: unknown), for the metric pdserve_kv_transfer_link_efficiency."),
     "disaggregation_layerwise_min_tokens": ("disaggregation", "Prefill: a chunk of at least this many tokens pushes its KV layer by layer while the forward runs (0: only after the chunk)."),
     "disaggregation_prefill_ahead_share": ("disaggregation", "Prefill: the share of the KV pool that prompts may claim while they compute before their decode's page list came (0: a prompt waits for its page list before it is queued)."),

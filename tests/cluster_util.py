@@ -30,8 +30,12 @@ PD_TIMEOUTS = ["--disaggregation-bootstrap-timeout", "6", "--disaggregation-wait
 SHARED_CHUNK_SIZE = 32  # the prefill's --chunked-prefill-size: the PD tests' ~100-token prompts are prefilled in chunks
 SHARED_MAX_BATCH_ITEMS = 4096  # large batches, so that tokenizing one takes seconds (tests/fuzz/test_event_loop.py)
 SHARED_COLOCATED_ARGS = ["--max-batch-items", str(SHARED_MAX_BATCH_ITEMS)]
+# a prefill waiting for its staging answers as long as they take: whether a handoff is staged must not depend on how
+# busy the test machine's cores are
+STAGING_WAIT_ARGS = ["--disaggregation-staging-wait-ms", "30000"]
 # tcp prefill: chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it
-SHARED_PREFILL_ARGS = ["--chunked-prefill-size", str(SHARED_CHUNK_SIZE), "--disaggregation-layerwise-min-tokens", "16"]
+SHARED_PREFILL_ARGS = ["--chunked-prefill-size", str(SHARED_CHUNK_SIZE), "--disaggregation-layerwise-min-tokens", "16",
+                       *STAGING_WAIT_ARGS]
 # one intra-op thread per process: several servers share a few cores, and oversubscription makes each token slower
 CHILD_ENV = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 

@@ -8,9 +8,9 @@ the last write lands, `kv_done` carries the first token to the decode side and t
 
 Where the pages are written: when the decode offered a receive-staging slot (`transfer_request`), the prefill asks
 for it (`staging_ask`) once the request's computing begins and its page list is known, never while it waits in the
-queue, and holds its writes until the answer (`staging_slot`: the slot, or none), at most `SLOT_ANSWER_WAIT_S`
-from the first write held; the KV then goes into the slot, or into the pages when none came in time, and `kv_done`
-says which. With tensor parallelism every rank handles the answer, and the wait's end, at the same step.
+queue, and holds its writes until the answer (`staging_slot`: the slot, or none), at most
+`--disaggregation-staging-wait-ms` from the first write held; the KV then goes into the slot, or into the pages when
+none came in time, and `kv_done` says which. With tensor parallelism every rank handles the answer, and the wait's end, at the same step.
 
 Computing ahead is bounded: requests queued without a page list may claim at most
 `--disaggregation-prefill-ahead-share` of the pool (their whole prompts' pages); beyond it a request waits for its
@@ -62,7 +62,6 @@ from pdserve.timeline import (BOOTSTRAP_RESOLVED, DECODE_PAGES_KNOWN, HANDOFF_RE
 
 logger = logging.getLogger(__name__)
 MAX_PEER_ERROR_CHARS = 1000  # of an abort's reason from the decode side
-SLOT_ANSWER_WAIT_S = 0.5  # how long computed KV waits for the decode's answer to its receive-staging ask
 
 
 @dataclass(slots=True)
@@ -201,7 +200,7 @@ class PrefillRole(Role):
         self.held_back = HeldBack(int(runner.pool.layout.num_pages * args.disaggregation_prefill_ahead_share),
                                   self.page_size)
         self.early_requests = EarlyRequests(runner.pool.layout.num_pages, args.disaggregation_bootstrap_timeout)
-        self.slot_asks = SlotAsks(SLOT_ANSWER_WAIT_S)
+        self.slot_asks = SlotAsks(args.disaggregation_staging_wait_ms / 1000)
         self.peer_handlers = {TransferRequest: self._on_transfer_request, Abort: self._on_peer_abort,
                               StagingSlot: self._on_staging_slot}
         self.completion_handlers = {WriteDone: self._on_write_done, WriteFailed: self._on_write_failed}

@@ -26,9 +26,7 @@ def small_pool() -> KVPool:
 
 def staging_pair(model, **kw):
     """A pair whose prefill waits for its staging answers as long as it takes: staging, not timing, is under test."""
-    prefill, decode, port = make_pair(model, **kw)
-    prefill.role.slot_asks.wait_s = 30.0
-    return prefill, decode, port
+    return make_pair(model, **{"disaggregation_staging_wait_ms": 30000.0, **kw})
 
 
 @pytest.fixture
@@ -141,7 +139,7 @@ def test_staged_handoffs_equal_colocated_on_scattered_decode_pages(tiny_model, s
 
 
 def test_a_handoff_that_finds_no_room_in_the_arena_writes_its_pages(tiny_model):
-    """Its ask waits for room on the decode while its prefill waits for the answer (`SLOT_ANSWER_WAIT_S`): then the
+    """Its ask waits for room on the decode while its prefill waits for the answer (`--disaggregation-staging-wait-ms`): then the
     KV goes into the pages, and `kv_done` says so, which ends the ask."""
     pair = make_pair(tiny_model, disaggregation_staging_mb=1)
     full = pair[1].role.receive.arena.size

@@ -42,6 +42,14 @@ def test_staging_is_on_by_default_and_zero_turns_it_off():
         ServerArgs(model_path="m", disaggregation_staging_mb=-1)
 
 
+def test_the_prefill_waits_50_ms_for_a_staging_answer_by_default():
+    assert ServerArgs(model_path="m").disaggregation_staging_wait_ms == 50.0
+    args = ServerArgs.from_cli(["--model-path", "m", "--disaggregation-staging-wait-ms", "0"])
+    assert args.disaggregation_staging_wait_ms == 0
+    with pytest.raises(ConfigError, match="staging-wait-ms must be >= 0"):
+        ServerArgs(model_path="m", disaggregation_staging_wait_ms=-1)
+
+
 def test_no_staging_for_zero_or_an_engine_that_moves_no_bytes():
     pool = small_pool()
     for backend, staging_mb in (("fake", None), ("tcp", 0)):

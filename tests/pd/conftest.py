@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from cluster_util import (NO_MOONCAKE, SHARED_CHUNK_SIZE, PDCluster, Proc, decode_server, free_port,
-                          mooncake_available, prefill_server, release_after_last_user, router, start_with_router,
-                          stop_all)
+from cluster_util import (NO_MOONCAKE, SHARED_CHUNK_SIZE, STAGING_WAIT_ARGS, PDCluster, Proc, decode_server,
+                          free_port, mooncake_available, prefill_server, release_after_last_user, router,
+                          start_with_router, stop_all)
 
 CHUNK_SIZE = SHARED_CHUNK_SIZE  # the prefills' --chunked-prefill-size: the ~100-token prompts are prefilled in chunks
 # tcp pair (shared_servers): chunks of 16+ tokens push KV layer by layer during the forward, shorter ones after it;
@@ -34,7 +34,8 @@ def mooncake_cluster(request, tiny_model) -> Iterator[PDCluster | None]:
         yield None
         return
     bootstrap = free_port()
-    prefill = prefill_server(tiny_model, "mooncake", bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE))
+    prefill = prefill_server(tiny_model, "mooncake", bootstrap, "--chunked-prefill-size", str(CHUNK_SIZE),
+                             *STAGING_WAIT_ARGS)
     decode = decode_server(tiny_model, "mooncake")
     servers = [prefill, decode]
     front = start_with_router(servers, lambda: router([(prefill, bootstrap)], [decode], name="router-mooncake"))

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from cluster_util import (PD_TIMEOUTS, PDCluster, Proc, decode_server, free_port, router, scheduler_stats, server,
-                          start_with_router, stop_all, wait_kv_free)
+from cluster_util import (PD_TIMEOUTS, STAGING_WAIT_ARGS, PDCluster, Proc, decode_server, free_port, router,
+                          scheduler_stats, server, start_with_router, stop_all, wait_kv_free)
 
 from pdserve import server_processes
 
@@ -52,7 +52,8 @@ def fragmenting_pair(tiny_model):
     """A tcp pair whose decode has 16 pages of 16 tokens and keeps finished prompts in its radix cache, so that its
     cache, evicted oldest first, leaves holes between the pages it still holds."""
     bootstrap = free_port()
-    prefill = server("prefill-fragmenting", tiny_model, *server_processes.prefill_flags("tcp", bootstrap), *PD_TIMEOUTS)
+    prefill = server("prefill-fragmenting", tiny_model, *server_processes.prefill_flags("tcp", bootstrap), *PD_TIMEOUTS,
+                     *STAGING_WAIT_ARGS)
     decode = decode_server(tiny_model, "tcp", "--max-total-tokens", "256", "--num-reserved-decode-tokens", "16",
                            "--disaggregation-decode-enable-radix-cache", name="decode-fragmenting")
     front = start_with_router([prefill, decode], lambda: router(
