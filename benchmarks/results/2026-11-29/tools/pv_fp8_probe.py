@@ -56,9 +56,10 @@ def pv(V, Table, Out, stride_vt, stride_pb, split_len, D: tl.constexpr, BLOCK_N:
             v = _asm_to_f16(tl.load(V + slot[:, None] * stride_vt + kvh * D + offs_d[None, :]))
         elif MODE == 2:  # direct
             v = tl.load(V + slot[:, None] * stride_vt + kvh * D + offs_d[None, :]).to(tl.float16)
-        else:  # bf16
-            v = tl.load(V + slot[:, None] * stride_vt + kvh * D + offs_d[None, :]).to(tl.float16)
-        acc = tl.dot(p, v, acc)
+        if MODE == 3:  # bf16, as loaded
+            acc = tl.dot(p.to(tl.bfloat16), tl.load(V + slot[:, None] * stride_vt + kvh * D + offs_d[None, :]), acc)
+        else:
+            acc = tl.dot(p, v, acc)
     out = Out + ((b * tl.num_programs(1) + kvh) * tl.num_programs(2) + split) * 16 * D
     tl.store(out + tl.arange(0, 16)[:, None] * D + offs_d[None, :], acc)
 
