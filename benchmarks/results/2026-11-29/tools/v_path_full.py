@@ -4,8 +4,6 @@ the PV probe put the second at 79.5% and the first at 61% of the copy ceiling fo
 python benchmarks/results/2026-11-29/tools/v_path_full.py
 """
 
-import dataclasses
-
 import torch
 
 from pdserve.bench.decode_sweep import time_config
