@@ -32,7 +32,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split_len: int = 256
-    v_words: bool = True  # an FP8 cache's V tiles as 32-bit words unpacked in registers (V_WORDS), else as FP8 tiles
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
@@ -318,8 +317,7 @@ def decode_attention(
     scratch = (workspace.partial_o, workspace.partial_lse, workspace.counters) if workspace else (out, out, out)
     fp8 = k_cache.dtype.itemsize == 1
     cfg = config or decode_config(batch, fp8)
-    words = fp8 and cfg.v_words
-    v_words = v_cache.view(torch.int32) if words else v_cache  # V_WORDS: head_dim is a multiple of 4 (16 or more)
+    v_words = v_cache.view(torch.int32) if fp8 else v_cache  # V_WORDS: head_dim is a multiple of 4 (16 or more)
     assert amax_parts is None or (amax_parts.shape == (batch, num_kv_heads) and amax_parts.stride(1) == 1)
     amax_out = out if amax_parts is None else amax_parts
     _decode_split_kernel[(batch, num_kv_heads, max_splits)](
@@ -329,7 +327,7 @@ def decode_attention(
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=words, AMAX=amax_parts is not None,
+        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, AMAX=amax_parts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )
