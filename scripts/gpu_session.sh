@@ -35,7 +35,7 @@
 #                speed as calibrated ones), then with the LM head in FP8 too (about 6 minutes)
 #   decode_stages the decode kernel's block-shape sweep at batch 64 and 256, bf16 and FP8 pages (about 6 minutes)
 #   decode_long  the same sweep at 16k contexts (llama heads, batch 32 and 64; split bounds 1x, 2x, 4x the engine's),
-#                bf16 and FP8 pages: where the 16k decode step's time over its ideal goes (about 8 minutes, unmeasured)
+#                bf16 and FP8 pages (about 8 minutes; not run as a suite: its cases ran in session 13's tools)
 #   fp8_long     long contexts, one GPU: batch 8 at 16k bf16 against FP8 weights + FP8 KV; batch 64 at 16k with FP8
 #                weights + FP8 KV alone (its bf16 KV does not fit one GPU; an H200 for this one; about 9 minutes)
 #   fp8_offline  the offline workload (qwen3-0.6b) bf16 against FP8 weights + FP8 KV (about 4 minutes)
