@@ -3,7 +3,7 @@
 python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
     [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
     [--targets-results benchmarks/results/2026-11-27e] [--pdl-again-results benchmarks/results/2026-11-27f]
-    [--batch1-results benchmarks/results/2026-11-27g]
+    [--batch1-results benchmarks/results/2026-11-27g] [--decode-halves-results benchmarks/results/2026-11-29]
     [--out docs/img]
 """
 
@@ -282,6 +282,37 @@ def plot_amax_preload(results: Path, out: Path) -> None:
                "llama-3.1-8b, H100, 2026-11-27 (ninth session; 4k: FP8 weights + FP8 KV)", out / "fp8_amax_preload.png")
 
 
+def best_share(log: Path, prefix: str) -> float:
+    """The highest "NN.N%" of the lines of a probe log starting with prefix."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith(prefix) and "%" in line]
+    return max(float(re.search(r"([\d.]+)%", line)[1]) for line in lines)
+
+
+def plot_decode_halves(results: Path, out: Path) -> None:
+    """The thirteenth session's probes of the FP8-page decode kernel at batch 64 x 4k (H200): each half alone (share
+    of the copy ceiling for the bytes it reads, best block shape) against the whole kernel."""
+    qk, pv, whole = (results / "call7_qk_probe/qk_probe.log", results / "call8_pv_probe/pv_probe.log",
+                     results / "call9_v_path_full/v_path_full.log")
+    cases = [("QK: K converted\n(today)", best_share(qk, "64x4096 converted")),
+             ("QK: K into an\nFP8 MMA", best_share(qk, "64x4096 FP8 MMA")),
+             ("PV: V words\n(today)", best_share(pv, "64x4096 words")),
+             ("PV: V bytes,\ninline PTX", best_share(pv, "64x4096 asm")),
+             ("PV: V FP8 tiles\ninto the dot", best_share(pv, "64x4096 direct")),
+             ("PV: bf16 V", best_share(pv, "64x4096 bf16")),
+             ("whole kernel\n(today)", best_share(whole, "bs64 ctx4096 bn= 64 w=4 s=3 words=1 splits=2")),
+             ("whole kernel,\nV FP8 tiles", best_share(whole, "bs64 ctx4096 bn=128 w=4 s=3 words=0"))]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    colors = ["#55a868", "#55a868", "#c44e52", "#8c8c8c", "#8c8c8c", "#4c72b0", "#c44e52", "#8c8c8c"]
+    bars = ax.bar([c[0] for c in cases], [c[1] for c in cases], color=colors, label="best block shape")
+    for bar, (_, value) in zip(bars, cases):
+        ax.annotate(f"{value:.0f}%", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
+    ax.axhline(100 / 1.15, ls="--", color="gray", label="target: 1.15x the ideal time")
+    ax.set_ylim(0, 115)
+    finish(fig, ax, "% of the copy ceiling (its bytes)",
+           "FP8-page decode attention, llama-3.1-8b heads, batch 64 x 4k, H200, 2026-11-29", out / "fp8_decode_halves.png",
+           legend_at="lower right")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
@@ -292,6 +323,7 @@ def main() -> None:
     parser.add_argument("--batch1-results", type=Path, default=Path("benchmarks/results/2026-11-27g"))
     parser.add_argument("--pdl-shipped-results", type=Path, default=Path("benchmarks/results/2026-11-27h"))
     parser.add_argument("--amax-preload-results", type=Path, default=Path("benchmarks/results/2026-11-27i"))
+    parser.add_argument("--decode-halves-results", type=Path, default=Path("benchmarks/results/2026-11-29"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +336,7 @@ def main() -> None:
     plot_batch1_fusion(args.batch1_results, args.out)
     plot_pdl_shipped(args.pdl_shipped_results, args.out)
     plot_amax_preload(args.amax_preload_results, args.out)
+    plot_decode_halves(args.decode_halves_results, args.out)
 
 
 if __name__ == "__main__":
