@@ -71,12 +71,12 @@ def test_decode_marks_kv_landed_when_kv_done_arrives(tiny_model):
                 prefill_marks |= out.stage_marks or {}
         assert decode.role.link.handoffs[8100].poll == KVPoll.WAITING_FOR_INPUT  # no decode step read kv_done yet
         assert readable(decode.role.link.channel.wakeup_fd)
-        seen = time.monotonic()
-        time.sleep(0.2)  # a step that comes late
+        time.sleep(0.2)  # a step that comes late (kv_done reaches the decode's channel meanwhile: it was sent)
+        step_at = time.monotonic()
         decode_marks: dict[str, float] = {}
         for out in decode.step():
             decode_marks |= out.stage_marks or {}
-        assert prefill_marks[KV_WRITES_LANDED] <= decode_marks[KV_LANDED] <= seen
+        assert prefill_marks[KV_WRITES_LANDED] <= decode_marks[KV_LANDED] < step_at
     finally:
         prefill.close()
         decode.close()
