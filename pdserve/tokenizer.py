@@ -25,7 +25,9 @@ def load_tokenizer(args: ServerArgs) -> Any:
 def pack_tokenizer(tokenizer: Any) -> bytes:
     """A loaded tokenizer as bytes for another process (`unpack_tokenizer`). Unpacking imports only the tokenizer's
     class; loading it again would import torch too (AutoTokenizer reads the model's config through transformers'
-    configuration module, which imports torch wherever it is installed): about 3 CPU-seconds a process."""
+    configuration module, which imports torch wherever it is installed): about 3 CPU-seconds a process.
+    Pickle, as multiprocessing passes every spawned child its arguments: only from a server to the children it
+    spawns, never over a socket (messages between processes and hosts are msgpack, `pdserve.messages`)."""
     return pickle.dumps(tokenizer)
 
 
