@@ -61,11 +61,14 @@ start() {
 PDSERVE_TUNED_TABLES=none start bf16_empty 150 "$CACHES/bf16"
 PDSERVE_TUNED_TABLES=none start fp8_empty 330 "$CACHES/fp8" --quantization fp8
 PDSERVE_TUNED_TABLES=none start fp8_warm 120 "$CACHES/fp8" --quantization fp8
-# the llama preset's run makes the table anew; another preset's entries join the shipped table's
-mkdir -p "$OUT/tuned"
-[ "$PRESET" = llama-3.1-8b ] || cp pdserve/kernels/tuned/*.json "$OUT/tuned/" 2> /dev/null
-TAILN=4 step 30 export_tuned_table python3 -m pdserve.tools.export_tuned_table "$CACHES/bf16" "$CACHES/fp8" \
-  --out "$OUT/tuned" $([ "$PRESET" = llama-3.1-8b ] && echo --replace)
+if [ "$PRESET" = llama-3.1-8b ]; then  # the table made anew
+  TAILN=4 step 30 export_tuned_table python3 -m pdserve.tools.export_tuned_table "$CACHES/bf16" "$CACHES/fp8" \
+    --out "$OUT/tuned" --replace
+else  # another preset's entries join the shipped table's
+  mkdir -p "$OUT/tuned" && cp pdserve/kernels/tuned/*.json "$OUT/tuned/"
+  TAILN=4 step 30 export_tuned_table python3 -m pdserve.tools.export_tuned_table "$CACHES/bf16" "$CACHES/fp8" \
+    --out "$OUT/tuned"
+fi
 cp "$OUT"/tuned/*.json pdserve/kernels/tuned/
 start fp8_table 150 "$CACHES/fp8_table" --quantization fp8
 PDSERVE_TUNED_TABLES=none start bf16_warm 120 "$CACHES/bf16"
