@@ -309,8 +309,8 @@ def plot_decode_halves(results: Path, out: Path) -> None:
     ax.axhline(100 / 1.15, ls="--", color="gray", label="target: 1.15x the ideal time")
     ax.set_ylim(0, 115)
     finish(fig, ax, "% of the copy ceiling (its bytes)",
-           "FP8-page decode attention, llama-3.1-8b heads, batch 64 x 4k, H200, 2026-11-29", out / "fp8_decode_halves.png",
-           legend_at="lower right")
+           "FP8-page decode attention, llama-3.1-8b heads, batch 64 x 4k, H200, 2026-11-29",
+           out / "fp8_decode_halves.png", legend_at="lower right")
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 
 python -m pdserve.bench.decode_sweep --out FILE.json [--kv-dtype fp8_e4m3]
 Cases are the engine's: llama-3.1-8b heads (32 q / 8 kv) at batch 1, 8 and 64 (1k and 4k contexts) and at 16k
-(batch 32 and 64), qwen3-0.6b heads (16 / 8) at batch 256 with uniform and mixed context lengths. Each config's output is checked against the
-default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep).
+(batch 32 and 64), qwen3-0.6b heads (16 / 8) at batch 256 with uniform and mixed context lengths. Each config's
+output is checked against the default's. With `--kv-dtype fp8_e4m3` the cache holds FP8 (half the bytes a token; wider KV blocks join the sweep).
 From batch 16 up the split bound doubles and quadruples too.
 """
 

@@ -10,7 +10,8 @@ Where the pages are written: when the decode offered a receive-staging slot (`tr
 for it (`staging_ask`) once the request's computing begins and its page list is known, never while it waits in the
 queue, and holds its writes until the answer (`staging_slot`: the slot, or none), at most
 `--disaggregation-staging-wait-ms` from the first write held; the KV then goes into the slot, or into the pages when
-none came in time, and `kv_done` says which. With tensor parallelism every rank handles the answer, and the wait's end, at the same step.
+none came in time, and `kv_done` says which. With tensor parallelism every rank handles the answer, and the wait's
+end, at the same step.
 
 Computing ahead is bounded: requests queued without a page list may claim at most
 `--disaggregation-prefill-ahead-share` of the pool (their whole prompts' pages); beyond it a request waits for its

@@ -139,8 +139,8 @@ def test_staged_handoffs_equal_colocated_on_scattered_decode_pages(tiny_model, s
 
 
 def test_a_handoff_that_finds_no_room_in_the_arena_writes_its_pages(tiny_model):
-    """Its ask waits for room on the decode while its prefill waits for the answer (`--disaggregation-staging-wait-ms`): then the
-    KV goes into the pages, and `kv_done` says so, which ends the ask."""
+    """Its ask waits for room on the decode while its prefill waits for the answer
+    (`--disaggregation-staging-wait-ms`): then the KV goes into the pages, and `kv_done` says so, which ends the ask."""
     pair = make_pair(tiny_model, disaggregation_staging_mb=1)
     full = pair[1].role.receive.arena.size
     assert staged_missed_late(tiny_model, pair, full, (31,), seed=4, first_room=950) == (0, 1, 0)
