@@ -7,7 +7,7 @@ import select
 import time
 
 import pytest
-from test_pd_schedulers import make_pair, pd_req
+from test_pd_schedulers import make_pair, pd_req, send_page_lists
 
 from pdserve.disagg.control_channel import ControlChannel
 from pdserve.disagg.control_messages import FirstToken, KVDone, PeerDead, WriteDone
@@ -60,10 +60,8 @@ def test_decode_marks_kv_landed_when_kv_done_arrives(tiny_model):
         prompt = list(range(20, 60))
         for s in (prefill, decode):
             s.add_request(pd_req("landed", prompt, port, room=8100, n=4))
+        send_page_lists(decode, range(8100, 8101), WAIT_S)
         deadline = time.monotonic() + WAIT_S
-        while decode.role.link.handoffs[8100].poll != KVPoll.WAITING_FOR_INPUT:  # until its page ids went out
-            assert time.monotonic() < deadline
-            decode.step()
         prefill_marks: dict[str, float] = {}
         while "landed" in prefill.reqs:  # until the prefill's last write landed and its kv_done left
             assert time.monotonic() < deadline

@@ -10,7 +10,7 @@ import pytest
 from cluster_util import free_port
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
+from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST, KVPoll
 from pdserve.disagg.factory import create_scheduler
 from pdserve.disagg.transfer.base import TransferError
 from pdserve.sampling_params import SamplingParams
@@ -81,7 +81,19 @@ def colocated_ids(model, prompts: list[list[int]]) -> list[list[int]]:
     return [outs[(0, str(i))]["ids"] for i in range(len(prompts))]
 
 
-def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, first_room: int) -> None:
+def send_page_lists(decode: Scheduler, rooms: range, timeout: float = 30.0) -> None:
+    """Step the decode alone until every room's page list went out to its prefill (WAITING_FOR_INPUT)."""
+    deadline = time.monotonic() + timeout
+    while any(decode.role.link.handoffs[room].poll != KVPoll.WAITING_FOR_INPUT for room in rooms):
+        assert time.monotonic() < deadline, "the decode did not send its page lists in time"
+        decode.step()
+
+
+def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, first_room: int,
+                              page_lists_first: bool = False) -> None:
+    """PD's greedy outputs equal colocated's; page_lists_first: the decode's page lists reach the prefill before
+    its first step, so every chunk's KV may be pushed as it is computed (else that depends on the race between the
+    two schedulers)."""
     prefill, decode, port = pair
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 900) for _ in range(n)] for n in lengths]
@@ -89,6 +101,8 @@ def check_pd_equals_colocated(model, pair, lengths: tuple[int, ...], seed: int, 
     for i, p in enumerate(prompts):
         for s in (prefill, decode):
             s.add_request(pd_req(str(i), p, port, room=first_room + i))
+    if page_lists_first:
+        send_page_lists(decode, range(first_room, first_room + len(prompts)))
     got = run([prefill, decode])
     for i in range(len(prompts)):
         assert got[(1, str(i))]["ids"] == expected[i]
@@ -108,7 +122,8 @@ def test_layerwise_push_matches_colocated(model):
     prefill.role.writers.submit = lambda job: (span_counts.append(sum(len(p.spans()[2]) for p in job.pieces)),
                                                submit(job))
     try:
-        check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300)
+        check_pd_equals_colocated(model, (prefill, decode, port), (3, 40, 130), seed=1, first_room=300,
+                                  page_lists_first=True)
         num_layers = prefill.model_config.num_layers
         # a job of 2 spans is one page run of one layer (a whole-chunk push has 2 x num_layers per run)
         assert num_layers > 1 and span_counts.count(2) >= 2 * num_layers
