@@ -180,6 +180,8 @@ def test_a_compile_timing_out_on_one_side_only_fails_cleanly_and_pd_keeps_servin
             assert prefill.kv_pool_is_fully_free() and decode.kv_pool_is_fully_free()
             assert not prefill.has_work() and not decode.has_work()
         monkeypatch.undo()  # the usual timeout: a first JSON schema compile may take longer than 0.05 s
+        for s in scheds:  # and longer than the pair's 1 s bootstrap timeout on a busy machine: compiled before
+            s.grammar_queue.compile_untimed(GrammarSpec("json_schema", json.dumps(SCHEMA)))
         got = serve_pd((prefill, decode, port), "next", prompt(6, 20), constrained(40), room=402)
         assert got["finish"]["type"] == "stop", got
         jsonschema.validate(json.loads(text_of(decode, got["ids"])), SCHEMA)
