@@ -169,3 +169,61 @@ def test_fp8_store_and_attention_cuda(dtype):
         ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
                                   reference_pool, batch, 128**-0.5)
         assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
+
+
+TOKEN_ROWS_SHAPES = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 4, 3), (128, 8, 3), (256, 8, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", TOKEN_ROWS_SHAPES, ids=lambda s: "bn%d-w%d-s%d" % s)
+@pytest.mark.parametrize("dtype", FP8)
+def test_decode_with_the_tokens_as_rows_cuda(dtype, shape):
+    """The compiled token-rows loop (warpgroup MMAs, words converted by inline PTX) at each block shape the engine
+    may take, split and not: the output the float32 reference computes from the dequantized pages, over shuffled
+    pages of 16 with partial last blocks, llama's group of 4 query heads a kv head."""
+    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
+
+    block_n, warps, stages = shape
+    batch, pool, q, k, v = make_batch([(0, 1), (700, 1), (3000, 1), (129, 1)], page_size=16, num_heads=16,
+                                      num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                                      mode=ForwardMode.DECODE)
+    fp8 = KVPool(dataclasses.replace(pool.layout, dtype=dtype, scales=KVScales((0.02,), (0.03,))), "cuda")
+    fp8.store(0, torch.arange(pool.layout.num_slots, device="cuda"), pool.k_buffer(0), pool.v_buffer(0))
+    fp8.store(0, batch.out_cache_loc, k, v)
+    dequantized = KVPool(dataclasses.replace(pool.layout, dtype=torch.float32), "cuda")
+    dequantized.buffer.copy_(torch.stack([dequantize(fp8.buffer[0], 0.02), dequantize(fp8.buffer[1], 0.03)]))
+    loc = batch.out_cache_loc
+    ref = reference_attention(q, dequantized.k_buffer(0)[loc], dequantized.v_buffer(0)[loc], dequantized, batch,
+                              128**-0.5)
+    for max_splits in (1, 8):
+        out = torch.full_like(q, float("nan"))
+        workspace = decode_workspace(4, 16, 4, 128, max_splits, "cuda")
+        config = DecodeConfig(block_n, warps, stages, min_split_len=256, token_rows=True)
+        decode_attention(q, fp8.k_buffer(0), fp8.v_buffer(0), batch.page_table, batch.seq_lens, out, 128**-0.5, 16,
+                         max_splits, workspace, config, 0.02, 0.03)
+        assert workspace is None or not workspace.counters.any()
+        assert rel_err(out, ref) < 1e-2, max_splits
+
+
+@pytest.mark.parametrize("max_splits", [1, 8])
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_decode_with_the_tokens_as_rows_reads_fp8_pages_as_the_head_rows_do(interpreted, max_splits, dtype, q_dtype):
+    """`DecodeConfig.token_rows` transposes the products (K q^T, V^T P), not what they compute: the output of the
+    head-rows loop over shuffled FP8 pages, split or not, a request shorter than one block, a partial last block."""
+    from pdserve.kernels.attention import DecodeConfig, decode_attention, decode_workspace
+
+    batch, pool, q, k, v = make_batch([(0, 1), (70, 1), (600, 1)], page_size=4, num_heads=8, num_kv_heads=2,
+                                      head_dim=64, dtype=torch.float32, device="cpu", mode=ForwardMode.DECODE)
+    cache = fp8_copy(pool, dtype, KVScales((0.02,), (0.03,)))
+    outs = []
+    for token_rows in (False, True):
+        out = torch.full_like(q, float("nan"), dtype=q_dtype)
+        workspace = decode_workspace(3, 8, 2, 64, max_splits, "cpu")
+        decode_attention(q.to(q_dtype), cache.k_buffer(0), cache.v_buffer(0), batch.page_table, batch.seq_lens, out,
+                         0.125, 4, max_splits, workspace, DecodeConfig(block_n=32, min_split_len=64,
+                                                                       token_rows=token_rows), 0.02, 0.03)
+        assert workspace is None or not workspace.counters.any()
+        outs.append(out.float())
+    assert not outs[0].isnan().any() and outs[0].abs().max() > 0
+    assert rel_err(outs[1], outs[0]) < (1e-6 if q_dtype == torch.float32 else 1e-2)
