@@ -32,7 +32,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     min_split_len: int = 256
-    token_rows: bool = False  # FP8 caches: the tokens are the MMAs' rows (see _token_rows_loop)
 
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
@@ -127,22 +126,6 @@ def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.c
     return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [ROWS, COLS])
 
 
-@triton.jit
-def _fp8_words_to_f16(words, fp8_type: tl.constexpr, PTX: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS // 4] int32 words, each four FP8 values in memory order, -> [ROWS, COLS] fp16.
-    PTX (CUDA): each half of a word converted by one `cvt.rn.f16x2` (from the FP8 values as Triton 3.6 converts them,
-    it splits the word into bytes and pairs them up again: four times the instructions); else Triton's conversion
-    (the interpreter). Both exact: every FP8 value is an fp16."""
-    if PTX:
-        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if fp8_type == tl.float8e5 else "cvt.rn.f16x2.e4m3x2"
-        h0, h1, h2, h3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; " + cvt + " a, lo; " + cvt + " b, hi; "
-            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
-            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-        return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [ROWS, COLS])
-    return _fp8_words_to(words, fp8_type, tl.float16, ROWS, COLS)
-
-
 @triton.jit(do_not_specialize=["stride_pb"])  # the page table's width varies with the batch: one variant for all
 def _decode_split_kernel(
     Q, K, V, PageTable, SeqLens, Out, PartialO, PartialLse, Counters, AmaxOut,
@@ -150,7 +133,7 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    V_WORDS: tl.constexpr, TOKEN_ROWS: tl.constexpr, PTX: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
+    V_WORDS: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -161,8 +144,6 @@ def _decode_split_kernel(
     registers before shared memory. The PV product takes V transposed, which 16-bit values get from transposing
     ldmatrix loads and 8-bit ones, for Triton 3.6 on sm_90, from byte-by-byte shared-memory loads (H100, 2026-11-27,
     batch 64 x 4k, llama-8b heads: 219.5 -> 208.8 us, 81% -> 86% of the copy ceiling).
-    TOKEN_ROWS (an FP8 cache, V as words): the loop of _token_rows_loop, tokens as the MMAs' rows; PTX: its FP8 words
-    converted by inline PTX (CUDA only).
     AMAX: the program writing the output of (b, kvh) also writes the amax of its rounded values to
     AmaxOut[b, kvh] (stride_ab): the parts of each row's amax an FP8 o projection reads
     (`pdserve.kernels.pending_rows.RowsWithAmax`)."""
@@ -186,45 +167,10 @@ def _decode_split_kernel(
     if FP16_DOTS:
         q = q.to(tl.float16)
 
-    page_row = PageTable + b.to(tl.int64) * stride_pb
-    if TOKEN_ROWS:
-        acc, m_i, l_i = _token_rows_loop(q, K, V, page_row, start, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                         sm_scale_log2, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N, PTX)
-    else:
-        acc, m_i, l_i = _head_rows_loop(q, K, V, page_row, start, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh,
-                                        sm_scale_log2, BLOCK_H, HEAD_DIM, PAGE_SIZE, BLOCK_N, V_WORDS)
-
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    launch_next(PDL)
-    out = acc / l_safe[:, None] * v_scale
-    if MAX_SPLITS == 1:
-        o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
-    else:
-        # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
-        row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
-        tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(PartialLse + row, lse, mask=mask_g)
-        tl.debug_barrier()  # every thread's partials stored before the counter's release
-        counter = Counters + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            out = _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, BLOCK_H, HEAD_DIM, MAX_SPLITS)
-            _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
-            tl.store(counter, 0)
-
-
-@triton.jit
-def _head_rows_loop(q, K, V, page_row, start, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2,
-                    BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    V_WORDS: tl.constexpr):
-    """The online softmax over positions start..end-1 with the query heads as the MMAs' rows (16: GROUP padded);
-    returns the unnormalized output [BLOCK_H, HEAD_DIM], the running max and sum (log2 domain)."""
-    offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    page_row = PageTable + b.to(tl.int64) * stride_pb
     # The pages of block n0 are loaded an iteration ahead: with K and V addresses made from a load of the same
     # iteration Triton 3.6 does not pipeline the K and V copies at all (one buffer, `cp.async.wait_group 0` each
     # iteration, whatever num_stages); from a loop-carried value it keeps num_stages - 1 blocks in flight.
@@ -252,46 +198,26 @@ def _head_rows_loop(q, K, V, page_row, start, end, kvh, stride_kt, stride_kh, st
                         other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
-    return acc, m_i, l_i
 
-
-@triton.jit
-def _token_rows_loop(q, K, V, page_row, start, end, kvh, stride_kt, stride_kh, stride_vt, stride_vh, sm_scale_log2,
-                     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PTX: tl.constexpr):
-    """_head_rows_loop for an FP8 cache with the products transposed: scores K q^T and output V^T P, the block's
-    BLOCK_N tokens as the MMAs' rows (from 64 rows Hopper's warpgroup MMA, its operands in shared memory), K and V
-    loaded as words and converted to fp16 before shared memory. Against the head rows with the GROUP of 4 padded to
-    16 rows, Triton 3.6's code for sm_90 runs about 25 instead of 45 warp instructions a token (compiled for sm_90,
-    llama-8b heads), the loop's bound with FP8 pages. V: int32 words (strides in words); K: FP8, read as words."""
-    k_words = K.to(tl.pointer_type(tl.int32))
-    offs_w = tl.arange(0, HEAD_DIM // 4)
-    q_t = tl.trans(q)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc_t = tl.zeros([HEAD_DIM, BLOCK_H], tl.float32)
-    first = start + tl.arange(0, BLOCK_N)
-    pages = tl.load(page_row + first // PAGE_SIZE, mask=first < end, other=0)  # a block ahead: see _head_rows_loop
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        mask_n = pos < end
-        slot = pages.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
-        ahead = pos + BLOCK_N
-        pages = tl.load(page_row + ahead // PAGE_SIZE, mask=ahead < end, other=0)
-        k = tl.load(k_words + slot[:, None] * (stride_kt // 4) + kvh * (stride_kh // 4) + offs_w[None, :],
-                    mask=mask_n[:, None], other=0)
-        k = _fp8_words_to_f16(k, K.dtype.element_ty, PTX, BLOCK_N, HEAD_DIM).to(q.dtype)
-        s = tl.dot(k, q_t) * sm_scale_log2
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[None, :])
-        l_i = l_i * alpha + tl.sum(p, 0)
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_w[None, :], mask=mask_n[:, None], other=0)
-        v = _fp8_words_to_f16(v, K.dtype.element_ty, PTX, BLOCK_N, HEAD_DIM).to(q.dtype)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p.to(q.dtype))
-        m_i = m_new
-    return tl.trans(acc_t), m_i, l_i
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    launch_next(PDL)
+    out = acc / l_safe[:, None] * v_scale
+    if MAX_SPLITS == 1:
+        o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
+    else:
+        # PartialO: [B, H_q, MAX_SPLITS, HEAD_DIM] fp32, PartialLse: [B, H_q, MAX_SPLITS] fp32 (log2 domain)
+        row = (b * tl.num_programs(1) * GROUP + heads) * MAX_SPLITS + split
+        tl.store(PartialO + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_g[:, None])
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(PartialLse + row, lse, mask=mask_g)
+        tl.debug_barrier()  # every thread's partials stored before the counter's release
+        counter = Counters + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            o_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            out = _merge_splits(PartialO, PartialLse, row - split, splits, mask_g, BLOCK_H, HEAD_DIM, MAX_SPLITS)
+            _store_output(o_ptrs, out, mask_g, AmaxOut + b * stride_ab + kvh, AMAX)
+            tl.store(counter, 0)
 
 
 @triton.jit
@@ -401,8 +327,7 @@ def decode_attention(
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, TOKEN_ROWS=fp8 and cfg.token_rows,
-        PTX=q.device.type == "cuda", AMAX=amax_parts is not None,
+        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, AMAX=amax_parts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )

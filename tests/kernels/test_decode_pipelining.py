@@ -16,7 +16,7 @@ pytestmark = needs_ptxas
 
 
 DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256,
-              TOKEN_ROWS=False, PTX=True, AMAX=False, PDL=False)
+              AMAX=False, PDL=False)
 
 
 def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):
@@ -69,15 +69,3 @@ def test_fp8_v_reaches_the_mma_through_transposing_loads():
     as_bytes = compile_for_sm90("_decode_split_kernel", "fp8e4nv", dict(constants, V_WORDS=False), 3).asm["ptx"]
     assert "ld.shared.b8" in as_bytes and "ld.shared.b8" not in words
     assert re.search(r"ldmatrix\S*\.trans", words) and not re.search(r"ldmatrix\S*\.trans", as_bytes)
-
-
-def test_fp8_token_rows_run_warpgroup_mmas_on_words_converted_by_ptx():
-    """With the tokens as the MMAs' rows the FP8 loop runs Hopper's warpgroup MMAs (64 token rows), converts each
-    word's halves with one `cvt.rn.f16x2.e4m3x2` each (no byte gathers from shared memory), and keeps the K and V
-    copies in flight; the head-rows loop runs `mma.sync` on 16 padded rows."""
-    constants = dict(DECODE, BLOCK_N=128, FP16_DOTS=True, V_WORDS=True)
-    rows = compile_for_sm90("_decode_split_kernel", "fp8e4nv", dict(constants, TOKEN_ROWS=True), 3).asm["ptx"]
-    heads = compile_for_sm90("_decode_split_kernel", "fp8e4nv", constants, 3).asm["ptx"]
-    assert "wgmma.mma_async" in rows and "wgmma.mma_async" not in heads and "mma.sync" in heads
-    assert "cvt.rn.f16x2.e4m3x2" in rows and "ld.shared.b8" not in rows
-    assert "cp.async.wait_group \t2;" in rows
