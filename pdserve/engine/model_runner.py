@@ -18,6 +18,7 @@ from pdserve.engine.cuda_graph import CudaGraphRunner, capture_sizes
 from pdserve.engine.sampler import Sampler, SamplingTensors
 from pdserve.forward_batch import ForwardBatch
 from pdserve.kernels import tuning_cache
+from pdserve.kernels.parallel_compile import shared_workers
 from pdserve.kernels.skinny import SkinnyTuner
 from pdserve.layers.linear import ColumnParallelLinear, GateUpLinear, ParallelLMHead, QKVLinear, RowParallelLinear
 from pdserve.mem_cache.kv_pool import KVLayout, KVPool
@@ -79,8 +80,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
             rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
             linears = self._linear_layers()
-            SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
-            self._tune_fp8_rows(rows, [m for m in linears if m.weight_scale is not None])
+            with shared_workers():  # the tuners' kernels compiled ahead in one pool of processes
+                SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
+                self._tune_fp8_rows(rows, [m for m in linears if m.weight_scale is not None])
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
         if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:

@@ -22,7 +22,7 @@ import json
 import math
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import tuning_cache
 from pdserve.kernels.fp8_rows import Fp8Rows
+from pdserve.kernels.parallel_compile import precompile
 from pdserve.kernels.pending_rows import PendingNorm, RowsWithAmax
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,20 @@ def _finite(us: float) -> float | None:
     return us if math.isfinite(us) else None
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One (weight, rows) a tuner chooses for; cached / shipped: (choice, (baseline us, best us)) from this
+    machine's tuning cache / the shipped table, or None."""
+
+    weight: torch.Tensor
+    rows: int
+    x: object
+    entry: str
+    cache: tuning_cache.TuningCache | None
+    cached: tuple[object, tuple[float, float]] | None
+    shipped: tuple[object, tuple[float, float]] | None
+
+
 class SkinnyTuner:
     """Times a baseline and every candidate config on each weight shape for each row count up to max_rows; records
     the fastest for `skinny_choice` (keyed by the weight's dtype, so bf16 and FP8 weights of one shape are tuned
@@ -178,37 +193,34 @@ class SkinnyTuner:
              candidate: Callable = lambda x, w, cfg: skinny_linear(x, w, None, cfg),
              prepare: Callable | None = None) -> dict:
         """baseline(x, w) and candidate(x, w, cfg) compute x @ w.T; x is x_dtype (None: the weight's), or what
-        prepare makes of it outside the timing (`Fp8Rows`: the choice is then recorded for such rows)."""
+        prepare makes of it outside the timing (`Fp8Rows`: the choice is then recorded for such rows). The kernels
+        the shipped choices and the timings will launch are compiled ahead, in parallel (`parallel_compile`)."""
         start = time.perf_counter()
         shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if _tunable(w)}
-        report = {}
-        caches, sources = {}, {"cache": 0, "table": 0}
-        for (n, k, dtype), w in shapes.items():
-            cache = tuning_cache.for_device(w.device)  # None: off
-            if cache is not None:
-                caches[id(cache)] = cache
-            table = tuning_cache.shipped_entries(w.device)
-            weight = None  # the cold copies, made on the first miss only
-            for m in self.rows:
-                x = torch.randn(m, k, device=w.device, dtype=x_dtype or dtype)
-                x = prepare(x) if prepare else x
-                entry = self._entry(m, n, k, dtype, x_dtype or dtype, input_kind(x))
-                hit, source = self._lookup(cache, table, entry, m, lambda cfg: candidate(x, w, cfg))
-                if hit is not None:
-                    choice, times = hit
-                    sources[source] += 1
-                else:
-                    weight = weight or cold_weights(w)
-                    reference = _graph_us(lambda: baseline(x, weight()))
-                    best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
-                                        default=(float("inf"), None))
-                    choice, times = (best if best_us < reference else None), (reference, best_us)
-                    if cache is not None:
-                        cache.put(entry, {"config": None if choice is None else dataclasses.asdict(choice),
-                                          "baseline_us": _finite(reference), "best_us": _finite(best_us)})
-                _choice[(m, n, k, dtype, input_kind(x), self.epilogue)] = choice
-                report[(m, n, k)] = times
-        for cache in caches.values():
+        plans = [self._plan(w, m, x_dtype or w.dtype, prepare) for w in shapes.values() for m in self.rows]
+        if any(plan.weight.is_cuda for plan in plans):
+            precompile(lambda: self._launch_once(plans, baseline, candidate))
+        report, sources = {}, {"cache": 0, "table": 0}
+        weights_cold = {}  # each shape's cold copies, made on its first miss only
+        for plan in plans:
+            x, w, m = plan.x, plan.weight, plan.rows
+            hit, source = self._lookup(plan, lambda cfg: candidate(x, w, cfg))
+            if hit is not None:
+                choice, times = hit
+                sources[source] += 1
+            else:
+                weight = weights_cold.setdefault(id(w), cold_weights(w))
+                reference = _graph_us(lambda: baseline(x, weight()))
+                best_us, best = min(self._timings(x, weight, candidate), key=lambda t: t[0],
+                                    default=(float("inf"), None))
+                choice, times = (best if best_us < reference else None), (reference, best_us)
+                if plan.cache is not None:
+                    plan.cache.put(plan.entry, {"config": None if choice is None else dataclasses.asdict(choice),
+                                                "baseline_us": _finite(reference), "best_us": _finite(best_us)})
+            n, k = w.shape
+            _choice[(m, n, k, w.dtype, input_kind(x), self.epilogue)] = choice
+            report[(m, n, k)] = times
+        for cache in {id(p.cache): p.cache for p in plans if p.cache is not None}.values():
             cache.save()
         faster = [key for key, (reference, best) in report.items() if best < reference]
         logger.info("%s tuned %d shapes x rows %s in %.1f s (%d of %d from the tuning cache, %d from the shipped "
@@ -219,6 +231,30 @@ class SkinnyTuner:
                               for m, n, k in faster))
         return report
 
+    def _plan(self, w: torch.Tensor, m: int, x_dtype: torch.dtype, prepare: Callable | None) -> _Plan:
+        """One (weight shape, rows) to choose for: its sample rows, its key, and what this machine's tuning cache
+        and the shipped table hold for it."""
+        x = torch.randn(m, w.shape[1], device=w.device, dtype=x_dtype)
+        x = prepare(x) if prepare else x
+        entry = self._entry(m, w.shape[0], w.shape[1], w.dtype, x_dtype, input_kind(x))
+        cache = tuning_cache.for_device(w.device)  # None: off
+        cached = self._stored(cache.get(entry), m) if cache is not None else None
+        shipped = self._stored(tuning_cache.shipped_entries(w.device).get(entry), m) if cached is None else None
+        return _Plan(w, m, x, entry, cache, cached, shipped)
+
+    def _launch_once(self, plans: list[_Plan], baseline: Callable, candidate: Callable) -> None:
+        """What the tuning will launch: each shipped choice's config, and where neither the cache nor the table
+        has a choice, the baseline and every candidate."""
+        for plan in plans:
+            if plan.cached is not None or (plan.shipped is not None and plan.shipped[0] is None):
+                continue
+            configs = [plan.shipped[0]] if plan.shipped is not None else [None, *self.candidates(plan.rows)]
+            for cfg in configs:
+                if cfg is None:
+                    baseline(plan.x, plan.weight)
+                else:
+                    candidate(plan.x, plan.weight, cfg)
+
     def _entry(self, m: int, n: int, k: int, dtype: torch.dtype, x_dtype: torch.dtype,
                kind: torch.dtype | str) -> str:
         """The tuning cache's key of one choice: this tuner, the shape and rows, the weight's and the rows' dtypes,
@@ -226,15 +262,15 @@ class SkinnyTuner:
         return json.dumps([self.label, self.epilogue, m, n, k, str(dtype), str(x_dtype), str(kind),
                            tuning_cache.digest(tuple(self.candidates(m)))])
 
-    def _lookup(self, cache: tuning_cache.TuningCache | None, table: Mapping[str, object], entry: str, m: int,
-                run: Callable[[object], object]) -> tuple[tuple[object, tuple[float, float]] | None, str]:
-        """(the choice, (baseline us, best us)) stored for entry and where it came from: this machine's tuning cache
-        ("cache"), else the shipped table ("table") where its config runs here (run(cfg) launches it once);
+    def _lookup(self, plan: _Plan, run: Callable[[object], object]
+                ) -> tuple[tuple[object, tuple[float, float]] | None, str]:
+        """(the choice, (baseline us, best us)) stored for the plan and where it came from: this machine's tuning
+        cache ("cache"), else the shipped table ("table") where its config runs here (run(cfg) launches it once);
         (None, "") where neither has a usable one."""
-        if cache is not None and (hit := self._stored(cache.get(entry), m)) is not None:
-            return hit, "cache"
-        if (hit := self._stored(table.get(entry), m)) is not None and _runs(hit[0], run):
-            return hit, "table"
+        if plan.cached is not None:
+            return plan.cached, "cache"
+        if plan.shipped is not None and _runs(plan.shipped[0], run):
+            return plan.shipped, "table"
         return None, ""
 
     def _stored(self, value: object, m: int) -> tuple[object, tuple[float, float]] | None:

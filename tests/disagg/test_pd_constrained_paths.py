@@ -24,6 +24,7 @@ from pdserve.scheduler.request import Req
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "tag": {"enum": ["a", "b", "c"]}}, "required": ["id", "tag"]}
+CUT_SCHEMA = {"type": "array", "items": SCHEMA, "minItems": 3, "maxItems": 5}  # outputs cut by `length`
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,19 @@ def model(tiny_model):
     return tiny_model
 
 
+def compile_schemas(*scheds) -> None:
+    """The file's schemas compiled before any request for them, however long that takes: a first compile also
+    builds the tokenizer's tables, and on a loaded machine it outlasted --grammar-compile-timeout-s (30 s: the
+    reference run of the first test ended in a 400 about 1 run in 8)."""
+    for sched in scheds:
+        for schema in (SCHEMA, CUT_SCHEMA):
+            sched.grammar_queue.compile_untimed(GrammarSpec("json_schema", json.dumps(schema)))
+
+
 @pytest.fixture(scope="module")
 def colocated(model):
     sched = create_scheduler(ServerArgs(**engine_args(model, disaggregation_transfer_backend="auto")))
+    compile_schemas(sched)
     yield sched
     sched.close()
 
@@ -41,6 +52,7 @@ def colocated(model):
 @pytest.fixture(scope="module")
 def pair(model):
     prefill, decode, port = make_pair(model, disaggregation_decode_enable_radix_cache=True)
+    compile_schemas(prefill, decode)
     yield prefill, decode, port
     prefill.close()
     decode.close()
@@ -57,7 +69,9 @@ def req(rid: str, ids: list[int], params: SamplingParams, port: int | None = Non
 
 def colocated_run(sched, rid: str, ids: list[int], params: SamplingParams) -> dict:
     sched.add_request(req(rid, ids, params))
-    return run([sched])[(0, rid)]
+    got = run([sched])[(0, rid)]
+    assert got["finish"]["type"] in ("stop", "length"), got  # the reference itself must have been served
+    return got
 
 
 def serve_pd(pair, rid: str, ids: list[int], params: SamplingParams, room: int) -> dict:
@@ -122,7 +136,7 @@ def test_a_constrained_request_hitting_the_decode_radix_cache_equals_colocated(p
 
 
 def test_outputs_cut_by_length_are_prefixes_the_grammar_accepts(pair, colocated):
-    schema = {"type": "array", "items": SCHEMA, "minItems": 3, "maxItems": 5}
+    schema = CUT_SCHEMA
     for n in (1, 2, 7):
         ids = prompt(10 + n, 30)
         local = colocated_run(colocated, f"cut{n}", ids, constrained(n, schema))

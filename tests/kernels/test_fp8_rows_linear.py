@@ -22,6 +22,13 @@ IN_KERNEL_SPLIT = fp8.Fp8RowsConfig(16, 32, 4, 1, True, 3)
 QUANTIZED_FIRST_SPLIT = fp8.Fp8RowsConfig(16, 64, 4, 1, False, 2)
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """`fp8.pending_norm` draws its residual and norm weight from torch's global generator: the same values each run,
+    whatever ran before (a 1e-6 check of them failed once after other test files had drawn)."""
+    torch.manual_seed(0)
+
+
 def operands(m: int, n: int, k: int, device: str = "cpu", dtype: torch.dtype = torch.float32):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 2, m)[:, None]

@@ -421,8 +421,8 @@ def test_the_start_script_parses_and_its_flags_exist(monkeypatch):
     commands = [line for line in script.read_text().replace("\\\n", " ").splitlines()
                 if not line.lstrip().startswith("#")]
     launch = next(line for line in commands if "-m pdserve.launch_server" in line)
-    starts = [line for line in commands if re.match(r"(\w+=\S+ )?start \w+ ", line)]
-    assert len(starts) == 5
+    starts = [line for line in commands if re.match(r"(want \w+ && )?(\w+=\S+ )?start \w+ ", line)]
+    assert len(starts) == 6
     server_options = build_arg_parser()._option_string_actions
     for flag in re.findall(r" (--[a-z0-9-]+)", " ".join([launch, *starts])):
         assert flag in server_options, flag
