@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from pdserve.attention.base import AttentionBackend, ForwardContext
 from pdserve.forward_batch import ForwardBatch, ForwardMode
+from pdserve.kernels.parallel_compile import precompile
 from pdserve.mem_cache.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self, device: torch.device) -> None:
         stream = torch.cuda.Stream(device)
+        precompile(lambda: self._forward_each_size(stream))  # the Triton kernels of every size, compiled in parallel
         for bs in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", leave=False):
             ctx = self._context(self._static_batch(bs), self.backend, self.pool)
             self.backend.init_forward_metadata_capture_cuda_graph(bs)
@@ -76,6 +78,15 @@ class CudaGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize(device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def _forward_each_size(self, stream: torch.cuda.Stream) -> None:
+        """One step at each captured size, as the capture runs it (under `precompile` its Triton launches only
+        record their compiles: the outputs are garbage, and nothing here reads them)."""
+        for bs in self.sizes:
+            ctx = self._context(self._static_batch(bs), self.backend, self.pool)
+            self.backend.init_forward_metadata_capture_cuda_graph(bs)
+            with torch.cuda.stream(stream):
+                self._logits_and_tokens(ctx, bs)
 
     def _logits_and_tokens(self, ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(ctx)

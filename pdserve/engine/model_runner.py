@@ -76,24 +76,30 @@ class ModelRunner:
             page_size=args.page_size, device=self.device, dtype=self.dtype, max_context_len=self.context_len,
         )
         self.forward_observers: list[Callable[[ForwardBatch], None]] = []  # each sees every batch before it runs
-        graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
-        if self.device.type == "cuda":  # tuned for the decode batch sizes the graphs run (eager: the smallest)
-            rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
-            linears = self._linear_layers()
-            with shared_workers():  # the tuners' kernels compiled ahead in one pool of processes
-                SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
-                self._tune_fp8_rows(rows, [m for m in linears if m.weight_scale is not None])
         self.sampler = Sampler(self.device, args.random_seed)
         self.graph_runner = None
-        if self.device.type == "cuda" and self.backend.supports_cuda_graph and not args.disable_cuda_graph:
-            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.pool, graph_bs, self.context_len,
-                                                self.device, self.sampler.sample_temperature_only)
-            self.sampler.reseed(args.random_seed)  # the capture's warm-up runs drew
+        if self.device.type == "cuda":
+            with shared_workers():  # the Triton kernels of the tuners and the graphs compiled ahead in one pool
+                self._tune_and_capture(args)
+
         logger.info(
             "TP rank %d of %d: model %s on %s (%s), attention %s, KV cache %d tokens (%s) in pages of %d",
             args.tp_rank, args.tp_size, model_config.architecture, self.device, dtype_name(self.dtype),
             self.backend_name, self.pool.layout.num_slots, dtype_name(self.kv_dtype), args.page_size,
         )
+
+    def _tune_and_capture(self, args: ServerArgs) -> None:
+        """The linear layers' kernel choices for the decode batch sizes the graphs run (eager: the smallest), then
+        the decode CUDA graphs."""
+        graph_bs = min(args.cuda_graph_max_bs, args.max_running_requests)
+        rows = range(1, 9) if args.disable_cuda_graph else capture_sizes(graph_bs)
+        linears = self._linear_layers()
+        SkinnyTuner(rows).tune([m.weight for m in linears if m.weight_scale is None])
+        self._tune_fp8_rows(rows, [m for m in linears if m.weight_scale is not None])
+        if self.backend.supports_cuda_graph and not args.disable_cuda_graph:
+            self.graph_runner = CudaGraphRunner(self.model, self.backend, self.pool, graph_bs, self.context_len,
+                                                self.device, self.sampler.sample_temperature_only)
+            self.sampler.reseed(args.random_seed)  # the capture's warm-up runs drew
 
     def _tune_fp8_rows(self, rows: list[int], linears: list[nn.Module]) -> None:
         """The FP8 rows kernel's choices for the FP8 layers (gate_up also with its SiLU-and-mul, qkv with the

@@ -2,19 +2,20 @@
 
 Triton compiles a kernel on its first launch, one at a time, and holds the GIL for most of it (threads gain little:
 four decode kernels compiled for sm_90 on two cores took 9.8 s one after another and 8.3 s in four threads). A server
-start with FP8 weights launches about a hundred kernels its tuners never compiled before (each shipped choice is
-launched once). `precompile(launch_all)` calls launch_all with Triton's JIT cache hook recording every launch that
-would compile (Triton's own `specialization_data` of it) and launching nothing, then compiles what it recorded in
-spawned worker processes into Triton's on-disk cache (TRITON_CACHE_DIR, which they inherit); the real launches after
-it find their kernels there. The workers need no GPU: they compile for the target the parent's GPU names.
+start on an empty cache launches a hundred or more kernels for the first time: the tuners' (each shipped choice is
+launched once) and the decode graphs' (a step at each captured batch size). `precompile(launch_all)` calls launch_all
+with Triton's JIT cache hook recording every launch that would compile (Triton's own `specialization_data` of it) and
+launching nothing, then compiles what it recorded in spawned worker processes into Triton's on-disk cache
+(TRITON_CACHE_DIR, which they inherit), each kernel with its launcher (the C stub Triton builds for a kernel's
+arguments); the real launches after it find both there. The workers need no GPU: they compile for the target the
+parent's GPU names.
 
 Workers: env PDSERVE_COMPILE_WORKERS (0 turns this off: every launch compiles in-process, as before), else up to
-8, one fewer than the CPUs. Within `shared_workers()` (the model runner's tuning) every precompile uses one pool,
-started on the first compile it has and stopped on leaving; elsewhere each precompile starts and stops its own. A
-worker's failure or timeout only costs the time it saved: the launch then compiles in-process, and reports what
-that compile reports.
+8, one fewer than the CPUs. Within `shared_workers()` (the model runner's tuning and graph capture) every precompile
+uses one pool, spawned on entering (its workers import while the caller prepares) and stopped on leaving;
+elsewhere each precompile starts and stops its own. A worker's failure or timeout only costs the time it saved: the
+launch then compiles in-process, and reports what that compile reports.
 """
-
 from __future__ import annotations
 
 import importlib
@@ -59,6 +60,11 @@ def shared_workers() -> Iterator[None]:
     """Within: the precompiles share one pool of workers (spawned once: each worker imports Triton and the kernels'
     modules once), shut down on leaving."""
     _shared["workers"] = num_workers()
+    if _shared["workers"] > 0:  # spawned now, importing while the caller prepares its first launches
+        pool = ProcessPoolExecutor(_shared["workers"], mp_context=multiprocessing.get_context("spawn"))
+        _shared["pool"] = pool
+        for _ in range(_shared["workers"]):
+            pool.submit(warm_worker)
     try:
         yield
     finally:
@@ -138,6 +144,13 @@ def compile_in_workers(jobs: list[CompileJob], workers: int) -> int:
     return len(finished) - len(failed)
 
 
+def warm_worker() -> None:
+    """In a worker: the imports every compile needs, done before the first."""
+    import triton.compiler.compiler  # noqa: F401
+
+    import pdserve.kernels  # noqa: F401  (torch and the kernels' package)
+
+
 def compile_job(job: CompileJob) -> None:
     """In a worker: the kernel job names compiled for its target, as Triton's JIT would compile it (same source,
     specialization and options, so the same cache key), into Triton's cache."""
@@ -156,4 +169,19 @@ def compile_job(job: CompileJob) -> None:
     target = GPUTarget(*job.target)
     options = make_backend(target).parse_options(
         {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                              options=options.__dict__)
+    if target.backend == "cuda":
+        build_cuda_launcher(compiled)
+
+
+def build_cuda_launcher(compiled) -> None:
+    """The host stub that launches `compiled` (a small C module Triton builds with the system's compiler, cached
+    beside the kernels), built here so the parent's first launch finds it; where this machine cannot link it (no
+    CUDA driver library) the parent's first launch builds it."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        CudaLauncher(compiled.src, compiled.metadata)
+    except Exception as e:
+        logger.debug("no CUDA launcher built ahead: %r", e)

@@ -1,8 +1,8 @@
 """Triton compiles ahead, in worker processes (pdserve.kernels.parallel_compile): a kernel specialization compiled in
 a spawned worker for sm_90 lands in Triton's cache under the key the parent's own compile of it looks up (the
 parent's compile then writes nothing: a cache hit); failures are counted, not raised; the worker count's setting.
-On a GPU: launches under `collect_compiles` record their compiles and launch nothing, and after `precompile` the real
-launches compile nothing in-process."""
+On a GPU: launches under `collect_compiles` record their compiles and launch nothing, and after the workers compiled
+them the real launches build nothing in-process (neither the kernels nor their launchers)."""
 
 from __future__ import annotations
 
