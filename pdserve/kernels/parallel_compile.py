@@ -32,6 +32,7 @@ from dataclasses import dataclass
 logger = logging.getLogger(__name__)
 
 MAX_WORKERS = 8
+MIN_JOBS = 3  # fewer compile in-process: a first job waits for the workers' imports (5 s on an H200 host)
 COMPILE_TIMEOUT_S = 600.0  # for all of one precompile's jobs together
 
 _shared: dict[str, object] = {}  # within shared_workers: "workers" (the count), "pool" once started
@@ -78,12 +79,12 @@ def precompile(launch_all: Callable[[], object], workers: int | None = None) -> 
     """Calls launch_all() with every Triton launch that would compile recorded instead of run (nothing is launched
     then, so launch_all must not read what its launches would write), and compiles the recorded kernels in worker
     processes into Triton's cache; returns how many it compiled. For a caller about to make the same launches for
-    real. With no workers (or no GPU) it calls nothing and returns 0."""
+    real. With no workers it calls nothing and returns 0; fewer than MIN_JOBS compiles it leaves to the launches."""
     workers = _shared.get("workers", num_workers()) if workers is None else workers
     if workers <= 0:
         return 0
     jobs = collect_compiles(launch_all)
-    if not jobs:
+    if len(jobs) < MIN_JOBS:
         return 0
     start = time.perf_counter()
     done = compile_in_workers(jobs, workers)
