@@ -11,6 +11,7 @@ scale into the output, so dequantizing costs no extra pass over the cache.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class DecodeConfig:
 
 SMALL_BATCH_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_split_len=128)
 LARGE_BATCH_DECODE = DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_split_len=256)
-LARGE_BATCH_FP8_DECODE = DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_split_len=256)
+LARGE_BATCH_FP8_DECODE = DecodeConfig(block_n=64, num_warps=2, num_stages=3, min_split_len=256)
 
 
 def decode_config(batch_size: int, fp8_cache: bool = False) -> DecodeConfig:
@@ -48,11 +49,19 @@ def decode_config(batch_size: int, fp8_cache: bool = False) -> DecodeConfig:
     batch 64 (1k, 4k) and qwen3-0.6b heads at batch 256 (600, 100-2048), with the K and V copies pipelined (H100,
     2026-11-27, benchmarks/results/2026-11-27e): 16-bit pages 1.0% over the best on average (97-99% of the copy
     ceiling), FP8 pages, where the loop's conversions bound it, one more stage and narrower blocks, 2.9% over
-    (70-83%; still the best shape with V loaded as words, 86% at 64 x 4k).
+    (70-83%; still the best shape with V loaded as words, 86% at 64 x 4k). With V's words converted by inline PTX,
+    2 warps a program (H200, 2026-11-29, benchmarks/results/2026-11-29b/call4_v_ptx: 64 x 4k 192.3 -> 181.3 us,
+    64 x 16k 739.0 -> 689.4 us, qwen 256 x 600 123.3 -> 120.2 us against 4 warps; qwen 256 x 100-2048 +0.7%).
     """
     if batch_size <= 8:
         return SMALL_BATCH_DECODE
     return LARGE_BATCH_FP8_DECODE if fp8_cache else LARGE_BATCH_DECODE
+
+
+@functools.cache
+def has_fp8_conversion(device: torch.device) -> bool:
+    """A CUDA GPU with PTX's FP8 -> f16x2 conversions (compute capability 8.9 or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def num_sms(device: torch.device) -> int:
@@ -117,8 +126,21 @@ def _decode_splits(seq_len, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexp
 
 
 @triton.jit
-def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS // 4] int32 words, each four FP8 values in memory order, -> [ROWS, COLS] in dtype."""
+def _fp8_words_to(words, fp8_type: tl.constexpr, dtype: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  PTX: tl.constexpr):
+    """[ROWS, COLS // 4] int32 words, each four FP8 values in memory order, -> [ROWS, COLS] in dtype.
+    PTX (CUDA): each half of a word converted to two fp16 by one `cvt.rn.f16x2` (with the bytes cast one by one,
+    Triton 3.6 extracts them and pairs them up again for that instruction: the decode loop ran 722 instead of 578
+    instructions a warp per 64-token block, compiled for sm_90; H200, 2026-11-29: batch 64 x 4k 194.2 -> 181.3 us,
+    66% -> 70% of the copy ceiling at the 2-warp config; sm_89 and newer); else byte by byte (the interpreter, older
+    GPUs). Both exact."""
+    if PTX:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if fp8_type == tl.float8e5 else "cvt.rn.f16x2.e4m3x2"
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; " + cvt + " a, lo; " + cvt + " b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
+        return tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [ROWS, COLS]).to(dtype)
     b0 = (words & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
     b1 = ((words >> 8) & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
     b2 = ((words >> 16) & 0xFF).to(tl.uint8).to(fp8_type, bitcast=True).to(dtype)
@@ -133,7 +155,7 @@ def _decode_split_kernel(
     sm_scale_log2, v_scale,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, FP16_DOTS: tl.constexpr,
-    V_WORDS: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
+    V_WORDS: tl.constexpr, PTX: tl.constexpr, AMAX: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads of kv head `kvh` of request `b`, over one split of the context.
     FP16_DOTS (an FP8 cache read by bf16 queries): the dots run in fp16, since every FP8 value is an fp16 (E4M3 to
@@ -143,7 +165,8 @@ def _decode_split_kernel(
     V_WORDS (an FP8 cache; V and its strides in int32 words): V tiles come as words, unpacked to the dot's dtype in
     registers before shared memory. The PV product takes V transposed, which 16-bit values get from transposing
     ldmatrix loads and 8-bit ones, for Triton 3.6 on sm_90, from byte-by-byte shared-memory loads (H100, 2026-11-27,
-    batch 64 x 4k, llama-8b heads: 219.5 -> 208.8 us, 81% -> 86% of the copy ceiling).
+    batch 64 x 4k, llama-8b heads: 219.5 -> 208.8 us, 81% -> 86% of the copy ceiling); PTX: converted by inline PTX
+    (`_fp8_words_to`; CUDA only).
     AMAX: the program writing the output of (b, kvh) also writes the amax of its rounded values to
     AmaxOut[b, kvh] (stride_ab): the parts of each row's amax an FP8 o projection reads
     (`pdserve.kernels.pending_rows.RowsWithAmax`)."""
@@ -192,7 +215,7 @@ def _decode_split_kernel(
         if V_WORDS:
             words = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + tl.arange(0, HEAD_DIM // 4)[None, :],
                             mask=mask_n[:, None], other=0)
-            v = _fp8_words_to(words, K.dtype.element_ty, q.dtype, BLOCK_N, HEAD_DIM)
+            v = _fp8_words_to(words, K.dtype.element_ty, q.dtype, BLOCK_N, HEAD_DIM, PTX)
         else:
             v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=mask_n[:, None],
                         other=0.0)
@@ -327,7 +350,8 @@ def decode_attention(
         scaling * LOG2E * k_scale, v_scale,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_N=cfg.block_n, MAX_SPLITS=max_splits, MIN_SPLIT_LEN=cfg.min_split_len,
-        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, AMAX=amax_parts is not None,
+        FP16_DOTS=fp8 and q.dtype == torch.bfloat16, V_WORDS=fp8, PTX=fp8 and has_fp8_conversion(q.device),
+        AMAX=amax_parts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device),
     )

@@ -16,10 +16,10 @@ pytestmark = needs_ptxas
 
 
 DECODE = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=128, MAX_SPLITS=2, MIN_SPLIT_LEN=256,
-              AMAX=False, PDL=False)
+              PTX=False, AMAX=False, PDL=False)
 
 
-def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int):
+def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stages: int, num_warps: int = 4):
     from pdserve.kernels import attention
 
     kernel = getattr(attention, kernel_name)
@@ -29,7 +29,8 @@ def compile_for_sm90(kernel_name: str, kv_dtype: str, constants: dict, num_stage
                     PrefixLens="*i32", ExtendLens="*i32", ExtendStart="*i32", AmaxOut="*fp32")
     names = inspect.signature(kernel.fn).parameters
     aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_pb")]  # as launched
-    return compile_kernel_for_sm90(kernel, pointers, constants, ("sm_scale_log2", "v_scale"), aligned, 4, num_stages)
+    return compile_kernel_for_sm90(kernel, pointers, constants, ("sm_scale_log2", "v_scale"), aligned, num_warps,
+                                   num_stages)
 
 
 @pytest.mark.parametrize("kv_dtype, tile_bytes", [("bf16", 2 * 128 * 128 * 2), ("fp8e4nv", 2 * 128 * 128)])
@@ -56,8 +57,9 @@ def test_engine_fp8_decode_config_keeps_copies_in_flight():
     from pdserve.kernels.attention import decode_config
 
     cfg = decode_config(64, fp8_cache=True)
-    constants = dict(DECODE, BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, FP16_DOTS=True, V_WORDS=True)
-    kernel = compile_for_sm90("_decode_split_kernel", "fp8e4nv", constants, cfg.num_stages)
+    constants = dict(DECODE, BLOCK_N=cfg.block_n, MIN_SPLIT_LEN=cfg.min_split_len, FP16_DOTS=True, V_WORDS=True,
+                     PTX=True)
+    kernel = compile_for_sm90("_decode_split_kernel", "fp8e4nv", constants, cfg.num_stages, cfg.num_warps)
     assert cfg.num_stages >= 3 and f"cp.async.wait_group \t{cfg.num_stages - 1};" in kernel.asm["ptx"]
 
 
@@ -69,3 +71,15 @@ def test_fp8_v_reaches_the_mma_through_transposing_loads():
     as_bytes = compile_for_sm90("_decode_split_kernel", "fp8e4nv", dict(constants, V_WORDS=False), 3).asm["ptx"]
     assert "ld.shared.b8" in as_bytes and "ld.shared.b8" not in words
     assert re.search(r"ldmatrix\S*\.trans", words) and not re.search(r"ldmatrix\S*\.trans", as_bytes)
+
+
+@pytest.mark.parametrize("kv_dtype, cvt", [("fp8e4nv", "e4m3x2"), ("fp8e5", "e5m2x2")])
+def test_fp8_v_words_convert_by_halves_with_ptx(kv_dtype, cvt):
+    """PTX: each half of a V word becomes two fp16 in one `cvt.rn.f16x2` (two a word, 32 a thread for 64 tokens at
+    4 warps), where Triton's own per-byte conversion extracts the bytes and pairs them up again first (more byte
+    permutes); both still reach the MMA through transposing ldmatrix loads."""
+    constants = dict(DECODE, BLOCK_N=64, FP16_DOTS=True, V_WORDS=True)
+    ptx = compile_for_sm90("_decode_split_kernel", kv_dtype, dict(constants, PTX=True), 3).asm["ptx"]
+    by_bytes = compile_for_sm90("_decode_split_kernel", kv_dtype, constants, 3).asm["ptx"]
+    assert f"cvt.rn.f16x2.{cvt}" in ptx and re.search(r"ldmatrix\S*\.trans", ptx)
+    assert ptx.count("prmt.b32") < by_bytes.count("prmt.b32")
