@@ -18,6 +18,7 @@ launch then compiles in-process, and reports what that compile reports.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import logging
@@ -83,7 +84,7 @@ def precompile(launch_all: Callable[[], object], workers: int | None = None) -> 
     workers = _shared.get("workers", num_workers()) if workers is None else workers
     if workers <= 0:
         return 0
-    jobs = collect_compiles(launch_all)
+    jobs = [job for job in collect_compiles(launch_all) if not is_cached(job)]  # a warm start: none
     if len(jobs) < MIN_JOBS:
         return 0
     start = time.perf_counter()
@@ -156,6 +157,31 @@ def compile_job(job: CompileJob) -> None:
     """In a worker: the kernel job names compiled for its target, as Triton's JIT would compile it (same source,
     specialization and options, so the same cache key), into Triton's cache."""
     import triton
+
+    source, target, options = _prepared(job)
+    compiled = triton.compile(source, target=target, options=options)
+    if target.backend == "cuda":
+        build_cuda_launcher(compiled)
+
+
+def is_cached(job: CompileJob) -> bool:
+    """Whether Triton's on-disk cache holds the job's kernel already (its first launch only loads it): the lookup
+    `triton.compile` makes."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import get_cache_key, get_cache_manager
+
+    source, target, options = _prepared(job)
+    backend = make_backend(target)
+    parsed = backend.parse_options(dict(options, **source.parse_options()))
+    key = get_cache_key(source, backend, parsed, get_cache_invalidating_env_vars())
+    name = f"{source.name[:150]}.json"
+    group = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest()).get_group(name)
+    return group is not None and name in group
+
+
+def _prepared(job: CompileJob):
+    """(the ASTSource, the GPUTarget, the options dict) of the job, as the JIT hands them to `triton.compile`."""
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource, make_backend
@@ -170,10 +196,7 @@ def compile_job(job: CompileJob) -> None:
     target = GPUTarget(*job.target)
     options = make_backend(target).parse_options(
         {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                              options=options.__dict__)
-    if target.backend == "cuda":
-        build_cuda_launcher(compiled)
+    return ASTSource(kernel, signature, constexprs, attrs), target, options.__dict__
 
 
 def build_cuda_launcher(compiled) -> None:

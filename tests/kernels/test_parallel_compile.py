@@ -61,7 +61,9 @@ def cache_files(directory) -> set[str]:
 def test_a_worker_compiles_into_the_cache_the_parent_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     jobs = [sm90_job(256), sm90_job(512)]
+    assert not any(parallel_compile.is_cached(job) for job in jobs)
     assert parallel_compile.compile_in_workers(jobs, workers=2) == 2
+    assert all(parallel_compile.is_cached(job) for job in jobs)  # what a warm start leaves out
     compiled = cache_files(tmp_path / "triton")
     assert sum(name.endswith(".cubin") for name in compiled) == 2
     kernel = parent_compile(jobs[0])  # the JIT's compile of the same specialization: found, nothing written
