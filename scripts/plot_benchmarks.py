@@ -4,7 +4,7 @@ python scripts/plot_benchmarks.py [--results benchmarks/results/2026-11-21]
     [--fp8-results benchmarks/results/2026-11-27b/call3] [--pdl-results benchmarks/results/2026-11-27d]
     [--targets-results benchmarks/results/2026-11-27e] [--pdl-again-results benchmarks/results/2026-11-27f]
     [--batch1-results benchmarks/results/2026-11-27g] [--decode-halves-results benchmarks/results/2026-11-29]
-    [--out docs/img]
+    [--ptx-words-results benchmarks/results/2026-11-29b] [--out docs/img]
 """
 
 from __future__ import annotations
@@ -313,6 +313,45 @@ def plot_decode_halves(results: Path, out: Path) -> None:
            out / "fp8_decode_halves.png", legend_at="lower right")
 
 
+def decode_us(path: Path, case: str, block_n: int, warps: int, stages: int, token_rows: bool = False) -> float:
+    """The decode sweep row's microseconds for a case and block shape (at the engine's split bound: the first)."""
+    rows = json.loads(path.read_text())["rows"]
+    return next(r["us"] for r in rows if r["case"] == case and "us" in r and r.get("token_rows", False) == token_rows
+                and (r["block_n"], r["num_warps"], r["num_stages"]) == (block_n, warps, stages))
+
+
+def plot_ptx_words(results: Path, out: Path) -> None:
+    """The fourteenth session (H200): the FP8-page decode kernel with V's words converted by inline PTX, at the
+    head rows' shapes, against today's conversion and the token-rows loop; and the first starts with the kernels
+    compiled in worker processes against in-process."""
+    today, ptx = results / "call4_v_ptx/v_today.json", results / "call4_v_ptx/v_ptx.json"
+    token_rows = results / "call1_token_rows/token_rows.json"
+    cases = ["llama bs64 ctx4096", "llama bs32 ctx16384", "llama bs64 ctx16384", "qwen bs256 ctx600"]
+    series = [("byte casts, 4 warps (before)", [decode_us(today, c, 64, 4, 3) for c in cases], "#8c8c8c"),
+              ("tokens as rows (not kept)", [min(decode_us(token_rows, c, 64, 2, 3, True),
+                                                 decode_us(token_rows, c, 128, 4, 2, True)) for c in cases], "#c44e52"),
+              ("inline PTX, 4 warps", [decode_us(ptx, c, 64, 4, 3) for c in cases], "#4c72b0"),
+              ("inline PTX, 2 warps (shipped)", [decode_us(ptx, c, 64, 2, 3) for c in cases], "#55a868")]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.2
+    for i, (label, values, color) in enumerate(series):
+        xs = [x + (i - 1.5) * width for x in range(len(cases))]
+        left.bar(xs, [v / series[0][1][j] for j, v in enumerate(values)], width, label=label, color=color)
+    left.set_xticks(range(len(cases)), [c.replace(" ctx", "\n") for c in cases])
+    left.set_ylim(0.8, 1.2)
+    finish(fig, left, "time / before", "FP8-page decode attention (V as words), H200", out / "fp8_ptx_words.png",
+           legend_at="upper left")
+    starts = [("FP8, shipped table\n(one call)", 74.6, 49.1),
+              ("FP8, no table\n(in-process: session 13)", 307.6, 75.5)]
+    xs = range(len(starts))
+    right.bar([x - 0.2 for x in xs], [s[1] for s in starts], 0.4, label="in-process compiles", color="#8c8c8c")
+    right.bar([x + 0.2 for x in xs], [s[2] for s in starts], 0.4, label="compiled ahead in 8 workers", color="#55a868")
+    right.axhline(60, ls="--", color="gray", label="target with the table: 60 s")
+    right.set_xticks(list(xs), [s[0] for s in starts])
+    finish(fig, right, "s to the first /health 200", "first start, qwen3-0.6b, empty caches",
+           out / "fp8_ptx_words.png")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results/2026-11-21"))
@@ -324,6 +363,7 @@ def main() -> None:
     parser.add_argument("--pdl-shipped-results", type=Path, default=Path("benchmarks/results/2026-11-27h"))
     parser.add_argument("--amax-preload-results", type=Path, default=Path("benchmarks/results/2026-11-27i"))
     parser.add_argument("--decode-halves-results", type=Path, default=Path("benchmarks/results/2026-11-29"))
+    parser.add_argument("--ptx-words-results", type=Path, default=Path("benchmarks/results/2026-11-29b"))
     parser.add_argument("--out", type=Path, default=Path("docs/img"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -337,6 +377,7 @@ def main() -> None:
     plot_pdl_shipped(args.pdl_shipped_results, args.out)
     plot_amax_preload(args.amax_preload_results, args.out)
     plot_decode_halves(args.decode_halves_results, args.out)
+    plot_ptx_words(args.ptx_words_results, args.out)
 
 
 if __name__ == "__main__":
