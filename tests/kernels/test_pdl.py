@@ -26,7 +26,7 @@ def _kernels():
                    dict(Q="*bf16", K="*fp8e4nv", V="*i32", PageTable="*i32", SeqLens="*i32", Out="*bf16",
                         PartialO="*fp32", PartialLse="*fp32", Counters="*i32", AmaxOut="*fp32"),
                    dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_N=64, MAX_SPLITS=4, MIN_SPLIT_LEN=256,
-                        FP16_DOTS=True, V_WORDS=True, AMAX=True), ("sm_scale_log2", "v_scale")),
+                        FP16_DOTS=True, V_WORDS=True, PTX=True, AMAX=True), ("sm_scale_log2", "v_scale")),
         "rmsnorm": (fused._rmsnorm_kernel,
                     dict(X="*bf16", Res="*bf16", W="*bf16", Out="*fp8e4nv", ResOut="*bf16", **quant),
                     dict(N=4096, BLOCK=4096, ROWS=1, HAS_RESIDUAL=True, QUANT=True, **FP8_CONSTANTS), ("eps",)),
