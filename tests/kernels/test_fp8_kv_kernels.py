@@ -169,3 +169,32 @@ def test_fp8_store_and_attention_cuda(dtype):
         ref = reference_attention(q, round_trip(k.float(), 0.02, dtype), round_trip(v.float(), 0.03, dtype),
                                   reference_pool, batch, 128**-0.5)
         assert rel_err(backend.forward(q, k, v, 0, fp8, 128**-0.5), ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch_size", [1, 64], ids=["small-batch-config", "large-batch-config"])
+@pytest.mark.parametrize("dtype", FP8)
+def test_decode_configs_of_the_engine_read_fp8_pages_cuda(dtype, batch_size):
+    """The compiled decode kernel at the block shapes the engine takes for FP8 pages (`decode_config`: 2 warps from
+    batch 16, V's words converted by inline PTX), split and not: the float32 reference's output over the dequantized
+    pages, shuffled pages of 16 with partial last blocks, llama's group of 4 query heads a kv head."""
+    from pdserve.kernels.attention import decode_attention, decode_config, decode_workspace
+
+    batch, pool, q, k, v = make_batch([(0, 1), (700, 1), (3000, 1), (129, 1)], page_size=16, num_heads=16,
+                                      num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda",
+                                      mode=ForwardMode.DECODE)
+    fp8 = KVPool(dataclasses.replace(pool.layout, dtype=dtype, scales=KVScales((0.02,), (0.03,))), "cuda")
+    fp8.store(0, torch.arange(pool.layout.num_slots, device="cuda"), pool.k_buffer(0), pool.v_buffer(0))
+    fp8.store(0, batch.out_cache_loc, k, v)
+    dequantized = KVPool(dataclasses.replace(pool.layout, dtype=torch.float32), "cuda")
+    dequantized.buffer.copy_(torch.stack([dequantize(fp8.buffer[0], 0.02), dequantize(fp8.buffer[1], 0.03)]))
+    loc = batch.out_cache_loc
+    ref = reference_attention(q, dequantized.k_buffer(0)[loc], dequantized.v_buffer(0)[loc], dequantized, batch,
+                              128**-0.5)
+    for max_splits in (1, 8):
+        out = torch.full_like(q, float("nan"))
+        workspace = decode_workspace(4, 16, 4, 128, max_splits, "cuda")
+        decode_attention(q, fp8.k_buffer(0), fp8.v_buffer(0), batch.page_table, batch.seq_lens, out, 128**-0.5, 16,
+                         max_splits, workspace, decode_config(batch_size, fp8_cache=True), 0.02, 0.03)
+        assert workspace is None or not workspace.counters.any()
+        assert rel_err(out, ref) < 1e-2, max_splits
