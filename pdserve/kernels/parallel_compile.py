@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,7 +74,10 @@ def shared_workers() -> Iterator[None]:
         pool = _shared.get("pool")
         _shared.clear()
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+            except Exception as e:  # a broken pool shuts down as far as it can
+                logger.debug("the compile workers' pool ended with %r", e)
 
 
 def precompile(launch_all: Callable[[], object], workers: int | None = None) -> int:
@@ -84,14 +88,34 @@ def precompile(launch_all: Callable[[], object], workers: int | None = None) -> 
     workers = _shared.get("workers", num_workers()) if workers is None else workers
     if workers <= 0:
         return 0
-    jobs = [job for job in collect_compiles(launch_all) if not is_cached(job)]  # a warm start: none
+    jobs = [job for job in collect_compiles(launch_all) if not _is_cached_or_unknown(job)]  # a warm start: none
     if len(jobs) < MIN_JOBS:
         return 0
     start = time.perf_counter()
-    done = compile_in_workers(jobs, workers)
+    try:
+        done = compile_in_workers(jobs, workers)
+    except Exception as e:  # a broken pool (a worker killed): the launches compile in-process
+        logger.warning("compiling ahead failed (%r); the kernels compile at their launches", e)
+        _drop_shared_pool()
+        return 0
     logger.info("compiled %d of %d Triton kernels in %d worker processes in %.1f s", done, len(jobs),
                 min(workers, len(jobs)), time.perf_counter() - start)
     return done
+
+
+def _is_cached_or_unknown(job: CompileJob) -> bool:
+    """is_cached, True where the lookup itself fails (a kernel this process cannot name: its launch compiles it)."""
+    try:
+        return is_cached(job)
+    except Exception as e:
+        logger.debug("no cache lookup for %s.%s: %r", job.module, job.name, e)
+        return True
+
+
+def _drop_shared_pool() -> None:
+    pool = _shared.pop("pool", None)
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def collect_compiles(launch_all: Callable[[], object]) -> list[CompileJob]:
@@ -141,6 +165,8 @@ def compile_in_workers(jobs: list[CompileJob], workers: int) -> int:
     if unfinished or not shared:
         pool.shutdown(wait=not unfinished, cancel_futures=True)
     failed = [f.exception() for f in finished if f.exception() is not None]
+    if shared and any(isinstance(error, BrokenProcessPool) for error in failed):  # a worker died: a fresh pool next
+        _drop_shared_pool()
     for error in failed[:3]:
         logger.debug("a kernel compile ahead failed (its launch compiles in-process): %r", error)
     return len(finished) - len(failed)

@@ -120,3 +120,28 @@ def test_shared_workers_serve_every_compile_inside_and_stop_on_leaving(tmp_path,
         processes = list(pool._processes.values())
     assert not parallel_compile._shared and all(not p.is_alive() for p in processes)
     assert sum(name.endswith(".cubin") for name in cache_files(tmp_path / "triton")) == 3
+
+
+def test_a_worker_that_dies_breaks_nothing_but_its_compiles(tmp_path, monkeypatch):
+    """A worker killed mid-compile breaks its pool: precompile reports 0 without raising, the shared pool is dropped,
+    and the next precompile in the same `shared_workers` starts a fresh one."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setenv("PDSERVE_COMPILE_WORKERS", "2")
+    jobs = [sm90_job(256)] * parallel_compile.MIN_JOBS
+    monkeypatch.setattr(parallel_compile, "collect_compiles", lambda launch_all: list(jobs))
+    monkeypatch.setattr(parallel_compile, "is_cached", lambda job: False)
+    monkeypatch.setattr(parallel_compile, "compile_job", _exit_worker)
+    with parallel_compile.shared_workers():
+        assert parallel_compile.precompile(lambda: None) == 0
+        assert "pool" not in parallel_compile._shared
+        monkeypatch.setattr(parallel_compile, "compile_job", _no_op)
+        assert parallel_compile.precompile(lambda: None) == parallel_compile.MIN_JOBS
+    assert not parallel_compile._shared
+
+
+def _exit_worker(job) -> None:
+    os._exit(3)
+
+
+def _no_op(job) -> None:
+    return None
