@@ -65,8 +65,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(device)
         precompile(lambda: self._forward_each_size(stream))  # the Triton kernels of every size, compiled in parallel
         for bs in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", leave=False):
-            ctx = self._context(self._static_batch(bs), self.backend, self.pool)
-            self.backend.init_forward_metadata_capture_cuda_graph(bs)
+            ctx = self._capture_context(bs)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up kernels (Triton autotune/JIT) outside the graph
                     self._logits_and_tokens(ctx, bs)
@@ -83,10 +82,15 @@ class CudaGraphRunner:
         """One step at each captured size, as the capture runs it (under `precompile` its Triton launches only
         record their compiles: the outputs are garbage, and nothing here reads them)."""
         for bs in self.sizes:
-            ctx = self._context(self._static_batch(bs), self.backend, self.pool)
-            self.backend.init_forward_metadata_capture_cuda_graph(bs)
+            ctx = self._capture_context(bs)
             with torch.cuda.stream(stream):
                 self._logits_and_tokens(ctx, bs)
+
+    def _capture_context(self, bs: int) -> ForwardContext:
+        """The static batch of size bs as the graphs run it, the backend's capture metadata set for it."""
+        ctx = self._context(self._static_batch(bs), self.backend, self.pool)
+        self.backend.init_forward_metadata_capture_cuda_graph(bs)
+        return ctx
 
     def _logits_and_tokens(self, ctx: ForwardContext, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(ctx)

@@ -80,12 +80,12 @@ def shared_workers() -> Iterator[None]:
                 logger.debug("the compile workers' pool ended with %r", e)
 
 
-def precompile(launch_all: Callable[[], object], workers: int | None = None) -> int:
+def precompile(launch_all: Callable[[], object]) -> int:
     """Calls launch_all() with every Triton launch that would compile recorded instead of run (nothing is launched
     then, so launch_all must not read what its launches would write), and compiles the recorded kernels in worker
     processes into Triton's cache; returns how many it compiled. For a caller about to make the same launches for
     real. With no workers it calls nothing and returns 0; fewer than MIN_JOBS compiles it leaves to the launches."""
-    workers = _shared.get("workers", num_workers()) if workers is None else workers
+    workers = _shared.get("workers", num_workers())
     if workers <= 0:
         return 0
     jobs = [job for job in collect_compiles(launch_all) if not _is_cached_or_unknown(job)]  # a warm start: none

@@ -22,7 +22,7 @@ import json
 import math
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -197,7 +197,9 @@ class SkinnyTuner:
         the shipped choices and the timings will launch are compiled ahead, in parallel (`parallel_compile`)."""
         start = time.perf_counter()
         shapes = {(w.shape[0], w.shape[1], w.dtype): w for w in weights if _tunable(w)}
-        plans = [self._plan(w, m, x_dtype or w.dtype, prepare) for w in shapes.values() for m in self.rows]
+        plans = [self._plan(w, m, x_dtype or w.dtype, prepare, tuning_cache.for_device(w.device),
+                            tuning_cache.shipped_entries(w.device))  # looked up once a shape (device key: NVML)
+                 for w in shapes.values() for m in self.rows]
         if any(plan.weight.is_cuda for plan in plans):
             precompile(lambda: self._launch_once(plans, baseline, candidate))
         report, sources = {}, {"cache": 0, "table": 0}
@@ -231,15 +233,15 @@ class SkinnyTuner:
                               for m, n, k in faster))
         return report
 
-    def _plan(self, w: torch.Tensor, m: int, x_dtype: torch.dtype, prepare: Callable | None) -> _Plan:
+    def _plan(self, w: torch.Tensor, m: int, x_dtype: torch.dtype, prepare: Callable | None,
+              cache: tuning_cache.TuningCache | None, table: Mapping[str, object]) -> _Plan:
         """One (weight shape, rows) to choose for: its sample rows, its key, and what this machine's tuning cache
-        and the shipped table hold for it."""
+        (None: off) and the shipped table hold for it."""
         x = torch.randn(m, w.shape[1], device=w.device, dtype=x_dtype)
         x = prepare(x) if prepare else x
         entry = self._entry(m, w.shape[0], w.shape[1], w.dtype, x_dtype, input_kind(x))
-        cache = tuning_cache.for_device(w.device)  # None: off
         cached = self._stored(cache.get(entry), m) if cache is not None else None
-        shipped = self._stored(tuning_cache.shipped_entries(w.device).get(entry), m) if cached is None else None
+        shipped = self._stored(table.get(entry), m) if cached is None else None
         return _Plan(w, m, x, entry, cache, cached, shipped)
 
     def _launch_once(self, plans: list[_Plan], baseline: Callable, candidate: Callable) -> None:
