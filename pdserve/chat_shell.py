@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 
 from pdserve.config import ServerArgs
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 
 STARTUP_TIMEOUT_SECONDS = 1800.0
 SHELL_HELP = "Commands: /reset clears the conversation, /exit quits."

@@ -45,7 +45,8 @@ from pdserve.hub import resolve_model_path
 from pdserve.layouts import (BALANCED_ROUTER_FLAGS, DECODE_TPOT_BUDGET_FLAG, ROLE_BALANCE_ROUTER_FLAGS,
                              ROLE_SWITCH_SERVER_FLAG, WORKLOADS, LayoutError, check_fits, check_layout_name,
                              choose_layout, parse_layout, plain_layout)
-from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, free_port, http_url,
+from pdserve.ports import free_port
+from pdserve.server_processes import (TERMINATE_TIMEOUT_SECONDS, ClusterError, Proc, decode_flags, http_url,
                                       pd_router_flags, prefill_flags, router_argv, server_argv, stop_all, wait_healthy)
 
 WATCH_POLL_SECONDS = 0.5

@@ -16,7 +16,7 @@ from pdserve.config import ServerArgs
 from pdserve.distributed.tensor_parallel import CLOSE_TIMEOUT, FollowerWatch, TPGroup, abort_group
 from pdserve.engine.model_runner import load_runner
 from pdserve.hub import with_local_model
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 from pdserve.messages import TokenizedGenerateReq, TokenOut, encode
 from pdserve.process_setup import stop_children
 from pdserve.sampling_params import SamplingParams, check_prompt

@@ -70,6 +70,9 @@ def _from_map(data: dict) -> Any:
 # --- tokenizer manager -> scheduler ---------------------------------------------------------------
 
 
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
+
+
 @message
 class TokenizedGenerateReq:
     rid: str

@@ -27,7 +27,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.server_processes import ClusterError, Proc, free_port, http_url, server_argv, start_all
+from pdserve.ports import free_port
+from pdserve.server_processes import ClusterError, Proc, http_url, server_argv, start_all
 
 CONFIGS = ("tiers_off", "host_tier")
 DEFAULTS = {  # workload and sizes per device

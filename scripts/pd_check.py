@@ -33,7 +33,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.server_processes import (Proc, decode_flags, free_port, http_url, pd_router_flags, prefill_flags,
+from pdserve.ports import free_port
+from pdserve.server_processes import (Proc, decode_flags, http_url, pd_router_flags, prefill_flags,
                                       router_argv, server_argv, start_all, stop_all)
 
 STARTUP_TIMEOUT_S = 480.0

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pdserve import server_processes
-from pdserve.server_processes import free_port, stop_all
+from pdserve.ports import free_port
+from pdserve.server_processes import stop_all
 
 STARTUP_TIMEOUT = 480.0  # generous: CI boxes shared with other jobs start servers slowly
 CONTEXT_LENGTH = 512

@@ -124,6 +124,7 @@ def test_offline_engine_never_imports_the_http_server():
     graph = import_graph()
     http_server = sorted(m for m in reachable(graph, "pdserve.llm") if m.split(".")[:2] == ["pdserve", "server"])
     assert http_server == []
+    assert "pdserve.server_processes" not in reachable(graph, "pdserve.llm")  # nor the launchers
     assert "pdserve.scheduler.scheduler" in reachable(graph, "pdserve.llm")  # the walk follows the imports
 
 
@@ -185,7 +186,7 @@ def test_uses_beyond_the_api_are_found():
 def test_the_http_server_imports_only_the_entry_points_of_the_processes_it_starts():
     graph = import_graph()
     reached = {dst for src, targets in graph.items() if src.startswith("pdserve.server") for dst in targets
-               if dst.startswith(("pdserve.scheduler", "pdserve.detokenizer"))}
+               if dst.startswith(("pdserve.scheduler", "pdserve.detokenizer", "pdserve.disagg"))}
     assert reached == {SCHEDULER_ENTRY, "pdserve.detokenizer.process"}
 
 

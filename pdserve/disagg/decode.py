@@ -48,9 +48,10 @@ from pdserve.disagg.control_messages import (MAX_STRING, Abort, Failed, FirstTok
 from pdserve.disagg.decode_phases import Fence, FencedPages, Routes, WaitingForPages, bootstrap_addr
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.transfer.receive_staging import open_receive_staging
-from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
+from pdserve.disagg.handoff import (PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll, is_local_prefill,
                                      peer_status, validate_pd_request)
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.role import Role

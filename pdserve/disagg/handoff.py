@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
+
 if TYPE_CHECKING:
     from pdserve.disagg.transfer.base import KVTarget
     from pdserve.scheduler.request import Req
@@ -27,7 +29,6 @@ MAX_PAGES_PER_MESSAGE = 1 << 20
 NUM_ROOMS = 2**63  # bootstrap rooms are 63-bit, as in SGLang
 PEER_FAILED = 502  # HTTP status of a request whose handoff failed at or with the peer (the router may retry it)
 PEER_TIMEOUT = 504  # ... or timed out waiting for the peer
-FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # SGLang's marker: a PD request that moves no KV (health checks, warm-up)
 
 
 class KVPoll(IntEnum):

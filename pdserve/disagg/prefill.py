@@ -47,7 +47,7 @@ from pdserve.disagg.early_requests import EarlyRequests
 from pdserve.disagg.head_map import head_slices
 from pdserve.disagg.peer_link import PeerLink
 from pdserve.disagg.prefill_phases import FinalWrites, HeldBack, SlotAsks, prompt_pages
-from pdserve.disagg.handoff import (FAKE_BOOTSTRAP_HOST, PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
+from pdserve.disagg.handoff import (PEER_FAILED, PEER_TIMEOUT, Handoff, KVPoll,
                                      checked_cached_pages, checked_pages, peer_status, validate_pd_request)
 from pdserve.disagg.transfer import (KVRegion, KVTarget, TransferError, coalesce_page_runs,
                                      layout_from_description)
@@ -55,6 +55,7 @@ from pdserve.disagg.transfer.base import StagedDestination
 from pdserve.disagg.transfer.packing import KVMover, KVPiece, staging_bytes
 from pdserve.disagg.control_transport import PeerClients
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.scheduler.extend_batch import ExtendItem
 from pdserve.scheduler.request import FinishReason, Req
 from pdserve.scheduler.role import Role

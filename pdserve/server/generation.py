@@ -11,7 +11,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParamsError
 from pdserve.server.http_common import ApiError
 from pdserve.server.tokenizer_manager import Exchange, GenerateRequest, OutputDelta, TokenizerManager, merge_streams

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import SamplingParams, SamplingParamsError
 from pdserve.server.generation import Generation, check_batch_size, settle_bootstrap, check_prompt_sizes
 from pdserve.server.generation import check_unique_rids, collect

@@ -31,7 +31,7 @@ from pdserve.server.drain import SHUTTING_DOWN, Drain
 from pdserve.server.http_server import DRAIN_KEY, create_app
 from pdserve.server.metrics import ServerMetrics
 from pdserve.server.tokenizer_manager import RequestRejected, TokenizerManager
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 from pdserve.tokenizer import load_tokenizer, pack_tokenizer
 from pdserve.tqdm_lock import no_process_shared_locks
 

@@ -19,10 +19,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
 from pdserve.sampling_params import PromptError, SamplingParams, check_prompt
 from pdserve.ipc import ipc_addr, pull_socket, push_socket
 from pdserve.messages import (
+    FAKE_BOOTSTRAP_HOST,
     AbortReq,
     BatchStrOut,
     FlushCacheReply,

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from pdserve.disagg.control_messages import Abort, RouteResolved
 from pdserve.disagg.decode_phases import Routes, WaitingForPages
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST, Handoff
+from pdserve.disagg.handoff import Handoff
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 
 KNOWN, UNKNOWN = "10.0.0.1", "10.0.0.2"
 PORT = 8998

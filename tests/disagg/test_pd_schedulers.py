@@ -10,7 +10,8 @@ import pytest
 from cluster_util import free_port
 
 from pdserve.config import ServerArgs
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST, KVPoll
+from pdserve.disagg.handoff import KVPoll
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.disagg.factory import create_scheduler
 from pdserve.disagg.transfer.base import TransferError
 from pdserve.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ from pdserve.distributed import tensor_parallel
 from pdserve.distributed.tensor_parallel import FollowerDied, FollowerWatch, GroupClosed, TPGroup, init_tp_group
 from pdserve.layers.linear import Shard
 from pdserve.models.model_config import ModelConfig
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 
 MAX_NEW = 8
 

@@ -8,7 +8,7 @@ import time
 from hicache_util import MAX_NEW, PAGE_SIZE, greedy, prompts
 
 from pdserve.config import ServerArgs
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 from pdserve.mem_cache.null_cache import NullPrefixCache
 from pdserve.disagg.factory import create_scheduler
 from pdserve.scheduler.scheduler import Scheduler

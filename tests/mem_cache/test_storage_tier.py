@@ -13,7 +13,7 @@ import time
 import pytest
 from hicache_util import PAGE_SIZE, assert_pools_free, hicache, prompts, run, tiered_llm
 
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 from pdserve.mem_cache.storage.base import chain_hashes
 from pdserve.mem_cache.storage.file import FileStorage
 

@@ -16,7 +16,7 @@ from cluster_util import CHILD_ENV
 from pdserve.cluster_auth import SECRET_ENV
 from pdserve.config import ConfigError, ServerArgs
 from pdserve.preflight import check_before_loading, check_secure_bind, check_transfer_backend
-from pdserve.server_processes import free_port
+from pdserve.ports import free_port
 
 FAILS_WITHIN_S = 60.0  # a model load is not reached: the failure comes from the checks alone
 NO_VERBS = "libibverbs.so.1: cannot open shared object file: No such file or directory"

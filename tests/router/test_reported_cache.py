@@ -18,7 +18,7 @@ from pdserve_router.policies import CacheAwarePolicy
 from pdserve_router.reported_cache import CacheReport, key_block_hashes, parse_cache_report
 from pdserve_router.workers import CircuitBreaker, Worker
 
-from pdserve.disagg.handoff import FAKE_BOOTSTRAP_HOST
+from pdserve.messages import FAKE_BOOTSTRAP_HOST
 from pdserve.server.prefix_digest import PrefixDigest, block_hashes
 
 BLOCK = 8

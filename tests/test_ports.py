@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from pdserve import server_processes
-from pdserve.server_processes import PORTS_LIBRARIES_PICK, free_port, listen_port_candidates
-from tests.cluster_util import mooncake_available
+from pdserve import ports
+from pdserve.ports import PORTS_LIBRARIES_PICK, free_port, listen_port_candidates
+from cluster_util import mooncake_available
 
 MOONCAKE_LISTENERS = textwrap.dedent("""
     from pdserve.disagg.transfer.listen_filter import listening_fds
@@ -24,17 +24,17 @@ MOONCAKE_LISTENERS = textwrap.dedent("""
 
 def test_candidates_avoid_library_picks_and_the_ephemeral_range():
     candidates = listen_port_candidates()
-    first_ephemeral = server_processes._ephemeral_range()[0]
+    first_ephemeral = ports._ephemeral_range()[0]
     assert candidates == sorted(candidates) and len(candidates) > 10000
-    assert candidates[0] >= server_processes.LISTEN_PORTS_FIRST and candidates[-1] < first_ephemeral
+    assert candidates[0] >= ports.LISTEN_PORTS_FIRST and candidates[-1] < first_ephemeral
     assert not [port for port in candidates if any(port in picked for picked in PORTS_LIBRARIES_PICK)]
 
 
 def test_free_port_hands_out_candidates_only_once(monkeypatch):
-    monkeypatch.setattr(server_processes, "_ports_handed_out", set())
-    monkeypatch.setattr(server_processes, "listen_port_candidates", lambda: [15500, 16999, 17001, 17002])
+    monkeypatch.setattr(ports, "_ports_handed_out", set())
+    monkeypatch.setattr(ports, "listen_port_candidates", lambda: [15500, 16999, 17001, 17002])
     assert sorted(free_port() for _ in range(4)) == [15500, 16999, 17001, 17002]
-    with pytest.raises(server_processes.ClusterError, match="no free port"):
+    with pytest.raises(ports.NoFreePort, match="no free port"):
         free_port()
 
 
