@@ -290,11 +290,13 @@ def fetch_prefill_route(bootstrap_addr: str, timeout_s: float = 30.0, rank: int 
     """GET /route, waiting through 503 "not ready" and connection refusals until `timeout_s`."""
     url = f"http://{bootstrap_addr}/route" + (f"?rank={rank}" if rank is not None else "")
     deadline = time.monotonic() + timeout_s
+    answered = None  # the last answer, which says more than a last attempt that timed out
     while True:
         try:
             status, body = _request("GET", url, None, max(deadline - time.monotonic(), 0.1), auth)
+            answered = status, body
         except OSError as exc:
-            status, body = 0, str(exc).encode()
+            status, body = answered or (0, str(exc).encode())
         if status == 200:
             return json.loads(body)
         if status not in (0, 503) or time.monotonic() > deadline:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import urllib.request
 
 import pytest
@@ -75,6 +77,40 @@ def test_bad_registrations_are_refused(server):
 def test_unreachable_server_times_out():
     with pytest.raises(BootstrapError, match="unreachable"):
         fetch_prefill_route("127.0.0.1:1", timeout_s=0.3)
+
+
+def test_a_last_attempt_that_times_out_reports_the_last_answer():
+    """A bootstrap server that said "not ready" and then stalls (a loaded prefill's thread): the error is its
+    answer, not the stalled attempt's timeout."""
+    release = threading.Event()
+
+    class NotReadyThenStalled(http.server.BaseHTTPRequestHandler):
+        answered = False
+
+        def do_GET(self):
+            if NotReadyThenStalled.answered:
+                release.wait(10)
+            NotReadyThenStalled.answered = True
+            body = b"not ready: 0/2"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotReadyThenStalled)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(BootstrapError, match="503 not ready: 0/2"):
+            fetch_prefill_route(f"127.0.0.1:{server.server_address[1]}", timeout_s=0.5)
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 @pytest.mark.parametrize(

@@ -59,7 +59,7 @@ def test_a_compile_timing_out_on_the_decode_only_is_a_400_and_frees_both_pools(s
     assert reply.status == 400, reply.body
     assert "did not compile within 0.05 s" in reply.body.decode()
     assert time.monotonic() - started < 5
-    wait_kv_free(cluster.servers, timeout=3)  # an abort, not the prefill's 30 s bootstrap timeout
+    wait_kv_free(cluster.servers, timeout=10)  # an abort, not the prefill's 30 s bootstrap timeout
     router_metrics, prefill_metrics = (proc.get("/metrics").body.decode() for proc in (cluster.router, cluster.prefill))
     # whichever came first ended the prefill's half (it was still compiling the schema): the router's abort, or the
     # decode's own over the control channel
@@ -118,8 +118,8 @@ def test_a_compile_failing_on_the_decode_only_ends_the_prefills_half_at_once(slo
     message = prefill_reply.json()["error"]["message"]
     assert prefill_reply.status == 400 and "aborted by the decode server" in message, prefill_reply.body
     assert "did not compile within 0.05 s" in message
-    assert prefill_s < 10, prefill_s  # (its own compile, about 1 s,) then the decode's word: not its 30 s timeout
-    wait_kv_free(cluster.servers, timeout=3)
+    assert prefill_s < 20, prefill_s  # (its own compile, about 1 s,) then the decode's word: not its 30 s timeout
+    wait_kv_free(cluster.servers, timeout=10)
     pair = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.bootstrap_port, "bootstrap_room": room + 10}
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda proc: proc.post("/generate", {**body(ignore_eos=True, max_new_tokens=4), **pair}),
@@ -152,8 +152,8 @@ def test_a_compile_failing_on_the_prefill_only_ends_the_decodes_half_at_once(slo
     assert prefill_reply.status == 400 and "did not compile within 0.05 s" in prefill_reply.body.decode()
     assert decode_reply.status == 400, decode_reply.body
     assert "did not compile within 0.05 s" in decode_reply.json()["error"]["message"]
-    assert decode_s < 10, decode_s  # its own compile (about 1 s), then the prefill's word: not its 30 s timeout
-    wait_kv_free([prefill, decode], timeout=3)
+    assert decode_s < 20, decode_s  # its own compile (about 1 s), then the prefill's word: not its 30 s timeout
+    wait_kv_free([prefill, decode], timeout=10)
     paired = {**body(ignore_eos=True, max_new_tokens=4), **pair, "bootstrap_room": 4322}
     with ThreadPoolExecutor(2) as pool:
         replies = list(pool.map(lambda proc: proc.post("/generate", paired), (prefill, decode)))

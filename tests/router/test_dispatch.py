@@ -62,12 +62,12 @@ def test_openai_routes_stream_and_n_gets_a_room_list(stubs, start_router):
 
 
 def test_stream_does_not_wait_for_the_prefill_response(stubs, start_router):
-    p1, d1 = stubs.add("prefill", response_delay_s=2.0), stubs.add("decode")
+    p1, d1 = stubs.add("prefill", response_delay_s=20.0), stubs.add("decode")
     router = pd_router(start_router, [p1], [d1])
     started = time.monotonic()
     reply = router.post("/generate", {"text": "hi", "stream": True})
     assert reply.status == 200 and len(reply.events()) == 4
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 10.0
 
 
 def test_input_logprobs_of_the_prefill_are_merged(stubs, start_router):
