@@ -2,8 +2,8 @@
 entry points of the scheduler and detokenizer processes, `scheduler/` never imports `disagg/` (the scheduler
 child's entry, `pdserve/scheduler_main.py`, assembles both), the PD handoff protocol and the modules of the HTTP
 server and the detokenizer load without torch, a PD role touches the scheduler only through `SchedulerAPI` (no
-subclass of it, no member outside it), only `pdserve/scheduler` touches the scheduler's private methods, and the
-offline engine never loads the HTTP server."""
+member outside it), nothing subclasses the scheduler, only `pdserve/scheduler` touches the scheduler's private
+methods, and the offline engine never loads the HTTP server (nor the launchers)."""
 
 from __future__ import annotations
 
@@ -212,3 +212,27 @@ def test_no_module_outside_the_scheduler_calls_a_private_scheduler_method():
 def test_private_scheduler_calls_are_found():
     found = private_scheduler_calls(ast.parse("self.scheduler._finish(r)\nsched._x\nself.scheduler.finish(r)"))
     assert sorted(found) == ["sched._x", "self.scheduler._finish"]
+
+
+def scheduler_subclasses(tree: ast.Module) -> list[str]:
+    """Classes in the file with `Scheduler` (`pdserve.scheduler.scheduler`'s) among their bases, under any name an
+    import gave it: `Scheduler`, an alias, `module.Scheduler`."""
+    aliases = {"Scheduler"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("scheduler"):
+            aliases.update(a.asname or a.name for a in node.names if a.name == "Scheduler")
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            if any(ast.unparse(base).split(".")[-1] in aliases for base in node.bases)]
+
+
+def test_nothing_subclasses_the_scheduler():
+    """A PD role (or any other part) is an object the scheduler holds, never a Scheduler subclass."""
+    found = {m: classes for package in PACKAGES for m, tree in parsed(package).items()
+             if (classes := scheduler_subclasses(tree))}
+    assert found == {}
+
+
+def test_scheduler_subclasses_are_found():
+    code = ("from pdserve.scheduler.scheduler import Scheduler as Base\nimport pdserve.scheduler.scheduler as s\n"
+            "class A(Base): pass\nclass B(s.Scheduler): pass\nclass C(Scheduler): pass\nclass D(Role): pass")
+    assert scheduler_subclasses(ast.parse(code)) == ["A", "B", "C"]
