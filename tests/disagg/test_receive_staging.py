@@ -24,6 +24,9 @@ def small_pool() -> KVPool:
                            dtype=torch.bfloat16), "cpu")
 
 
+WAIT_S = 60.0  # transfer and fence timeouts no test's steps come near
+
+
 def staging_pair(model, **kw):
     """A pair whose prefill waits for its staging answers as long as it takes: staging, not timing, is under test."""
     return make_pair(model, **{"disaggregation_staging_wait_ms": 30000.0, **kw})
@@ -168,19 +171,27 @@ def test_a_failed_staged_handoff_gives_its_slot_back_once_the_prefill_confirms(s
 def test_a_slot_given_to_a_prefill_that_stops_answering_comes_back(tiny_model, ending):
     """The slot is given, then the prefill never runs again: the decode fails the handoff and keeps the slot fenced
     with its pages (the prefill may still write), until the prefill's process is gone (`peer_gone`) or the
-    transfer and fence timeouts pass."""
-    prefill, decode, port = staging_pair(tiny_model, disaggregation_waiting_timeout=1.0,
-                                         disaggregation_fence_timeout=1.0)
+    transfer and fence timeouts pass. The timeouts are long and the decode's clock is moved past them, so no
+    stall of a loaded machine can end them early."""
+    prefill, decode, port = staging_pair(tiny_model, disaggregation_waiting_timeout=WAIT_S,
+                                         disaggregation_fence_timeout=WAIT_S)
     receive, link = decode.role.receive, decode.role.link
+    skew = [0.0]
+    link.clock = lambda: time.monotonic() + skew[0]
     try:
         for s in (prefill, decode):
             s.add_request(pd_req("frozen", list(range(10, 50)), port, room=1400))
         step_until(lambda: 1400 in receive.slots, [prefill, decode])
         if ending == "prefill gone":
             link.channel.complete(PeerDead(f"127.0.0.1:{port}"))
-            step_until(lambda: 1400 in decode.role.quarantine, [decode])
-            assert 1400 in receive.slots
+        else:
+            skew[0] = WAIT_S + 1  # the transfer's timeout passes
+        step_until(lambda: 1400 in decode.role.quarantine, [decode])
+        assert 1400 in receive.slots
+        if ending == "prefill gone":
             link.channel.complete(PeerGone(f"127.0.0.1:{port}"))
+        else:
+            skew[0] = 2 * (WAIT_S + 1)  # and then the fence's
         step_until(lambda: not decode.has_work(), [decode])
         assert slots_free(decode) and decode.kv_pool_is_fully_free() and receive.staged == 0
     finally:
