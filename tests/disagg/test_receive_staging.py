@@ -155,12 +155,7 @@ def test_a_failed_staged_handoff_gives_its_slot_back_once_the_prefill_confirms(s
     prefill, decode, port, unpacked = staged_pair
     for s in (prefill, decode):
         s.add_request(pd_req("gone", list(range(10, 50)), port, room=990))
-    for _ in range(200):  # until the decode sent its page list (and took a slot)
-        for s in (prefill, decode):
-            s.step()
-        if 990 in decode.role.receive.slots:
-            break
-    assert 990 in decode.role.receive.slots
+    step_until(lambda: 990 in decode.role.receive.slots, [prefill, decode])  # the page list sent, a slot taken
     decode.abort_request("gone")
     run([prefill, decode])
     assert not unpacked and 990 not in decode.role.quarantine
