@@ -4,6 +4,7 @@ picked where nothing else picks at random meanwhile."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import socket
@@ -39,10 +40,14 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise NoFreePort(f"no free port on {host} in {candidates[0]}-{candidates[-1]}")
 
 
-def listen_port_candidates() -> list[int]:
-    """The ports `free_port` may hand out, ascending."""
-    return [port for port in range(LISTEN_PORTS_FIRST, _ephemeral_range()[0])
-            if not any(port in picked for picked in PORTS_LIBRARIES_PICK)]
+@functools.cache
+def listen_port_candidates() -> tuple[int, ...]:
+    """The ports `free_port` may hand out, ascending (worked out once a process)."""
+    return tuple(port for port in range(LISTEN_PORTS_FIRST, _ephemeral_range()[0]) if not picked_by_a_library(port))
+
+
+def picked_by_a_library(port: int) -> bool:
+    return any(port in picked for picked in PORTS_LIBRARIES_PICK)
 
 
 def _ephemeral_range() -> tuple[int, int]:

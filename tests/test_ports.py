@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from pdserve import ports
-from pdserve.ports import PORTS_LIBRARIES_PICK, free_port, listen_port_candidates
+from pdserve.ports import free_port, listen_port_candidates, picked_by_a_library
 from cluster_util import mooncake_available
 
 MOONCAKE_LISTENERS = textwrap.dedent("""
@@ -25,9 +25,9 @@ MOONCAKE_LISTENERS = textwrap.dedent("""
 def test_candidates_avoid_library_picks_and_the_ephemeral_range():
     candidates = listen_port_candidates()
     first_ephemeral = ports._ephemeral_range()[0]
-    assert candidates == sorted(candidates) and len(candidates) > 10000
+    assert list(candidates) == sorted(candidates) and len(candidates) > 10000
     assert candidates[0] >= ports.LISTEN_PORTS_FIRST and candidates[-1] < first_ephemeral
-    assert not [port for port in candidates if any(port in picked for picked in PORTS_LIBRARIES_PICK)]
+    assert not [port for port in candidates if picked_by_a_library(port)]
 
 
 def test_free_port_hands_out_candidates_only_once(monkeypatch):
@@ -43,6 +43,6 @@ def test_mooncake_listeners_lie_in_the_range_left_to_it():
     out = subprocess.run([sys.executable, "-c", MOONCAKE_LISTENERS], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
     assert out.returncode == 0, out.stderr[-2000:]
-    ports = [int(port) for port in out.stdout.split()]
-    assert len(ports) >= 6  # each engine's handshake and TCP transport listeners
-    assert all(any(port in picked for picked in PORTS_LIBRARIES_PICK) for port in ports), ports
+    listeners = [int(port) for port in out.stdout.split()]
+    assert len(listeners) >= 6  # each engine's handshake and TCP transport listeners
+    assert all(picked_by_a_library(port) for port in listeners), listeners
